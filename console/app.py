@@ -1,0 +1,267 @@
+"""Halfmoon operations console: `streamlit run console/app.py` (or `halfmoon serve console`).
+
+Layout only: data comes from console.queries (SQL, read-only) and console.live (the
+gateway's admin JSON); figures from console.charts. Every page is drawn on every run
+(tabs), inside one fragment that Streamlit reruns every HALFMOON_CONSOLE_REFRESH_S seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+# Streamlit puts this file's folder on sys.path, not the repository root.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import pandas as pd  # noqa: E402
+import streamlit as st  # noqa: E402
+
+from console import charts, live, queries  # noqa: E402
+
+SETTINGS = queries.ConsoleSettings.from_env()
+STATUSES = ["queued", "running", "completed", "failed", "cancelled", "rejected"]
+TABLE_ROWS = 1000  # newest rows shown in the Requests table
+
+
+@dataclass
+class View:
+    """What every page gets: one SQL snapshot, one live state, the sidebar choices."""
+
+    snap: queries.Snapshot | None
+    cluster: dict[str, Any] | None
+    window_s: float | None
+    slo_ms: float
+
+
+# -- data, with the two failure messages ------------------------------------------------
+@st.cache_data(ttl=1, show_spinner=False)
+def _snapshot(url: str, window_s: float | None) -> queries.Snapshot:
+    return queries.load_snapshot(url, window_s)
+
+
+def _load_snapshot(window_s: float | None) -> queries.Snapshot | None:
+    try:
+        return _snapshot(SETTINGS.database_url, window_s)
+    except queries.DatabaseUnavailable as exc:
+        st.error(f"Database unreachable: {exc}")
+        return None
+
+
+def _load_cluster() -> dict[str, Any] | None:
+    try:
+        return live.fetch_state(SETTINGS.gateway_url)
+    except live.ClusterUnavailable as exc:
+        st.warning(f"Cluster unreachable at {live.admin_url(SETTINGS.gateway_url)} ({exc}); "
+                   "instance data below comes from SQL.")
+        return None
+
+
+# -- formatting -----------------------------------------------------------------------
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f} ms"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _when(ts: float | None) -> datetime | None:
+    return None if ts is None else datetime.fromtimestamp(ts)
+
+
+def _chart(fig: Any, key: str) -> None:
+    st.plotly_chart(fig, key=key, width="stretch")
+
+
+# -- pages ----------------------------------------------------------------------------
+def overview_page(view: View) -> None:
+    if view.snap is None:
+        st.info("No request data without the database.")
+        return
+    rows = view.snap.requests
+    m = queries.overview(rows, view.snap.now, view.window_s, view.slo_ms)
+    cols = st.columns(6)
+    cols[0].metric("Requests", f"{m['requests']:,}")
+    cols[1].metric("Requests/s", f"{m['requests_per_s']:.3f}")
+    cols[2].metric("TTFT p50", _ms(m["ttft_p50_ms"]))
+    cols[3].metric("TTFT p99", _ms(m["ttft_p99_ms"]))
+    cols[4].metric("SLO attainment", _pct(m["slo_attainment"]),
+                   help=f"completed with TTFT ≤ {view.slo_ms:g} ms, over completed + failed + "
+                   "rejected (cancelled requests are left out)")
+    cols[5].metric("Rejection rate", _pct(m["rejection_rate"]))
+    cols = st.columns(6)
+    cols[0].metric("TBT p50", _ms(m["tbt_p50_ms"]), help="mean gap between output tokens")
+    cols[1].metric("TBT p99", _ms(m["tbt_p99_ms"]))
+    cols[2].metric("E2E p50", _ms(m["e2e_p50_ms"]))
+    cols[3].metric("E2E p99", _ms(m["e2e_p99_ms"]))
+    cols[4].metric("KV hit rate", _pct(m["hit_rate"]), help="cached / prompt tokens, completed")
+    cols[5].metric("Failed", f"{m['counts'].get('failed', 0):,}")
+    if view.snap.truncated:
+        st.caption(f"Only the newest {queries.MAX_ROWS:,} requests of this window are counted.")
+    if not rows:
+        st.info("No requests in this time window.")
+        return
+    bucket = queries.bucket_seconds(view.window_s, rows, view.snap.now)
+    _chart(charts.requests_by_status(queries.status_series(rows, bucket), bucket), "ov_status")
+    _chart(charts.ttft_over_time(queries.ttft_series(rows, bucket), view.slo_ms), "ov_ttft")
+
+
+def _pool_rows(view: View) -> tuple[list[dict[str, Any]], str] | None:
+    if view.cluster is not None:
+        c = view.cluster
+        return live.pool_from_live(c), (f"Live from gateway {c.get('gateway', '?')}: "
+                                        f"{c.get('in_flight', 0)} requests in flight")
+    if view.snap is not None:
+        return live.pool_from_sql(view.snap.instances, view.snap.now), "From SQL (instances table)"
+    return None
+
+
+def _dead_red(row: pd.Series) -> list[str]:
+    style = "background-color: rgba(214, 39, 40, 0.25)" if row["health"] == "DEAD" else ""
+    return [style] * len(row)
+
+
+def pools_page(view: View) -> None:
+    found = _pool_rows(view)
+    if found is None:
+        st.info("No instance data: neither the gateway nor the database answered.")
+        return
+    rows, source = found
+    st.caption(source)
+    if not rows:
+        st.info("No prefill or decode instance has been seen.")
+        return
+    dead = [r["instance"] for r in rows if r["health"] == "DEAD"]
+    if dead:
+        st.warning(f"Dead instances: {', '.join(dead)} (no heartbeat for "
+                   f"{live.DEAD_AFTER_S:g} s, or marked dead)")
+    for role in live.POOL_ROLES:
+        part = [r for r in rows if r["role"] == role]
+        st.subheader(f"{role.capitalize()} pool ({len(part)})")
+        if part:
+            st.dataframe(pd.DataFrame(part).style.apply(_dead_red, axis=1), hide_index=True)
+    _chart(charts.pool_load(rows), "pool_load")
+
+
+def kv_page(view: View) -> None:
+    if view.snap is None:
+        st.info("No KV statistics without the database.")
+        return
+    rows = view.snap.requests
+    series = queries.hit_rate_series(rows, queries.bucket_seconds(view.window_s, rows,
+                                                                   view.snap.now))
+    names = list(series["per_instance"])
+    cols = st.columns(max(len(names) + 1, 1))
+    cols[0].metric("Cluster hit rate", _pct(queries.hit_rate(rows)))
+    for col, name in zip(cols[1:], names):
+        mine = [r for r in rows if r.get("prefill_instance") == name]
+        col.metric(f"{name} hit rate", _pct(queries.hit_rate(mine)))
+    if not series["t"]:
+        st.info("No completed requests in this time window.")
+        return
+    _chart(charts.hit_rate_over_time(series), "kv_hits")
+
+
+def _table(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "id": r["id"], "status": r["status"], "arrival": _when(r["arrival_time"]),
+        "ttft_ms": r.get("ttft_ms"), "e2e_ms": r.get("e2e_ms"),
+        "prompt_tokens": r.get("prompt_tokens"), "cached_tokens": r.get("cached_tokens"),
+        "completion_tokens": r.get("completion_tokens"), "prefill": r.get("prefill_instance"),
+        "decode": r.get("decode_instance"), "finish_reason": r.get("finish_reason"),
+        "error": r.get("error")} for r in rows[:TABLE_ROWS]])
+
+
+def requests_page(view: View) -> None:
+    if view.snap is None:
+        st.info("No request history without the database.")
+        return
+    rows = view.snap.requests
+    instances = sorted({r[k] for r in rows for k in ("prefill_instance", "decode_instance")
+                        if r.get(k)})
+    left, right = st.columns(2)
+    statuses = left.multiselect("Status", STATUSES, default=STATUSES, key="req_status")
+    instance = right.selectbox("Instance", ["any", *instances], key="req_instance")
+    chosen = queries.filter_requests(rows, statuses, None if instance == "any" else instance)
+    st.caption(f"{len(chosen):,} requests match; the newest {min(len(chosen), TABLE_ROWS):,} "
+               "are shown.")
+    if not chosen:
+        return
+    st.dataframe(_table(chosen), hide_index=True)
+    by_id = {r["id"]: r for r in chosen[:TABLE_ROWS]}
+    picked = st.selectbox("Request timeline", list(by_id), key="req_id")
+    if picked in by_id:
+        row = by_id[picked]
+        _chart(charts.request_timeline(queries.request_timeline(row), picked), "req_timeline")
+        if row.get("error"):
+            st.code(row["error"])
+
+
+def _report_table(name: str, rows: list[dict[str, Any]]) -> None:
+    st.subheader(name)
+    frame = pd.DataFrame(rows)
+    st.dataframe(frame, hide_index=True)
+    numeric = [c for c in frame.columns if pd.api.types.is_numeric_dtype(frame[c])
+               and not pd.api.types.is_bool_dtype(frame[c])]
+    labels = [c for c in frame.columns if c not in numeric]
+    if numeric and labels:
+        metric = st.selectbox(f"Plot a column of {name}", numeric, key=f"report_col_{name}")
+        _chart(charts.report_bars(rows, labels[0], metric), f"report_{name}")
+
+
+def benchmarks_page(view: View) -> None:
+    path = st.text_input("Replay report (JSON or JSON Lines path)", key="report_path").strip()
+    if not path:
+        st.info("Enter the path of a benchmark or replay report to show its numbers.")
+        return
+    try:
+        report = queries.load_report(path)
+    except (OSError, ValueError) as exc:
+        st.error(f"Cannot read report {path}: {exc}")
+        return
+    metrics, tables = queries.report_sections(report)
+    if not metrics and not tables:
+        st.info("The report has no numbers or tables this page can show.")
+    for start in range(0, len(metrics), 4):
+        cols = st.columns(4)
+        for col, (key, value) in zip(cols, list(metrics.items())[start:start + 4]):
+            col.metric(key, f"{value:,.4g}")
+    for name, rows in tables.items():
+        _report_table(name, rows)
+
+
+PAGES = {"Overview": overview_page, "Pools": pools_page, "KV cache": kv_page,
+         "Requests": requests_page, "Benchmarks": benchmarks_page}
+
+
+# -- layout ---------------------------------------------------------------------------
+@st.fragment(run_every=SETTINGS.refresh_s)
+def pages(window_label: str, slo_ms: float) -> None:
+    view = View(_load_snapshot(queries.WINDOWS[window_label]), _load_cluster(),
+                queries.WINDOWS[window_label], slo_ms)
+    for tab, (name, page) in zip(st.tabs(list(PAGES)), PAGES.items()):
+        with tab:
+            try:
+                page(view)
+            except Exception as exc:  # noqa: BLE001 - one broken page must not blank the rest
+                st.error(f"The {name} page failed: {type(exc).__name__}: {exc}")
+
+
+def main() -> None:
+    st.set_page_config(page_title="Halfmoon console", layout="wide")
+    st.sidebar.title("Halfmoon")
+    window = st.sidebar.selectbox("Time window", list(queries.WINDOWS), index=1, key="window")
+    slo_ms = st.sidebar.number_input("TTFT SLO (ms)", min_value=1.0, value=2000.0, step=100.0,
+                                     key="slo_ms")
+    st.sidebar.caption(f"Database: {queries.safe_url(SETTINGS.database_url)}")
+    st.sidebar.caption(f"Gateway: {SETTINGS.gateway_url}")
+    st.sidebar.caption(f"Refresh every {SETTINGS.refresh_s:g} s")
+    pages(window, float(slo_ms))
+
+
+main()

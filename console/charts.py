@@ -1,0 +1,85 @@
+"""Figure builders: plain data in, a plotly figure out. No I/O, no Streamlit.
+
+Values go in as Python lists (never numpy arrays) so the figure JSON keeps readable
+arrays rather than plotly's base64 typed arrays; times go in as unix seconds and come
+out as local datetimes on the x axis.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import plotly.graph_objects as go
+
+STATUS_COLORS = {"completed": "#2ca02c", "running": "#1f77b4", "queued": "#9ecae1",
+                 "failed": "#d62728", "rejected": "#ff7f0e", "cancelled": "#7f7f7f"}
+DEAD_COLOR = "#d62728"
+
+
+def _times(ts: list[float]) -> list[datetime]:
+    return [datetime.fromtimestamp(t) for t in ts]
+
+
+def _layout(fig: go.Figure, title: str, x: str, y: str) -> go.Figure:
+    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, legend_title_text="",
+                      margin={"l": 40, "r": 20, "t": 50, "b": 40})
+    return fig
+
+
+def requests_by_status(series: dict[str, Any], bucket_s: float) -> go.Figure:
+    fig = go.Figure([go.Bar(name=status, x=_times(series["t"]), y=list(counts),
+                            marker_color=STATUS_COLORS.get(status))
+                     for status, counts in series["by_status"].items()])
+    fig.update_layout(barmode="stack")
+    return _layout(fig, f"Requests per {bucket_s:g} s by status", "arrival", "requests")
+
+
+def ttft_over_time(series: dict[str, Any], slo_ms: float) -> go.Figure:
+    x = _times(series["t"])
+    fig = go.Figure([go.Scatter(name="TTFT p50", x=x, y=list(series["p50"]), mode="lines+markers"),
+                     go.Scatter(name="TTFT p99", x=x, y=list(series["p99"]), mode="lines+markers")])
+    fig.add_hline(y=slo_ms, line_dash="dash", line_color=DEAD_COLOR,
+                  annotation_text=f"SLO {slo_ms:g} ms")
+    return _layout(fig, "Time to first token", "arrival", "ms")
+
+
+def pool_load(rows: list[dict[str, Any]]) -> go.Figure:
+    """Queue depth and running per instance; dead instances get a marked name and red edges."""
+    names = [r["instance"] + (" (DEAD)" if r["health"] == "DEAD" else "") for r in rows]
+    edges = [DEAD_COLOR if r["health"] == "DEAD" else "rgba(0,0,0,0)" for r in rows]
+    fig = go.Figure([
+        go.Bar(name="queue depth", x=names, y=[r["queue_depth"] for r in rows],
+               marker={"line": {"color": edges, "width": 3}}),
+        go.Bar(name="running", x=names, y=[r["running"] for r in rows],
+               marker={"line": {"color": edges, "width": 3}}),
+    ])
+    fig.update_layout(barmode="group")
+    return _layout(fig, "Load per instance", "instance", "requests")
+
+
+def hit_rate_over_time(series: dict[str, Any]) -> go.Figure:
+    """Token-weighted KV hit rate in percent: the cluster, then each prefill instance."""
+    x = _times(series["t"])
+    pct = lambda vs: [None if v is None else 100.0 * v for v in vs]  # noqa: E731
+    traces = [go.Scatter(name="cluster", x=x, y=pct(series["cluster"]), mode="lines+markers",
+                         line={"width": 4}, connectgaps=True)]
+    traces += [go.Scatter(name=name, x=x, y=pct(values), mode="lines+markers", connectgaps=True)
+               for name, values in series["per_instance"].items()]
+    fig = go.Figure(traces)
+    fig.update_yaxes(range=[0, 100])
+    return _layout(fig, "KV cache hit rate (cached / prompt tokens)", "arrival", "%")
+
+
+def request_timeline(segments: list[dict[str, Any]], request_id: str) -> go.Figure:
+    """One horizontal bar per phase, placed on a milliseconds-since-arrival axis."""
+    fig = go.Figure([go.Bar(name=s["phase"], y=[s["phase"]], x=[s["end_ms"] - s["start_ms"]],
+                            base=[s["start_ms"]], orientation="h") for s in segments])
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, f"Timeline of {request_id}", "ms since arrival", "")
+
+
+def report_bars(rows: list[dict[str, Any]], label_key: str, value_key: str) -> go.Figure:
+    fig = go.Figure(go.Bar(x=[str(r.get(label_key)) for r in rows],
+                           y=[r.get(value_key) for r in rows], name=value_key))
+    return _layout(fig, value_key, label_key, value_key)

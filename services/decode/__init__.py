@@ -1,0 +1,1 @@
+"""Decode service: receives prefilled KV, generates the remaining tokens, streams them."""

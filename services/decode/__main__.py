@@ -1,0 +1,49 @@
+"""`python -m services.decode` / `halfmoon serve decode`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Sequence
+
+from shared import bus, subjects
+from shared.engine.bootstrap import load_for, with_instance_id
+from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
+from shared.transfer.tcp import TcpKVReceiver
+from services.decode.args import DecodeSettings, parse_args
+from services.decode.handlers import DecodeInstance
+
+log = logging.getLogger("services.decode")
+
+
+async def serve(settings: DecodeSettings) -> None:
+    settings = with_instance_id(settings, "decode")
+    lm = await load_for(settings, "decode")
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await bus.connect(settings, settings.instance_id)
+        stack.push_async_callback(bus.close, nc)
+        inst = DecodeInstance(settings, nc, lm, TcpKVReceiver())
+        stack.callback(inst.close_engine)
+        submit = await nc.subscribe(subjects.decode_submit(settings.instance_id), cb=inst.on_submit)
+        await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
+        worker = asyncio.create_task(inst.serve(stop))
+        beat = asyncio.create_task(heartbeat_loop(nc, inst.info, settings.heartbeat_interval_s, stop))
+        log.info("decode %s ready (model %s)", settings.instance_id, lm.name)
+        await stop.wait()
+        # Stop intake; sequences still running end with a clear error, never silently.
+        await submit.unsubscribe()
+        await asyncio.gather(worker, beat, return_exceptions=True)
+        await inst.fail_running("decode instance shut down")
+        log.info("decode %s stopped", settings.instance_id)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+    return run_main(lambda: serve(settings))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+"""Decode settings (flags and HALFMOON_ env vars)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pydantic import Field
+
+from shared.engine.instance import WorkerSettings
+from shared.settings import parse_settings
+
+
+class DecodeSettings(WorkerSettings):
+    max_running: int = Field(64, gt=0, description="sequences decoded together at most")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> DecodeSettings:
+    return parse_settings(DecodeSettings, argv, "halfmoon serve decode",
+                          "Decode instance: KV from prefill → remaining tokens, streamed.")

@@ -1,0 +1,1 @@
+"""Gateway: the OpenAI-compatible HTTP API (aiohttp), tokenization and SSE streaming."""

@@ -1,0 +1,70 @@
+"""`python -m services.gateway` / `halfmoon serve gateway`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Sequence
+
+from aiohttp import web
+
+from shared import bus, subjects
+from shared.db.records import RecordWriter
+from shared.db.session import make_engine
+from shared.lifecycle import (heartbeat_loop, install_stop_signals, new_instance_id, run_main,
+                              setup_logging)
+from shared.messages import InstanceInfo, Role
+from shared.model_store import ensure_model
+from services.gateway.app import make_app
+from services.gateway.args import GatewaySettings, parse_args
+from services.gateway.handlers import Gateway
+from services.gateway.prompt import PromptBuilder
+
+log = logging.getLogger("services.gateway")
+
+
+async def serve(settings: GatewaySettings) -> None:
+    instance_id = settings.instance_id or new_instance_id("gateway")
+    setup_logging(settings.log_level, "gateway", instance_id)
+    model_dir = await asyncio.to_thread(ensure_model, settings.model)
+    prompts = await asyncio.to_thread(PromptBuilder, model_dir,
+                                      settings.served_model_name or model_dir.name,
+                                      settings.default_max_tokens)
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    started = time.time()
+    async with contextlib.AsyncExitStack() as stack:
+        engine = make_engine(settings.database_url)
+        stack.push_async_callback(engine.dispose)
+        records = RecordWriter(engine)
+        await records.start()
+        stack.push_async_callback(records.close)
+        nc = await bus.connect(settings, instance_id)
+        stack.push_async_callback(bus.close, nc)
+        gateway = Gateway(settings, nc, records, prompts, instance_id)
+        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=gateway.on_heartbeat)
+        runner = web.AppRunner(make_app(gateway, settings.max_body_bytes), shutdown_timeout=30)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)  # stops intake, lets streams finish
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        info = lambda: InstanceInfo(instance_id=instance_id, role=Role.GATEWAY,  # noqa: E731
+                                    pid=os.getpid(), started_at=started, model=prompts.model_name,
+                                    running=gateway.in_flight)
+        beat = asyncio.create_task(heartbeat_loop(nc, info, settings.heartbeat_interval_s, stop))
+        log.info("gateway %s ready on http://%s:%d", instance_id, settings.host, settings.port)
+        await stop.wait()
+        await beat
+        log.info("gateway %s stopping", instance_id)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+    return run_main(lambda: serve(settings))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Chat template and tokenization, with the context-length checks that go with them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from shared import errors
+from services.gateway.protocol import ChatCompletionRequest
+
+
+class PromptBuilder:
+    def __init__(self, model_dir: Path, model_name: str, default_max_tokens: int) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        config = json.loads((model_dir / "config.json").read_text())
+        self.max_model_len = int(config.get("max_position_embeddings", 2048))
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+
+    def build(self, chat: ChatCompletionRequest) -> tuple[list[int], int]:
+        """Prompt token ids and the effective max_tokens, or a 4xx error."""
+        if chat.model != self.model_name:
+            raise errors.ModelNotFound(f"The model '{chat.model}' does not exist; this server "
+                                       f"serves '{self.model_name}'", param="model")
+        messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
+        if not any(m["content"].strip() for m in messages):
+            raise errors.InvalidRequest("messages are all empty", param="messages")
+        ids = self.tokenize(messages)
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise errors.InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"messages have {len(ids)}.", param="messages", code="context_length_exceeded")
+        asked = chat.requested_max_tokens()
+        if asked is not None and asked > room:
+            raise errors.InvalidRequest(
+                f"max_tokens is {asked}, but the prompt leaves room for {room} of this model's "
+                f"{self.max_model_len}-token context.", param="max_tokens",
+                code="context_length_exceeded")
+        return ids, asked if asked is not None else min(self.default_max_tokens, room)
+
+    def tokenize(self, messages: list[dict[str, str]]) -> list[int]:
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True)
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        return [int(t) for t in ids]

@@ -1,0 +1,1 @@
+"""kvmanager: the cluster-wide KV index, capacity accounting and eviction policies."""

@@ -1,0 +1,49 @@
+"""`python -m services.kvmanager` / `halfmoon serve kvmanager`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Sequence
+
+from shared import bus, subjects
+from shared.lifecycle import (heartbeat_loop, install_stop_signals, new_instance_id, run_main,
+                              setup_logging)
+from shared.messages import InstanceInfo, Role
+from services.kvmanager.args import KVManagerSettings, parse_args
+from services.kvmanager.handlers import KVManager
+
+log = logging.getLogger("services.kvmanager")
+
+
+async def serve(settings: KVManagerSettings) -> None:
+    instance_id = settings.instance_id or new_instance_id("kvmanager")
+    setup_logging(settings.log_level, "kvmanager", instance_id)
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    started = time.time()
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await bus.connect(settings, instance_id)
+        stack.push_async_callback(bus.close, nc)
+        manager = KVManager()
+        await nc.subscribe(subjects.KV_EVENTS, cb=manager.on_event)
+        await nc.subscribe(subjects.KV_MATCH, queue=subjects.KVMANAGER_QUEUE, cb=manager.on_match)
+        info = lambda: InstanceInfo(instance_id=instance_id, role=Role.KVMANAGER,  # noqa: E731
+                                    pid=os.getpid(), started_at=started)
+        beat = asyncio.create_task(heartbeat_loop(nc, info, settings.heartbeat_interval_s, stop))
+        log.info("kvmanager %s ready", instance_id)
+        await stop.wait()
+        await beat
+        log.info("kvmanager %s stopped", instance_id)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+    return run_main(lambda: serve(settings))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

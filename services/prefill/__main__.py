@@ -1,0 +1,60 @@
+"""`python -m services.prefill` / `halfmoon serve prefill`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Sequence
+
+from shared import bus, subjects
+from shared.engine.bootstrap import load_for, with_instance_id
+from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
+from shared.transfer.tcp import TcpKVSender
+from services.prefill.args import PrefillSettings, parse_args
+from services.prefill.handlers import PrefillInstance
+
+log = logging.getLogger("services.prefill")
+
+
+async def serve(settings: PrefillSettings) -> None:
+    settings = with_instance_id(settings, "prefill")
+    lm = await load_for(settings, "prefill")
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await bus.connect(settings, settings.instance_id)
+        stack.push_async_callback(bus.close, nc)
+        sender = TcpKVSender(settings.kv_host, settings.kv_port, settings.kv_advertise_host)
+        await sender.start()
+        stack.push_async_callback(sender.close)
+        inst = PrefillInstance(settings, nc, lm, sender)
+        inst.kv_port = sender.port
+        stack.callback(inst.close_engine)
+        submit = await nc.subscribe(subjects.prefill_submit(settings.instance_id), cb=inst.on_submit)
+        await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
+        worker = asyncio.create_task(inst.serve(stop))
+        beat = asyncio.create_task(heartbeat_loop(nc, inst.info, settings.heartbeat_interval_s, stop))
+        log.info("prefill %s ready (model %s)", settings.instance_id, lm.name)
+        await stop.wait()
+        # Shut down in order: stop intake, finish the prompt in flight, let transfers drain.
+        await submit.unsubscribe()
+        await asyncio.gather(worker, beat, return_exceptions=True)
+        await inst.fail_queued("prefill instance shut down")
+        await _drain_transfers(sender, settings.transfer_timeout_s)
+        log.info("prefill %s stopped", settings.instance_id)
+
+
+async def _drain_transfers(sender: TcpKVSender, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + min(timeout_s, 10.0)
+    while sender.pending and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+    return run_main(lambda: serve(settings))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

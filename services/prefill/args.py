@@ -1,0 +1,19 @@
+"""Prefill settings (flags and HALFMOON_ env vars)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pydantic import Field
+
+from shared.engine.instance import WorkerSettings
+from shared.settings import parse_settings
+
+
+class PrefillSettings(WorkerSettings):
+    max_queue: int = Field(256, gt=0, description="jobs queued before new ones are refused")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> PrefillSettings:
+    return parse_settings(PrefillSettings, argv, "halfmoon serve prefill",
+                          "Prefill instance: prompt → first token + KV handoff to decode.")

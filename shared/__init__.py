@@ -1,0 +1,1 @@
+"""Code shared by every Halfmoon process: settings, subjects, messages, hashing, bus, db, engine."""

@@ -1,0 +1,1 @@
+"""Request and cache metadata in SQL (SQLAlchemy 2 async; SQLite by default, PostgreSQL too)."""

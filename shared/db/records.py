@@ -1,0 +1,134 @@
+"""Write paths: request records and instance rows, batched and off the request path.
+
+Callers enqueue plain dict updates; one task writes them in small transactions. A
+request row is inserted once and then only updated, and a terminal status is written
+only over a non-terminal one, so every request ends in exactly one terminal state even
+if two parties race to finish it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shared.db.schema import TERMINAL_STATUSES, InstanceRecord, RequestRecord
+from shared.db.session import sessionmaker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Op:
+    kind: str  # insert | update | terminal | instance
+    values: dict[str, Any]
+    done: asyncio.Future | None = field(default=None)
+
+
+class RecordWriter:
+    """Batches SQL writes in one background task."""
+
+    def __init__(self, engine: AsyncEngine, batch_size: int = 128, flush_interval_s: float = 0.05):
+        self.engine = engine
+        self._sessions = sessionmaker(engine)
+        self._queue: asyncio.Queue[_Op] = asyncio.Queue()
+        self._batch_size = batch_size
+        self._interval = flush_interval_s
+        self._task: asyncio.Task | None = None
+        self.failures = 0
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="record-writer")
+
+    async def close(self) -> None:
+        """Flush what is queued, then stop."""
+        await self.flush()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def flush(self) -> None:
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Op("barrier", {}, fut))
+        await fut
+
+    # -- request records ------------------------------------------------------------
+    def request_accepted(self, **values: Any) -> None:
+        self._queue.put_nowait(_Op("insert", values))
+
+    def request_update(self, request_id: str, **values: Any) -> None:
+        self._queue.put_nowait(_Op("update", {"id": request_id, **values}))
+
+    def request_finished(self, request_id: str, status: str, **values: Any) -> None:
+        if status not in TERMINAL_STATUSES:
+            raise ValueError(f"{status!r} is not a terminal status")
+        self._queue.put_nowait(_Op("terminal", {"id": request_id, "status": status, **values}))
+
+    # -- instances ------------------------------------------------------------------
+    def instance_seen(self, **values: Any) -> None:
+        self._queue.put_nowait(_Op("instance", values))
+
+    async def _run(self) -> None:
+        while True:
+            ops = [await self._queue.get()]
+            await asyncio.sleep(self._interval)  # let a batch gather
+            while len(ops) < self._batch_size and not self._queue.empty():
+                ops.append(self._queue.get_nowait())
+            await self._write(ops)
+
+    async def _write(self, ops: list[_Op]) -> None:
+        try:
+            async with self._sessions.begin() as session:
+                for op in ops:
+                    await self._apply(session, op)
+        except Exception:  # noqa: BLE001 - a DB outage must not kill the service
+            self.failures += 1
+            log.exception("SQL batch of %d writes failed", len(ops))
+        finally:
+            for op in ops:
+                if op.done is not None and not op.done.done():
+                    op.done.set_result(None)
+
+    async def _apply(self, session, op: _Op) -> None:  # type: ignore[no-untyped-def]
+        t = RequestRecord
+        if op.kind == "insert":
+            await session.execute(insert(t).values(**op.values))
+        elif op.kind == "update":
+            values = dict(op.values)
+            rid = values.pop("id")
+            await session.execute(
+                update(t).where(t.id == rid, t.status.not_in(list(TERMINAL_STATUSES)))
+                .values(**values))
+        elif op.kind == "terminal":
+            values = dict(op.values)
+            rid = values.pop("id")
+            result = await session.execute(
+                update(t).where(t.id == rid, t.status.not_in(list(TERMINAL_STATUSES)))
+                .values(**values))
+            if result.rowcount == 0:
+                log.warning("request %s already had a terminal status; %s ignored",
+                            rid, values["status"])
+        elif op.kind == "instance":
+            await _upsert_instance(session, op.values)
+
+
+async def _upsert_instance(session, values: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+    # Portable upsert (SQLite and PostgreSQL): instance rows change rarely and one at a time.
+    existing = await session.get(InstanceRecord, values["id"])
+    if existing is None:
+        session.add(InstanceRecord(**values))
+    else:
+        for key, value in values.items():
+            setattr(existing, key, value)
+
+
+async def request_row(engine: AsyncEngine, request_id: str) -> RequestRecord | None:
+    async with sessionmaker(engine)() as session:
+        return (await session.execute(
+            select(RequestRecord).where(RequestRecord.id == request_id))).scalar_one_or_none()

@@ -1,0 +1,67 @@
+"""Tables. Changes here need an Alembic migration in migrations/versions."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from sqlalchemy import JSON, Float, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class RequestStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+
+
+TERMINAL_STATUSES = frozenset({RequestStatus.COMPLETED, RequestStatus.FAILED,
+                               RequestStatus.CANCELLED, RequestStatus.REJECTED})
+
+
+class RequestRecord(Base):
+    """One row per request; it ends in exactly one terminal status."""
+
+    __tablename__ = "requests"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200))
+    tenant: Mapped[str] = mapped_column(String(200), default="")
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    arrival_time: Mapped[float] = mapped_column(Float, index=True)  # unix seconds
+    first_token_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finish_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    max_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    stream: Mapped[bool] = mapped_column(default=False)
+    prefill_instance: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    decode_instance: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    e2e_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class InstanceRecord(Base):
+    """Every service instance seen on the bus, with its latest heartbeat."""
+
+    __tablename__ = "instances"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16), index=True)
+    host: Mapped[str] = mapped_column(String(200), default="")
+    status: Mapped[str] = mapped_column(String(16))  # ready | draining | dead
+    started_at: Mapped[float] = mapped_column(Float)
+    last_heartbeat: Mapped[float] = mapped_column(Float)
+    info: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+Index("ix_requests_status_arrival", RequestRecord.status, RequestRecord.arrival_time)

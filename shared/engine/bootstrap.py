@@ -1,0 +1,25 @@
+"""Start-up steps every engine instance takes before serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.engine.instance import WorkerSettings
+from shared.engine.runner import LoadedModel, load_model
+from shared.lifecycle import new_instance_id, setup_logging
+from shared.model_store import ensure_model
+from shared.settings import S
+
+
+def with_instance_id(settings: S, role: str) -> S:
+    if getattr(settings, "instance_id", ""):
+        return settings
+    return settings.model_copy(update={"instance_id": new_instance_id(role)})
+
+
+async def load_for(settings: WorkerSettings, role: str) -> LoadedModel:
+    setup_logging(settings.log_level, role, settings.instance_id)
+    model_dir = await asyncio.to_thread(ensure_model, settings.model)
+    name = settings.served_model_name or model_dir.name
+    return await asyncio.to_thread(load_model, model_dir, settings.dtype, settings.device,
+                                   settings.threads, name)

@@ -1,0 +1,98 @@
+"""Model runner: the only engine code that touches tensors.
+
+Wraps a transformers causal LM (Llama family). Every method is synchronous and meant to
+run on the instance's single engine thread, so the asyncio loop never blocks on torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
+
+from shared.engine.kv_codec import KVMeta, check_compatible, export_cache, import_cache
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    dtype: torch.dtype
+    device: str
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+
+def eos_ids(model_dir: Path, tokenizer: object, config: object) -> frozenset[int]:
+    ids: set[int] = set()
+    for src in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return frozenset(ids)
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
+               threads: int = 0, name: str = "") -> LoadedModel:
+    if threads > 0:
+        # Several engine processes share few cores: each gets its own thread budget.
+        torch.set_num_threads(threads)
+    path = Path(model_dir)
+    hf_logging.disable_progress_bar()  # one line per load in the logs, not a progress bar
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    model.to(device).eval()
+    cfg = model.config
+    log.info("loaded %s (%s, %s) in %.1fs", path, dtype, device, time.perf_counter() - t0)
+    return LoadedModel(name=name or path.name, model=model, tokenizer=tok, dtype=DTYPES[dtype],
+                       device=device, max_model_len=int(cfg.max_position_embeddings),
+                       eos_token_ids=eos_ids(path, tok, cfg))
+
+
+class ModelRunner:
+    """Prefill and single-sequence decode over a transformers DynamicCache."""
+
+    def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, DynamicCache]:
+        """Run the prompt; returns the last position's logits and the prompt's KV."""
+        cache = DynamicCache(config=self.lm.model.config)
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.lm.device)
+        out = self.lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float(), cache
+
+    @torch.inference_mode()
+    def decode_step(self, cache: DynamicCache, token_id: int) -> torch.Tensor:
+        """Feed one token; the cache grows by one position."""
+        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.lm.device)
+        out = self.lm.model(input_ids=ids, cache=cache, use_cache=True)
+        return out.logits[0, -1].float()
+
+    def export(self, cache: DynamicCache, **extra: object) -> tuple[KVMeta, memoryview]:
+        return export_cache(cache, self.lm.name, **extra)
+
+    def import_(self, meta: KVMeta, payload: bytes | memoryview) -> DynamicCache:
+        check_compatible(meta, self.lm.name, self.lm.dtype, self.lm.num_layers)
+        return import_cache(meta, payload, self.lm.model.config, self.lm.device)
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        return self.lm.tokenizer.decode(token_ids, skip_special_tokens=True)

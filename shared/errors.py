@@ -1,0 +1,88 @@
+"""Typed errors with a code, an HTTP status and an OpenAI-style body.
+
+Services raise these; the gateway turns them into responses and NATS handlers into
+ErrorReply messages, so a client never sees a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HalfmoonError(Exception):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(HalfmoonError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class ModelNotFound(HalfmoonError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(HalfmoonError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class Rejected(HalfmoonError):
+    """Refused before compute is spent (overload, SLO cannot be met)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rejected"
+
+
+class Unavailable(HalfmoonError):
+    """No instance can take the request right now (none alive, bus down)."""
+
+    status = 503
+    type = "server_error"
+    code = "unavailable"
+
+
+class UpstreamFailed(HalfmoonError):
+    """A worker failed the request after it was accepted."""
+
+    status = 500
+    type = "server_error"
+    code = "upstream_failed"
+
+
+class Timeout(HalfmoonError):
+    status = 504
+    type = "server_error"
+    code = "timeout"
+
+
+_BY_CODE: dict[str, type[HalfmoonError]] = {
+    cls.code: cls for cls in (InvalidRequest, ModelNotFound, PayloadTooLarge, Rejected,
+                              Unavailable, UpstreamFailed, Timeout)
+}
+
+
+def from_code(code: str, message: str, retry_after_s: float | None = None) -> HalfmoonError:
+    """Rebuild a typed error from an ErrorReply that crossed the bus."""
+    cls = _BY_CODE.get(code, UpstreamFailed)
+    return cls(message, code=code, retry_after_s=retry_after_s)

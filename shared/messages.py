@@ -1,0 +1,176 @@
+"""Typed, versioned messages that cross the bus (JSON via pydantic).
+
+Every message carries `v` so a rolling upgrade can tell old from new. Replies that can
+fail are either the payload or {"error": ErrorBody}; see shared.bus.decode_reply.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    v: int = SCHEMA_VERSION
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class Role(StrEnum):
+    GATEWAY = "gateway"
+    CONDUCTOR = "conductor"
+    KVMANAGER = "kvmanager"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class SamplingParams(BaseModel):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_tokens: int = 256
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    retry_after_s: float | None = None
+
+
+class Ack(Message):
+    """A job was taken (queued); the work itself reports on the token stream."""
+
+    ok: bool = True
+
+
+class InstanceInfo(Message):
+    """What a heartbeat says about its sender."""
+
+    instance_id: str
+    role: Role
+    host: str = "127.0.0.1"
+    pid: int = 0
+    started_at: float = 0.0
+    sent_at: float = 0.0
+    status: Literal["ready", "draining"] = "ready"
+    kv_host: str = ""
+    kv_port: int = 0
+    queue_depth: int = 0  # requests waiting
+    running: int = 0  # requests being computed
+    kv_tokens_used: int = 0
+    model: str = ""
+
+
+class GenerateRequest(Message):
+    """One accepted request, as the gateway hands it to the conductor."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    block_hashes: list[int] = Field(default_factory=list)
+    sampling: SamplingParams
+    arrival_time: float
+    tenant: str = ""
+
+
+class Placement(Message):
+    request_id: str
+    prefill_id: str
+    decode_id: str
+    policy: str = ""
+
+
+class PrefillJob(Message):
+    request: GenerateRequest
+    decode_id: str
+
+
+class KVHandle(BaseModel):
+    """Where the decode side fetches a prefilled KV cache from (data plane, never NATS)."""
+
+    transfer_id: str
+    host: str
+    port: int
+    nbytes: int
+    num_tokens: int
+
+
+class DecodeJob(Message):
+    request: GenerateRequest
+    prefill_id: str
+    kv: KVHandle
+    output_token_ids: list[int]  # tokens already produced (the first one, by prefill)
+    emitted_text: str = ""  # text already streamed, so decode continues the same detokenization
+    events_sent: int = 0  # next TokenEvent index
+    first_token_time: float = 0.0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class TokenEvent(Message):
+    """A piece of one request's output stream. `index` orders events from different senders."""
+
+    request_id: str
+    index: int
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: ErrorBody | None = None
+    instance_id: str = ""
+    sent_at: float = 0.0
+
+
+class KVEventKind(StrEnum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+class KVEvent(Message):
+    kind: KVEventKind
+    instance_id: str
+    tier: Literal["dram", "disk"] = "dram"
+    block_hashes: list[int] = Field(default_factory=list)
+    block_nbytes: int = 0
+    sent_at: float = 0.0
+
+
+class KVMatchRequest(Message):
+    block_hashes: list[int]
+
+
+class KVMatchReply(Message):
+    """Longest cached prefix (in blocks) per instance."""
+
+    matches: dict[str, int] = Field(default_factory=dict)
+
+
+class CancelRequest(Message):
+    request_id: str
+    reason: str = "client disconnected"

@@ -1,0 +1,93 @@
+"""Settings: every field is both a command-line flag and a HALFMOON_ env var.
+
+A service declares a pydantic model; `parse_settings` turns each field into
+`--field-name` (help text shows the env var and default) and reads
+`HALFMOON_FIELD_NAME` as the default. Precedence: flag > env var > field default.
+Pydantic then validates the lot, so a bad value fails at start with a clear message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Literal, Sequence, TypeVar, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "HALFMOON_"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+S = TypeVar("S", bound="BaseSettings")
+
+
+def halfmoon_home() -> Path:
+    """Where models, the SQLite database, NATS state and logs live by default."""
+    return Path(os.environ.get("HALFMOON_HOME") or Path.home() / ".halfmoon").expanduser()
+
+
+class BaseSettings(BaseModel):
+    """Settings every process shares."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
+    nats_user: str = Field("", description="NATS user (empty: no auth)")
+    nats_password: str = Field("", description="NATS password")
+    log_level: str = Field("INFO", description="logging level")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
+
+
+class DatabaseSettings(BaseModel):
+    database_url: str = Field("", description="SQLAlchemy async URL (empty: SQLite in HALFMOON_HOME)")
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _is_bool(annotation: Any) -> bool:
+    return annotation is bool
+
+
+def _choices(annotation: Any) -> tuple[Any, ...] | None:
+    return get_args(annotation) if get_origin(annotation) is Literal else None
+
+
+def build_parser(cls: type[BaseModel], prog: str, description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for name, info in cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = info.default
+        help_text = f"{info.description or name} [env {env_name(name)}; default {default!r}]"
+        if _is_bool(info.annotation):
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=help_text,
+                                choices=_choices(info.annotation))
+    return parser
+
+
+def settings_from(cls: type[S], namespace: argparse.Namespace | None = None,
+                  overrides: dict[str, Any] | None = None) -> S:
+    """Resolve flag > env > default and validate."""
+    values: dict[str, Any] = {}
+    for name in cls.model_fields:
+        raw = getattr(namespace, name, None) if namespace is not None else None
+        if raw is None:
+            raw = os.environ.get(env_name(name))
+        if raw is not None:
+            values[name] = raw
+    values.update(overrides or {})
+    return cls.model_validate(values)
+
+
+def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str, description: str = "") -> S:
+    parser = build_parser(cls, prog, description)
+    ns = parser.parse_args(argv)
+    try:
+        return settings_from(cls, ns)
+    except ValidationError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

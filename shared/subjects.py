@@ -1,0 +1,41 @@
+"""Every NATS subject Halfmoon uses, in one place.
+
+Per-instance subjects carry the instance id; many instances of a role share
+role-wide work through queue groups (QUEUE_*).
+"""
+
+from __future__ import annotations
+
+PREFIX = "halfmoon"
+
+# Conductor: the gateway asks it to place (and dispatch) a request.
+CONDUCTOR_SCHEDULE = f"{PREFIX}.conductor.schedule"
+CONDUCTOR_QUEUE = "conductor"
+
+# Heartbeats: every service publishes its InstanceInfo here (role and id in the subject).
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
+
+# KV events (block stored / removed / cleared) from prefill and decode instances.
+KV_EVENTS = f"{PREFIX}.kv.events"
+KV_MATCH = f"{PREFIX}.kv.match"
+KVMANAGER_QUEUE = "kvmanager"
+
+# Cancellation is broadcast: whoever holds the request drops it.
+CANCEL = f"{PREFIX}.cancel"
+
+
+def heartbeat(role: str, instance_id: str) -> str:
+    return f"{PREFIX}.heartbeat.{role}.{instance_id}"
+
+
+def prefill_submit(instance_id: str) -> str:
+    return f"{PREFIX}.prefill.{instance_id}.submit"
+
+
+def decode_submit(instance_id: str) -> str:
+    return f"{PREFIX}.decode.{instance_id}.submit"
+
+
+def tokens(request_id: str) -> str:
+    """Per-request token stream: prefill publishes the first token, decode the rest."""
+    return f"{PREFIX}.tokens.{request_id}"

@@ -1,0 +1,98 @@
+"""One interface for every KV transport, with explicit transfer states.
+
+The sender *offers* a payload under a transfer id and keeps it until the receiver has it
+(or the offer expires); the receiver *fetches* by handle. Each transfer moves through
+
+    WAITING → TRANSFERRING → DONE | FAILED
+
+on both sides, so callers (and tests) can poll instead of guessing.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from enum import StrEnum
+
+from shared.messages import KVHandle
+
+
+class TransferState(StrEnum):
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+TERMINAL = frozenset({TransferState.DONE, TransferState.FAILED})
+
+
+class TransferFailed(Exception):
+    """The transfer ended FAILED: timeout, peer gone, checksum mismatch, unknown id."""
+
+
+class _States:
+    """Transfer id → state, with waiters woken on every change."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, TransferState] = {}
+        self._changed = asyncio.Condition()
+
+    def get(self, transfer_id: str) -> TransferState | None:
+        return self._states.get(transfer_id)
+
+    async def set(self, transfer_id: str, state: TransferState) -> None:
+        async with self._changed:
+            self._states[transfer_id] = state
+            self._changed.notify_all()
+
+    def set_initial(self, transfer_id: str, state: TransferState) -> None:
+        """Record a first, non-terminal state without waking waiters (no loop needed)."""
+        self._states[transfer_id] = state
+
+    async def wait_terminal(self, transfer_id: str, timeout_s: float) -> TransferState:
+        async def _wait() -> TransferState:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._states.get(transfer_id) in TERMINAL)
+                return self._states[transfer_id]
+
+        return await asyncio.wait_for(_wait(), timeout_s)
+
+    def forget(self, transfer_id: str) -> None:
+        self._states.pop(transfer_id, None)
+
+
+class KVSender(abc.ABC):
+    """Serves offered payloads to receivers. One per process, many transfers."""
+
+    def __init__(self) -> None:
+        self.states = _States()
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def offer(self, transfer_id: str, meta: bytes, payload: memoryview | bytes,
+              num_tokens: int, ttl_s: float) -> KVHandle:
+        """Make `payload` fetchable; it is dropped (FAILED) if not fetched within ttl_s."""
+
+    def state(self, transfer_id: str) -> TransferState | None:
+        return self.states.get(transfer_id)
+
+    async def wait(self, transfer_id: str, timeout_s: float) -> TransferState:
+        return await self.states.wait_terminal(transfer_id, timeout_s)
+
+
+class KVReceiver(abc.ABC):
+    def __init__(self) -> None:
+        self.states = _States()
+
+    @abc.abstractmethod
+    async def fetch(self, handle: KVHandle, timeout_s: float) -> tuple[bytes, bytearray]:
+        """(meta, payload) or TransferFailed; the state ends DONE or FAILED either way."""
+
+    def state(self, transfer_id: str) -> TransferState | None:
+        return self.states.get(transfer_id)

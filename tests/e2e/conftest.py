@@ -1,0 +1,82 @@
+"""The whole local stack, started the way a user starts it: `halfmoon up`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import backends, drop_database, free_port, make_database
+
+
+@dataclass
+class Stack:
+    url: str
+    database_url: str
+    proc: subprocess.Popen
+    log_path: Path
+    lines: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+def start_stack(tmp: Path, model_dir: Path, database_url: str, extra: list[str] | None = None,
+                timeout_s: float = 240.0) -> Stack:
+    port = free_port()
+    env = dict(os.environ, HALFMOON_HOME=str(tmp / "home"), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "services.cli", "up", "--no-console", "--port", str(port),
+           "--model", str(model_dir), "--database-url", database_url, *(extra or [])]
+    log_path = tmp / "stack.log"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    stack = Stack(f"http://127.0.0.1:{port}", database_url, proc, log_path)
+    ready = threading.Event()
+
+    def pump() -> None:
+        with open(log_path, "w") as out:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                stack.lines.append(line)
+                out.write(line)
+                out.flush()
+                if "Halfmoon is up." in line:
+                    ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_stack(stack)
+            raise RuntimeError(f"stack did not come up:\n{stack.log()[-4000:]}")
+    return stack
+
+
+def stop_stack(stack: Stack) -> int:
+    if stack.proc.poll() is None:
+        stack.proc.send_signal(signal.SIGTERM)
+        try:
+            stack.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            stack.proc.kill()
+            stack.proc.wait()
+    return stack.proc.returncode
+
+
+@pytest.fixture(scope="session", params=backends())
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          model_dir: Path):
+    """One running cluster (fp32, so greedy output can be compared exactly) per SQL backend."""
+    tmp = tmp_path_factory.mktemp(f"stack-{request.param}")
+    database_url, pg_name = make_database(request.param, tmp)
+    s = start_stack(tmp, model_dir, database_url, ["--dtype", "float32"])
+    yield s
+    rc = stop_stack(s)
+    drop_database(pg_name)
+    assert rc == 0, f"halfmoon up exited {rc}:\n{s.log()[-3000:]}"

@@ -1,0 +1,158 @@
+"""Trace replay: exact hit ratios on a crafted trace and on the head of the real one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from services.kvmanager.replay import load_trace, main, replay_requests, replay_trace
+
+REPO = Path(__file__).resolve().parents[2]
+REAL_TRACE = Path(os.environ.get("HALFMOON_TRACE", "/work/shared/traces/conversation_trace.jsonl"))
+
+# (input_length, hash_ids); the expected figures below are worked out by hand.
+SYNTHETIC = [
+    (1200, [1, 2, 3]),  # cold: 0
+    (1600, [1, 2, 4, 5]),  # 2 leading blocks: 1024
+    (2000, [8, 9, 10]),  # cold: 0 (in a 4-block pool it pushes 1, 2 and 4 out)
+    (700, [1, 2]),  # unlimited: 2 blocks = 1024 tokens, capped at the input: 700
+    (1000, [6, 2]),  # 2 is cached but not leading: 0
+]
+TOTAL_INPUT = 1200 + 1600 + 2000 + 700 + 1000
+
+
+@pytest.fixture
+def synthetic(tmp_path: Path) -> Path:
+    path = tmp_path / "trace.jsonl"
+    lines = [
+        json.dumps({"timestamp": 1000 * i, "input_length": n, "output_length": 10, "hash_ids": h})
+        for i, (n, h) in enumerate(SYNTHETIC)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_unlimited_pool_exact_ratio(synthetic: Path) -> None:
+    for policy in ("lru", "watermark"):
+        r = replay_trace(str(synthetic), None, policy)
+        assert (r.hit_tokens, r.input_tokens) == (1024 + 700, TOTAL_INPUT)
+        assert r.hit_ratio == (1024 + 700) / TOTAL_INPUT
+        assert r.num_requests == 5 and r.num_requests_with_hit == 2
+        assert r.mean_request_hit_ratio == pytest.approx((1024 / 1600 + 1.0) / 5)
+        assert (r.blocks_inserted, r.blocks_evicted, r.peak_blocks) == (9, 0, 9)
+        assert r.avg_occupancy_blocks == pytest.approx((3 + 5 + 8 + 8 + 9) / 5)
+        assert r.avg_occupancy_ratio is None and r.warm_occupancy_blocks is None
+
+
+def test_small_lru_pool_exact_ratio(synthetic: Path) -> None:
+    # C=4: r2 hits 1,2, then 5 evicts 3 -> {1,2,4,5}; r3 evicts 1, 2, 4 -> {5,8,9,10};
+    # r4 misses 1; its blocks evict 5, 8; r5: 6 evicts 9.
+    r = replay_trace(str(synthetic), 4, "lru")
+    assert r.hit_tokens == 1024 and r.hit_ratio == 1024 / TOTAL_INPUT
+    assert (r.blocks_inserted, r.blocks_evicted, r.blocks_rejected) == (11, 7, 0)
+    assert r.warm_occupancy_blocks == pytest.approx(4.0)
+
+
+def test_tail_first_keeps_the_prefix(synthetic: Path) -> None:
+    # C=4 tail-first: r2 as above -> chain 1-2-4-5; r3 evicts 5, 4, 2 (tails first)
+    # -> {1,8,9,10}; r4 hits 1 (512 tokens), its 2 evicts 10; r5: 6 evicts 9.
+    r = replay_trace(str(synthetic), 4, "lru", tail_first=True)
+    assert r.hit_tokens == 1024 + 512
+    assert (r.blocks_inserted, r.blocks_evicted, r.blocks_rejected) == (10, 6, 0)
+
+
+def test_chain_longer_than_the_pool_is_partly_rejected(synthetic: Path) -> None:
+    # C=3: in r2, 4 evicts 3, and 5 finds only blocks of its own chain -> rejected.
+    r = replay_trace(str(synthetic), 3, "lru")
+    assert r.blocks_rejected >= 1 and r.peak_blocks == 3
+
+
+def _set_based_hits(requests: list[tuple[int, list[int]]], block_tokens: int = 512) -> tuple[int, int]:
+    seen: set[int] = set()
+    hit = total = 0
+    for n_tokens, hashes in requests:
+        n = 0
+        while n < len(hashes) and hashes[n] in seen:
+            n += 1
+        hit += min(n * block_tokens, n_tokens)
+        total += n_tokens
+        seen.update(hashes)
+    return hit, total
+
+
+def _ordered_dict_lru_hits(requests: list[tuple[int, list[int]]], capacity: int) -> int:
+    cache: OrderedDict[int, None] = OrderedDict()
+    hit = 0
+    for n_tokens, hashes in requests:
+        n = 0
+        while n < len(hashes) and hashes[n] in cache:
+            n += 1
+        hit += min(n * 512, n_tokens)
+        for h in hashes:
+            cache[h] = None
+            cache.move_to_end(h)
+            if len(cache) > capacity:
+                cache.popitem(last=False)
+    return hit
+
+
+@pytest.fixture(scope="module")
+def real_head() -> list[tuple[int, list[int]]]:
+    if not REAL_TRACE.exists():
+        pytest.skip(f"trace not found: {REAL_TRACE}")
+    out = []
+    with REAL_TRACE.open() as f:
+        for _, line in zip(range(2000), f):
+            d = json.loads(line)
+            out.append((d["input_length"], d["hash_ids"]))
+    return out
+
+
+def test_real_trace_head_unlimited_matches_set_model(real_head: list[tuple[int, list[int]]]) -> None:
+    hit, total = _set_based_hits(real_head)
+    assert 0 < hit < total
+    requests = load_trace(str(REAL_TRACE), limit=2000)
+    for policy in ("lru", "watermark"):
+        r = replay_requests(requests, None, policy)
+        assert (r.hit_tokens, r.input_tokens) == (hit, total)
+        assert r.hit_ratio == hit / total
+
+
+def test_real_trace_head_lru_matches_reference_model(real_head: list[tuple[int, list[int]]]) -> None:
+    requests = load_trace(str(REAL_TRACE), limit=2000)
+    r = replay_requests(requests, 1000, "lru")
+    assert r.hit_tokens == _ordered_dict_lru_hits(real_head, 1000)
+    assert r.blocks_evicted > 0 and r.peak_blocks == 1000
+
+
+def test_cli_json_and_table(synthetic: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--trace", str(synthetic), "--capacity-blocks", "inf", "4", "--policy", "lru"]
+    assert main([*argv, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(row["capacity_blocks"], row["hit_tokens"]) for row in rows] == [(None, 1724), (4, 1024)]
+    assert main(["--trace", str(synthetic), "--capacity-blocks", "unlimited", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "watermark" in out and " lru " in out and "26.52" in out  # 1724 / 6500
+
+
+def test_cli_rejects_bad_input(synthetic: Path, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--trace", str(synthetic), "--capacity-blocks", "lots"])
+    with pytest.raises(SystemExit):
+        main(["--trace", str(synthetic), "--capacity-blocks", "0"])
+    assert main(["--trace", str(tmp_path / "missing.jsonl"), "--capacity-blocks", "inf"]) == 2
+
+
+def test_module_entry_point(synthetic: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.kvmanager.replay", "--trace", str(synthetic),
+         "--capacity-blocks", "inf", "--policy", "lru", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert json.loads(proc.stdout)["hit_tokens"] == 1724
