@@ -71,13 +71,23 @@ def _kv(argv: list[str]) -> int:
     return int(replay.main(argv[1:]) or 0)
 
 
+BENCHES = {"request": "services.bench.request_latency"}
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: halfmoon bench {{{','.join(BENCHES)}}} [--help]", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(BENCHES[argv[0]]).main(argv[1:]) or 0)
+
+
 def _up(argv: list[str]) -> int:
     from services import up
 
     return up.main(argv)
 
 
-COMMANDS = {"up": _up, "serve": _serve, "model": _model, "db": _db, "kv": _kv}
+COMMANDS = {"up": _up, "serve": _serve, "model": _model, "db": _db, "kv": _kv, "bench": _bench}
 
 USAGE = """usage: halfmoon <command> [args]
 
@@ -87,6 +97,7 @@ commands:
   model pull         provision the default model offline
   db upgrade|downgrade [REV]   apply or roll back migrations
   kv replay          replay a Mooncake trace through the KV index and eviction code
+  bench request      one request's latency through the stack vs in-process
 
 `halfmoon <command> --help` shows each command's flags (every flag has a HALFMOON_ env var).
 """

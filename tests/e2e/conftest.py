@@ -58,7 +58,29 @@ def start_stack(tmp: Path, model_dir: Path, database_url: str, extra: list[str] 
     return stack
 
 
+def children_of(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def stop_stack(stack: Stack) -> int:
+    """SIGTERM `halfmoon up` as Ctrl-C would; it must exit 0 and leave no process behind."""
+    children = children_of(stack.proc.pid)
     if stack.proc.poll() is None:
         stack.proc.send_signal(signal.SIGTERM)
         try:
@@ -66,6 +88,8 @@ def stop_stack(stack: Stack) -> int:
         except subprocess.TimeoutExpired:
             stack.proc.kill()
             stack.proc.wait()
+    orphans = [pid for pid in children if alive(pid)]
+    assert not orphans, f"processes left behind: {orphans}"
     return stack.proc.returncode
 
 
@@ -76,6 +100,8 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     tmp = tmp_path_factory.mktemp(f"stack-{request.param}")
     database_url, pg_name = make_database(request.param, tmp)
     s = start_stack(tmp, model_dir, database_url, ["--dtype", "float32"])
+    # nats-server, conductor, kvmanager, prefill, decode, gateway
+    assert len(children_of(s.proc.pid)) == 6
     yield s
     rc = stop_stack(s)
     drop_database(pg_name)

@@ -1,0 +1,93 @@
+"""Migrations and the record write path on real databases (SQLite; PostgreSQL if given)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from sqlalchemy import inspect, select
+
+from shared.db import session as db
+from shared.db.records import RecordWriter
+from shared.db.schema import InstanceRecord, RequestRecord
+
+
+async def _tables(url: str) -> set[str]:
+    engine = db.make_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return set(await conn.run_sync(lambda c: inspect(c).get_table_names()))
+    finally:
+        await engine.dispose()
+
+
+async def test_migrations_upgrade_and_downgrade(db_url):
+    assert {"requests", "instances"} <= await _tables(db_url)
+    await __import__("asyncio").to_thread(db.downgrade, db_url, "base")
+    assert not {"requests", "instances"} & await _tables(db_url)
+    await db.upgrade_async(db_url)
+    assert {"requests", "instances"} <= await _tables(db_url)
+
+
+async def _row(engine, rid):
+    async with db.sessionmaker(engine)() as s:
+        return (await s.execute(select(RequestRecord).where(RequestRecord.id == rid))).scalar_one()
+
+
+async def test_exactly_one_terminal_state(db_url):
+    engine = db.make_engine(db_url)
+    writer = RecordWriter(engine)
+    await writer.start()
+    try:
+        now = time.time()
+        writer.request_accepted(id="r1", model="m", status="queued", arrival_time=now,
+                                prompt_tokens=10)
+        writer.request_update("r1", status="running", prefill_instance="p0")
+        writer.request_finished("r1", "completed", completion_tokens=5, finish_time=now + 1)
+        # a late second finisher (say, a timeout racing completion) must not overwrite it
+        writer.request_finished("r1", "failed", error="late")
+        writer.request_update("r1", status="running")
+        await writer.flush()
+        row = await _row(engine, "r1")
+        assert (row.status, row.completion_tokens, row.error, row.prefill_instance) == \
+            ("completed", 5, None, "p0")
+        with pytest.raises(ValueError):
+            writer.request_finished("r1", "running")
+    finally:
+        await writer.close()
+        await engine.dispose()
+
+
+async def test_instances_upsert(db_url):
+    engine = db.make_engine(db_url)
+    writer = RecordWriter(engine)
+    await writer.start()
+    try:
+        writer.instance_seen(id="prefill-0", role="prefill", host="h", status="ready",
+                             started_at=1.0, last_heartbeat=2.0, info={"queue_depth": 1})
+        writer.instance_seen(id="prefill-0", status="dead")
+        await writer.flush()
+        async with db.sessionmaker(engine)() as s:
+            rows = (await s.execute(select(InstanceRecord))).scalars().all()
+        assert [(r.id, r.status, r.info["queue_depth"]) for r in rows] == [("prefill-0", "dead", 1)]
+    finally:
+        await writer.close()
+        await engine.dispose()
+
+
+async def test_a_failed_batch_does_not_kill_the_writer(db_url):
+    engine = db.make_engine(db_url)
+    writer = RecordWriter(engine)
+    await writer.start()
+    try:
+        writer.request_accepted(id="dup", model="m", status="queued", arrival_time=1.0)
+        await writer.flush()
+        writer.request_accepted(id="dup", model="m", status="queued", arrival_time=1.0)
+        await writer.flush()
+        assert writer.failures == 1
+        writer.request_finished("dup", "cancelled")
+        await writer.flush()
+        assert (await _row(engine, "dup")).status == "cancelled"
+    finally:
+        await writer.close()
+        await engine.dispose()
