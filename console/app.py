@@ -24,7 +24,6 @@ import streamlit as st  # noqa: E402
 from console import charts, live, queries  # noqa: E402
 
 SETTINGS = queries.ConsoleSettings.from_env()
-STATUSES = ["queued", "running", "completed", "failed", "cancelled", "rejected"]
 TABLE_ROWS = 1000  # newest rows shown in the Requests table
 
 
@@ -107,17 +106,22 @@ def overview_page(view: View) -> None:
         st.info("No requests in this time window.")
         return
     bucket = queries.bucket_seconds(view.window_s, rows, view.snap.now)
-    _chart(charts.requests_by_status(queries.status_series(rows, bucket), bucket), "ov_status")
-    _chart(charts.ttft_over_time(queries.ttft_series(rows, bucket), view.slo_ms), "ov_ttft")
+    span = queries.time_range(view.window_s, rows, view.snap.now)
+    status = queries.status_series(rows, bucket)
+    _chart(charts.requests_by_status(status, bucket, span), "ov_status")
+    _chart(charts.ttft_over_time(queries.ttft_series(rows, bucket), view.slo_ms, span), "ov_ttft")
 
 
-def _pool_rows(view: View) -> tuple[list[dict[str, Any]], str] | None:
+def _pool_rows(view: View) -> tuple[list[dict[str, Any]], str, float] | None:
+    """Rows, where they came from, and after how many silent seconds an instance is dead."""
     if view.cluster is not None:
         c = view.cluster
-        return live.pool_from_live(c), (f"Live from gateway {c.get('gateway', '?')}: "
-                                        f"{c.get('in_flight', 0)} requests in flight")
+        source = (f"Live from gateway {c.get('gateway', '?')}: "
+                  f"{c.get('in_flight', 0)} requests in flight")
+        return live.pool_from_live(c), source, live.DEAD_AFTER_S
     if view.snap is not None:
-        return live.pool_from_sql(view.snap.instances, view.snap.now), "From SQL (instances table)"
+        return (live.pool_from_sql(view.snap.instances, view.snap.now),
+                "From SQL (instances table)", live.SQL_STALE_AFTER_S)
     return None
 
 
@@ -131,7 +135,7 @@ def pools_page(view: View) -> None:
     if found is None:
         st.info("No instance data: neither the gateway nor the database answered.")
         return
-    rows, source = found
+    rows, source, dead_after_s = found
     st.caption(source)
     if not rows:
         st.info("No prefill or decode instance has been seen.")
@@ -139,12 +143,13 @@ def pools_page(view: View) -> None:
     dead = [r["instance"] for r in rows if r["health"] == "DEAD"]
     if dead:
         st.warning(f"Dead instances: {', '.join(dead)} (no heartbeat for "
-                   f"{live.DEAD_AFTER_S:g} s, or marked dead)")
+                   f"{dead_after_s:g} s, or marked dead)")
     for role in live.POOL_ROLES:
         part = [r for r in rows if r["role"] == role]
         st.subheader(f"{role.capitalize()} pool ({len(part)})")
         if part:
-            st.dataframe(pd.DataFrame(part).style.apply(_dead_red, axis=1), hide_index=True)
+            styled = pd.DataFrame(part).style.apply(_dead_red, axis=1).format(precision=1)
+            st.dataframe(styled, hide_index=True)
     _chart(charts.pool_load(rows), "pool_load")
 
 
@@ -153,8 +158,8 @@ def kv_page(view: View) -> None:
         st.info("No KV statistics without the database.")
         return
     rows = view.snap.requests
-    series = queries.hit_rate_series(rows, queries.bucket_seconds(view.window_s, rows,
-                                                                   view.snap.now))
+    now = view.snap.now
+    series = queries.hit_rate_series(rows, queries.bucket_seconds(view.window_s, rows, now))
     names = list(series["per_instance"])
     cols = st.columns(max(len(names) + 1, 1))
     cols[0].metric("Cluster hit rate", _pct(queries.hit_rate(rows)))
@@ -164,7 +169,8 @@ def kv_page(view: View) -> None:
     if not series["t"]:
         st.info("No completed requests in this time window.")
         return
-    _chart(charts.hit_rate_over_time(series), "kv_hits")
+    _chart(charts.hit_rate_over_time(series, queries.time_range(view.window_s, rows, now)),
+           "kv_hits")
 
 
 def _table(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -185,7 +191,8 @@ def requests_page(view: View) -> None:
     instances = sorted({r[k] for r in rows for k in ("prefill_instance", "decode_instance")
                         if r.get(k)})
     left, right = st.columns(2)
-    statuses = left.multiselect("Status", STATUSES, default=STATUSES, key="req_status")
+    statuses = left.multiselect("Status", queries.STATUSES, default=queries.STATUSES,
+                                key="req_status")
     instance = right.selectbox("Instance", ["any", *instances], key="req_instance")
     chosen = queries.filter_requests(rows, statuses, None if instance == "any" else instance)
     st.caption(f"{len(chosen):,} requests match; the newest {min(len(chosen), TABLE_ROWS):,} "
@@ -256,7 +263,7 @@ def main() -> None:
     st.set_page_config(page_title="Halfmoon console", layout="wide")
     st.sidebar.title("Halfmoon")
     window = st.sidebar.selectbox("Time window", list(queries.WINDOWS), index=1, key="window")
-    slo_ms = st.sidebar.number_input("TTFT SLO (ms)", min_value=1.0, value=2000.0, step=100.0,
+    slo_ms = st.sidebar.number_input("TTFT SLO (ms)", min_value=1, value=2000, step=100,
                                      key="slo_ms")
     st.sidebar.caption(f"Database: {queries.safe_url(SETTINGS.database_url)}")
     st.sidebar.caption(f"Gateway: {SETTINGS.gateway_url}")

@@ -21,27 +21,35 @@ def _times(ts: list[float]) -> list[datetime]:
     return [datetime.fromtimestamp(t) for t in ts]
 
 
-def _layout(fig: go.Figure, title: str, x: str, y: str) -> go.Figure:
+def _layout(fig: go.Figure, title: str, x: str, y: str,
+            x_range: tuple[float, float] | None = None) -> go.Figure:
+    # A fixed time axis keeps one lonely bucket from zooming the axis to milliseconds.
+    if x_range is not None:
+        fig.update_xaxes(range=_times(list(x_range)))
     fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, legend_title_text="",
                       margin={"l": 40, "r": 20, "t": 50, "b": 40})
     return fig
 
 
-def requests_by_status(series: dict[str, Any], bucket_s: float) -> go.Figure:
-    fig = go.Figure([go.Bar(name=status, x=_times(series["t"]), y=list(counts),
+def requests_by_status(series: dict[str, Any], bucket_s: float,
+                       x_range: tuple[float, float] | None = None) -> go.Figure:
+    # Each bar covers its interval: centred on the middle, as wide as the bucket (axis in ms).
+    mid = _times([t + bucket_s / 2 for t in series["t"]])
+    fig = go.Figure([go.Bar(name=status, x=mid, y=list(counts), width=900.0 * bucket_s,
                             marker_color=STATUS_COLORS.get(status))
                      for status, counts in series["by_status"].items()])
     fig.update_layout(barmode="stack")
-    return _layout(fig, f"Requests per {bucket_s:g} s by status", "arrival", "requests")
+    return _layout(fig, f"Requests per {bucket_s:g} s by status", "arrival", "requests", x_range)
 
 
-def ttft_over_time(series: dict[str, Any], slo_ms: float) -> go.Figure:
+def ttft_over_time(series: dict[str, Any], slo_ms: float,
+                   x_range: tuple[float, float] | None = None) -> go.Figure:
     x = _times(series["t"])
     fig = go.Figure([go.Scatter(name="TTFT p50", x=x, y=list(series["p50"]), mode="lines+markers"),
                      go.Scatter(name="TTFT p99", x=x, y=list(series["p99"]), mode="lines+markers")])
     fig.add_hline(y=slo_ms, line_dash="dash", line_color=DEAD_COLOR,
                   annotation_text=f"SLO {slo_ms:g} ms")
-    return _layout(fig, "Time to first token", "arrival", "ms")
+    return _layout(fig, "Time to first token", "arrival", "ms", x_range)
 
 
 def pool_load(rows: list[dict[str, Any]]) -> go.Figure:
@@ -58,7 +66,8 @@ def pool_load(rows: list[dict[str, Any]]) -> go.Figure:
     return _layout(fig, "Load per instance", "instance", "requests")
 
 
-def hit_rate_over_time(series: dict[str, Any]) -> go.Figure:
+def hit_rate_over_time(series: dict[str, Any],
+                       x_range: tuple[float, float] | None = None) -> go.Figure:
     """Token-weighted KV hit rate in percent: the cluster, then each prefill instance."""
     x = _times(series["t"])
     pct = lambda vs: [None if v is None else 100.0 * v for v in vs]  # noqa: E731
@@ -68,7 +77,7 @@ def hit_rate_over_time(series: dict[str, Any]) -> go.Figure:
                for name, values in series["per_instance"].items()]
     fig = go.Figure(traces)
     fig.update_yaxes(range=[0, 100])
-    return _layout(fig, "KV cache hit rate (cached / prompt tokens)", "arrival", "%")
+    return _layout(fig, "KV cache hit rate (cached / prompt tokens)", "arrival", "%", x_range)
 
 
 def request_timeline(segments: list[dict[str, Any]], request_id: str) -> go.Figure:

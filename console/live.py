@@ -79,8 +79,8 @@ def pool_from_live(state: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         age = _number(inst.get("heartbeat_age_s"), math.inf)
         alive = age <= DEAD_AFTER_S and inst.get("status") != "dead"
-        rows.append(_row(str(inst.get("instance_id", "?")), inst["role"],
-                         str(inst.get("status", "")), None if math.isinf(age) else age, inst, alive))
+        name, status = str(inst.get("instance_id", "?")), str(inst.get("status", ""))
+        rows.append(_row(name, inst["role"], status, None if math.isinf(age) else age, inst, alive))
     return _sorted(rows)
 
 

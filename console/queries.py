@@ -21,12 +21,13 @@ from typing import Any, Iterable
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
-from shared.db.schema import InstanceRecord, RequestRecord
+from shared.db.schema import InstanceRecord, RequestRecord, RequestStatus
 from shared.db.session import default_url, make_engine, resolve_url
 
 DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
 DEFAULT_REFRESH_S = 3.0
 DB_TIMEOUT_S = 10.0  # a blackholed database host must not hang the page for a minute
+STATUSES = [s.value for s in RequestStatus]
 MAX_ROWS = 50_000  # newest first; the console is for operations, not for archives
 WINDOWS: dict[str, float | None] = {
     "last 5 min": 300.0, "last 1 h": 3600.0, "last 24 h": 86400.0, "all": None}
@@ -144,7 +145,8 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 
 def tbt_ms(row: dict[str, Any]) -> float | None:
     """Mean gap between output tokens after the first: the best SQL alone can say about TBT."""
-    first, finish, n = row.get("first_token_time"), row.get("finish_time"), row.get("completion_tokens") or 0
+    first, finish = row.get("first_token_time"), row.get("finish_time")
+    n = row.get("completion_tokens") or 0
     if first is None or finish is None or n < 2:
         return None
     return 1000.0 * (finish - first) / (n - 1)
@@ -187,10 +189,24 @@ def overview(rows: list[dict[str, Any]], now: float, window_s: float | None,
     }
 
 
+def time_range(window_s: float | None, rows: list[dict[str, Any]],
+               now: float) -> tuple[float, float]:
+    """The x axis of time charts: the whole window ("all": from the first arrival), up to now,
+    with a little room on both sides so that edge buckets are not cut in half."""
+    if window_s is not None:
+        start = now - window_s
+    else:
+        start = min(r["arrival_time"] for r in rows) if rows else now - 3600.0
+    pad = 0.02 * max(now - start, 1.0)
+    return start - pad, now + pad
+
+
 def bucket_seconds(window_s: float | None, rows: list[dict[str, Any]], now: float) -> float:
     """About 60 buckets per window, rounded to a readable size."""
-    span = window_s if window_s is not None else (
-        now - min(r["arrival_time"] for r in rows) if rows else 3600.0)
+    if window_s is not None:
+        span = window_s
+    else:
+        span = now - min(r["arrival_time"] for r in rows) if rows else 3600.0
     for size in (1, 5, 10, 30, 60, 300, 600, 900, 1800, 3600, 21600, 86400):
         if span / size <= 60:
             return float(size)
@@ -237,12 +253,14 @@ def filter_requests(rows: list[dict[str, Any]], statuses: Iterable[str] | None =
     wanted = set(statuses) if statuses is not None else None
     return [r for r in rows
             if (wanted is None or r["status"] in wanted)
-            and (instance is None or instance in (r.get("prefill_instance"), r.get("decode_instance")))]
+            and (instance is None
+                 or instance in (r.get("prefill_instance"), r.get("decode_instance")))]
 
 
 def request_timeline(row: dict[str, Any]) -> list[dict[str, Any]]:
     """A request's phases as (label, start_ms, end_ms) from its arrival."""
-    arrival, first, finish = row["arrival_time"], row.get("first_token_time"), row.get("finish_time")
+    arrival, first = row["arrival_time"], row.get("first_token_time")
+    finish = row.get("finish_time")
     ms = lambda t: 1000.0 * (t - arrival)  # noqa: E731
     if first is None:
         end = finish if finish is not None else arrival

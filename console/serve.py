@@ -30,12 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Halfmoon operations console (Streamlit). Unknown flags go to streamlit.")
     p.add_argument("--host", default=env("HALFMOON_CONSOLE_HOST") or "127.0.0.1",
                    help="address to listen on [env HALFMOON_CONSOLE_HOST; default 127.0.0.1]")
-    p.add_argument("--port", type=int, default=int(env("HALFMOON_CONSOLE_PORT") or 8501),
+    # A string default goes through type=int too, so a bad env value is a usage error.
+    p.add_argument("--port", type=int, default=env("HALFMOON_CONSOLE_PORT") or "8501",
                    help="port [env HALFMOON_CONSOLE_PORT; default 8501]")
     p.add_argument("--database-url", default=None,
-                   help="SQLAlchemy URL [env HALFMOON_DATABASE_URL; default SQLite in HALFMOON_HOME]")
+                   help="SQLAlchemy URL [env HALFMOON_DATABASE_URL; "
+                   "default SQLite in HALFMOON_HOME]")
     p.add_argument("--gateway-url", default=None,
-                   help="gateway base URL [env HALFMOON_GATEWAY_URL; default http://127.0.0.1:8000]")
+                   help="gateway base URL [env HALFMOON_GATEWAY_URL; "
+                   "default http://127.0.0.1:8000]")
     p.add_argument("--refresh-s", default=None,
                    help="seconds between refreshes [env HALFMOON_CONSOLE_REFRESH_S; default 3]")
     return p
