@@ -1,0 +1,160 @@
+"""KV block pool bookkeeping with prefix caching (pure: no torch, no I/O).
+
+Blocks hold `block_size` tokens. A block whose tokens are all computed gets the chained
+hash of its prefix (shared.hashing) and is registered in the prefix cache, so a later
+sequence with the same prefix reuses it instead of recomputing. A block nobody uses
+(ref count 0) goes to the free list but keeps its hash until the block is handed out
+again: freed blocks stay cached until evicted, least recently freed first. A finished
+sequence frees its blocks tail first, so a chain's tail is evicted before its parents.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from shared.engine.sequence import Sequence
+from shared.hashing import hash_block, root_hash
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # kept for verifying a hash hit
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need positive sizes, got {num_blocks} blocks of {block_size}")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+        self.num_evictions = 0
+        # Hashes registered / evicted since the last drain: the instance's KV events.
+        self._stored_log: list[int] = []
+        self._evicted_log: list[int] = []
+
+    # -- queries ------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (in use or free)."""
+        return len(self._by_hash)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    # -- prefix cache -------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach the cached blocks of `seq`'s prefix; returns the tokens they cover.
+
+        At least one token is always left to compute: its logits give the next token.
+        """
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"{seq.request_id}: match_prefix on a sequence that has blocks")
+        limit = (seq.num_tokens - 1) // self.block_size
+        parent: int = root_hash(seq.salt)
+        matched: list[int] = []
+        hashes: list[int] = []
+        for i in range(limit):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = hash_block(parent, tokens)
+            block_id = self._by_hash.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            matched.append(block_id)
+            hashes.append(h)
+            parent = h
+        for block_id in matched:
+            self._take(block_id)
+        seq.block_table = matched
+        seq.block_hashes = hashes
+        seq.num_computed_tokens = len(matched) * self.block_size
+        if seq.num_preemptions == 0:  # a recompute's hits on its own blocks are not "cached"
+            seq.num_cached_tokens = seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def commit(self, seq: Sequence) -> list[int]:
+        """Register `seq`'s newly completed full blocks in the prefix cache; returns their hashes."""
+        full = seq.num_computed_tokens // self.block_size
+        new: list[int] = []
+        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.salt)
+        for i in range(len(seq.block_hashes), full):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = hash_block(parent, tokens)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self._by_hash:
+                # An identical block computed concurrently keeps the first registration.
+                self._by_hash[h] = block.block_id
+                block.block_hash, block.token_ids = h, tokens
+                self._stored_log.append(h)
+            seq.block_hashes.append(h)
+            new.append(h)
+            parent = h
+        return new
+
+    # -- allocation ---------------------------------------------------------------------
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Blocks for `num_new_tokens` more tokens; False (nothing taken) if the pool is short."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            block_id = next(iter(self._free))
+            self._evict_hash(block_id)
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks, tail first (so tails are evicted before their parents)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed with ref count {block.ref_count}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _evict_hash(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self._by_hash.get(block.block_hash) == block_id:
+                del self._by_hash[block.block_hash]
+                self.num_evictions += 1
+                self._evicted_log.append(block.block_hash)
+            block.block_hash, block.token_ids = None, ()
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """(stored, evicted) block hashes since the last call."""
+        stored, evicted = self._stored_log, self._evicted_log
+        self._stored_log, self._evicted_log = [], []
+        return stored, evicted
+
+    def check_invariants(self) -> None:
+        for block in self.blocks:
+            if block.ref_count < 0 or (block.ref_count == 0) != (block.block_id in self._free):
+                raise RuntimeError(f"block {block.block_id}: ref {block.ref_count} vs free list")
+        for h, block_id in self._by_hash.items():
+            if self.blocks[block_id].block_hash != h:
+                raise RuntimeError(f"hash map points at block {block_id} holding another hash")

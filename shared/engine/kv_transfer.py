@@ -1,0 +1,92 @@
+"""A sequence's KV by block, as contiguous bytes plus metadata, and back into a pool.
+
+The bytes are the pool's own block layout (see kv_cache.py), so export and import are
+one gather and one scatter. The metadata names everything a receiver must match
+(model, dtype, layers, heads, block size, layout) so a mismatch is refused, not
+silently computed on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_cache import KVCache
+from shared.engine.sequence import Sequence
+
+LAYOUT = "halfmoon-paged-v1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVMeta(BaseModel):
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_tokens: int
+    num_blocks: int
+    block_hashes: list[int] = []
+    layout: str = LAYOUT
+
+
+@dataclass
+class KVExport:
+    meta: KVMeta
+    data: torch.Tensor  # 1-D, contiguous, on CPU
+
+    def payload(self) -> memoryview:
+        return memoryview(self.data.view(torch.uint8).numpy()).cast("B")
+
+    @classmethod
+    def from_bytes(cls, meta: KVMeta, payload: bytes | bytearray | memoryview) -> "KVExport":
+        buf = bytearray(payload) if isinstance(payload, bytes) else payload
+        data = torch.frombuffer(buf, dtype=torch.uint8).view(DTYPES[meta.dtype])
+        return cls(meta, data)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, dt in DTYPES.items() if dt == dtype)
+
+
+def export_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, model: str) -> KVExport:
+    """The KV of `seq`'s computed tokens (its blocks are read now; callers may free them after)."""
+    n_tokens = seq.num_computed_tokens
+    n_blocks = -(-n_tokens // blocks.block_size)
+    s = kv.shape
+    meta = KVMeta(model=model, dtype=_dtype_name(s.dtype), num_layers=s.num_layers,
+                  num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, block_size=s.block_size,
+                  num_tokens=n_tokens, num_blocks=n_blocks, block_hashes=list(seq.block_hashes))
+    return KVExport(meta, kv.export_blocks(seq.block_table[:n_blocks]))
+
+
+def check_compatible(meta: KVMeta, kv: KVCache, model: str) -> None:
+    s = kv.shape
+    mine = (model, _dtype_name(s.dtype), s.num_layers, s.num_kv_heads, s.head_dim, s.block_size,
+            LAYOUT)
+    theirs = (meta.model, meta.dtype, meta.num_layers, meta.num_kv_heads, meta.head_dim,
+              meta.block_size, meta.layout)
+    if mine != theirs:
+        raise ValueError(f"KV {theirs} does not fit this instance's {mine}")
+    if meta.num_blocks != -(-meta.num_tokens // meta.block_size):
+        raise ValueError("KV metadata: block count does not cover the token count")
+
+
+def import_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, export: KVExport) -> bool:
+    """Place `export` into freshly allocated blocks of `seq`; False if the pool is short."""
+    meta = export.meta
+    expected = meta.num_blocks * kv.shape.block_nbytes // kv.shape.dtype.itemsize
+    if export.data.numel() != expected:
+        raise ValueError(f"KV payload has {export.data.numel()} values, metadata says {expected}")
+    if meta.num_tokens > seq.num_tokens:
+        raise ValueError("KV covers more tokens than the sequence has")
+    if not blocks.allocate(seq, meta.num_tokens):
+        return False
+    kv.import_blocks(seq.block_table, export.data)
+    seq.num_computed_tokens = meta.num_tokens
+    blocks.commit(seq)  # the imported prompt is now this instance's prefix cache too
+    return True

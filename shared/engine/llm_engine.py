@@ -1,0 +1,210 @@
+"""The engine: scheduler + block manager (bookkeeping) around the paged model (tensors).
+
+Not thread-safe by design: an instance calls every method from its one engine thread,
+which also serializes additions and aborts with steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from shared.engine.batch import build_batch
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_cache import KVCache
+from shared.engine.kv_transfer import (KVExport, check_compatible, export_sequence,
+                                       import_sequence)
+from shared.engine.model import PagedLlama
+from shared.engine.output import OutputTracker
+from shared.engine.runner import LoadedModel
+from shared.engine.sampling import Sampler
+from shared.engine.scheduler import PoolTooSmall, ScheduledSeq, Scheduler, SchedulerConfig
+from shared.engine.sequence import Sequence
+from shared.messages import FinishReason, SamplingParams
+
+log = logging.getLogger(__name__)
+Role = Literal["colocated", "prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # prefill chunk size
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+    handoff: KVExport | None = None  # prefill role: the prompt's KV, for a decode instance
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    tracker: OutputTracker
+    sampler: Sampler
+    first_token_time: float | None = None
+
+
+@dataclass
+class StepStats:
+    num_tokens: int = 0
+    num_seqs: int = 0
+    seconds: float = 0.0
+    preempted: int = 0
+    kv_stored: list[int] = field(default_factory=list)
+    kv_evicted: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, lm: LoadedModel, config: EngineConfig) -> None:
+        self.lm = lm
+        self.config = config
+        shape = PagedLlama.kv_shape(lm.model.config, config.block_size, lm.dtype)
+        num_blocks = shape.num_blocks_for(config.kv_cache_bytes)
+        self.kv = KVCache(shape, num_blocks, lm.device)
+        self.model = PagedLlama(lm.model, self.kv)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
+                                                   config.max_num_batched_tokens), self.blocks)
+        self.requests: dict[str, _Request] = {}
+        self.last_step = StepStats()
+        log.info("KV pool: %d blocks of %d tokens (%.0f MiB), native attention %s", num_blocks,
+                 config.block_size, self.kv.nbytes / 2**20, self.model.native)
+
+    # -- intake -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    salt: str = "", stop_after_first_token: bool = False) -> None:
+        self._check_fits(len(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, salt,
+                       stop_after_first_token)
+        self._register(seq)
+        self.scheduler.add(seq)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                      params: SamplingParams, kv: KVExport, emitted_text: str = "",
+                      salt: str = "") -> bool:
+        """Continue a request prefilled elsewhere; False if the pool has no room yet."""
+        self._check_fits(len(prompt_token_ids), params)
+        check_compatible(kv.meta, self.kv, self.lm.name)
+        seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
+                       len(prompt_token_ids), params, salt)
+        if not import_sequence(self.kv, self.blocks, seq, kv):
+            return False
+        req = self._register(seq)
+        req.tracker.token_ids = list(output_token_ids)
+        req.tracker.emitted_text = emitted_text
+        self.scheduler.add_running(seq)
+        return True
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens < 1:
+            raise ValueError("empty prompt")
+        if num_prompt_tokens >= self.lm.max_model_len:
+            raise ValueError(f"prompt of {num_prompt_tokens} tokens exceeds the context")
+        need = -(-(num_prompt_tokens + params.max_tokens) // self.config.block_size)
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"{num_prompt_tokens}+{params.max_tokens} tokens exceed the KV pool "
+                             f"({self.blocks.num_blocks * self.config.block_size} tokens)")
+
+    def _register(self, seq: Sequence) -> _Request:
+        if seq.request_id in self.requests:
+            raise ValueError(f"duplicate request id {seq.request_id}")
+        tracker = OutputTracker(seq.params, self._decode_text, self.lm.eos_token_ids,
+                                seq.num_prompt_tokens, self.lm.max_model_len)
+        req = _Request(seq, tracker, Sampler(seq.params))
+        self.requests[seq.request_id] = req
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req.seq)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        try:
+            sched = self.scheduler.schedule()
+        except PoolTooSmall as exc:
+            return [self._fail(exc.seq.request_id, str(exc))]
+        outputs: list[RequestOutput] = []
+        if sched.scheduled:
+            outputs = self._run(sched.scheduled)
+        stored, evicted = self.blocks.drain_events()
+        self.last_step = StepStats(sched.num_tokens, len(sched.scheduled),
+                                   time.perf_counter() - t0, len(sched.preempted), stored, evicted)
+        return outputs
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
+        batch, order = build_batch(scheduled, self.config.block_size, self.lm.device)
+        logits = self.model.forward(batch)
+        completing = [item for item in order if item.completes]
+        tokens = self._sample(completing, logits)
+        for item in order:
+            self.scheduler.postprocess(item)
+        return [self._emit(item.seq, tok) for item, tok in zip(completing, tokens)]
+
+    def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[int]:
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
+        for row, item in enumerate(items):
+            params = item.seq.params
+            if params.temperature <= 0:
+                out.append(greedy[row])
+            else:
+                req = self.requests[item.seq.request_id]
+                out.append(req.sampler.sample(logits[row], item.seq.num_output_tokens))
+        return out
+
+    def _emit(self, seq: Sequence, token: int) -> RequestOutput:
+        req = self.requests[seq.request_id]
+        seq.token_ids.append(token)
+        step = req.tracker.append(token)
+        out = RequestOutput(seq.request_id, [token], step.text, step.finish_reason,
+                            seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+        if step.finish_reason is not None:
+            self._finish(seq)
+        elif seq.stop_after_first_token:
+            out.handoff = export_sequence(self.kv, self.blocks, seq, self.lm.name)
+            self._finish(seq)
+        return out
+
+    def _finish(self, seq: Sequence) -> None:
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
+
+    def _fail(self, request_id: str, why: str) -> RequestOutput:
+        req = self.requests[request_id]
+        seq = req.seq
+        self._finish(seq)
+        return RequestOutput(request_id, [], "", FinishReason.ERROR, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_cached_tokens, error=why)
+
+    def _decode_text(self, token_ids: list[int]) -> str:
+        return self.lm.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # -- state for heartbeats and benchmarks ---------------------------------------------
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_total": self.blocks.num_blocks,
+                "kv_blocks_free": self.blocks.num_free_blocks,
+                "kv_blocks_cached": self.blocks.num_cached_blocks}

@@ -1,0 +1,144 @@
+"""Continuous-batching scheduler with chunked prefill (pure bookkeeping, no torch).
+
+Every step has a token budget (the prefill chunk size). Running sequences go first, in
+arrival order: a decoding sequence costs one token, a sequence still in its prompt gets
+the next chunk. Waiting sequences are admitted after, reusing their cached prefix. When
+the KV pool runs out, the most recently admitted running sequence is preempted: its
+blocks are freed (they stay in the prefix cache until evicted) and it waits at the head
+of the queue to be recomputed, so nothing ever runs out of memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per step: the prefill chunk size
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """After this step every known token has KV: the step yields a new token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in the pool (imported from a prefill instance)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.blocks.free(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.blocks.allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    if not self.running:
+                        raise PoolTooSmall(seq)  # alone and still short: it can never fit
+                    return budget
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            self.blocks.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.allocate(seq, n):
+                # Give the prefix blocks back while waiting: a waiting sequence holds nothing.
+                self.blocks.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                if not self.running and not out.scheduled:
+                    raise PoolTooSmall(seq)  # nothing else holds blocks: it can never fit
+                return
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+
+    def postprocess(self, item: ScheduledSeq) -> list[int]:
+        """Account for a computed step; returns the hashes of newly full blocks."""
+        item.seq.num_computed_tokens += item.num_new_tokens
+        return self.blocks.commit(item.seq)
+
+
+class PoolTooSmall(Exception):
+    """A waiting prompt needs more blocks than the whole (idle) pool has."""
+
+    def __init__(self, seq: Sequence) -> None:
+        super().__init__(f"request {seq.request_id}: {seq.num_tokens} tokens do not fit the KV pool")
+        self.seq = seq
