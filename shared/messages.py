@@ -99,7 +99,7 @@ class Placement(Message):
 
 class PrefillJob(Message):
     request: GenerateRequest
-    decode_id: str
+    decode_id: str = ""  # empty: a colocated instance decodes the request itself
 
 
 class KVHandle(BaseModel):
@@ -119,6 +119,7 @@ class DecodeJob(Message):
     output_token_ids: list[int]  # tokens already produced (the first one, by prefill)
     emitted_text: str = ""  # text already streamed, so decode continues the same detokenization
     events_sent: int = 0  # next TokenEvent index
+    cached_tokens: int = 0  # prompt tokens prefill found in its prefix cache
     first_token_time: float = 0.0
 
 

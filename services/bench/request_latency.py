@@ -42,21 +42,25 @@ async def _stack_once(url: str, model: str, prompt: str, max_tokens: int) -> dic
 
 def _inprocess(model_dir: str, dtype: str, threads: int, prompt: str, max_tokens: int,
                runs: int) -> list[dict[str, float]]:
-    from shared.engine.runner import ModelRunner, load_model
+    """transformers `generate` on the same model: TTFT is a one-token generate."""
+    import torch
+
+    from shared.engine.runner import load_model
 
     lm = load_model(model_dir, dtype, threads=threads)
-    runner = ModelRunner(lm)
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                            add_generation_prompt=True)["input_ids"]
+    x = torch.tensor([ids])
     out = []
-    for _ in range(runs + 1):  # the first run warms up
-        t0 = time.perf_counter()
-        logits, cache = runner.prefill(ids)
-        token = int(logits.argmax())
-        ttft = time.perf_counter() - t0
-        for _ in range(max_tokens - 1):
-            token = int(runner.decode_step(cache, token).argmax())
-        out.append({"ttft_s": ttft, "total_s": time.perf_counter() - t0, "tokens": max_tokens})
+    with torch.inference_mode():
+        for _ in range(runs + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            lm.model.generate(x, max_new_tokens=1, do_sample=False)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            lm.model.generate(x, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                              do_sample=False)
+            out.append({"ttft_s": ttft, "total_s": time.perf_counter() - t0, "tokens": max_tokens})
     return out[1:]
 
 

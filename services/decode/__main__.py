@@ -29,6 +29,7 @@ async def serve(settings: DecodeSettings) -> None:
         stack.callback(inst.close_engine)
         submit = await nc.subscribe(subjects.decode_submit(settings.instance_id), cb=inst.on_submit)
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
+        await inst.publish_cleared()  # a previous incarnation's blocks are gone
         worker = asyncio.create_task(inst.serve(stop))
         beat = asyncio.create_task(heartbeat_loop(nc, inst.info, settings.heartbeat_interval_s, stop))
         log.info("decode %s ready (model %s)", settings.instance_id, lm.name)
@@ -37,6 +38,7 @@ async def serve(settings: DecodeSettings) -> None:
         await submit.unsubscribe()
         await asyncio.gather(worker, beat, return_exceptions=True)
         await inst.fail_running("decode instance shut down")
+        await inst.publish_cleared()
         log.info("decode %s stopped", settings.instance_id)
 
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pydantic import Field
-
 from shared.engine.instance import WorkerSettings
 from shared.settings import parse_settings
 
 
 class DecodeSettings(WorkerSettings):
-    max_running: int = Field(64, gt=0, description="sequences decoded together at most")
+    """Decode uses the shared worker settings (pool size, batch size) as they are."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> DecodeSettings:

@@ -46,7 +46,7 @@ async def serve(settings: GatewaySettings) -> None:
         stack.push_async_callback(bus.close, nc)
         gateway = Gateway(settings, nc, records, prompts, instance_id)
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=gateway.on_heartbeat)
-        runner = web.AppRunner(make_app(gateway, settings.max_body_bytes), shutdown_timeout=30)
+        runner = web.AppRunner(make_app(gateway, settings.max_body_bytes), shutdown_timeout=15)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)  # stops intake, lets streams finish
         site = web.TCPSite(runner, settings.host, settings.port)

@@ -33,6 +33,7 @@ async def serve(settings: PrefillSettings) -> None:
         stack.callback(inst.close_engine)
         submit = await nc.subscribe(subjects.prefill_submit(settings.instance_id), cb=inst.on_submit)
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
+        await inst.publish_cleared()  # a previous incarnation's blocks are gone
         worker = asyncio.create_task(inst.serve(stop))
         beat = asyncio.create_task(heartbeat_loop(nc, inst.info, settings.heartbeat_interval_s, stop))
         log.info("prefill %s ready (model %s)", settings.instance_id, lm.name)
@@ -40,7 +41,8 @@ async def serve(settings: PrefillSettings) -> None:
         # Shut down in order: stop intake, finish the prompt in flight, let transfers drain.
         await submit.unsubscribe()
         await asyncio.gather(worker, beat, return_exceptions=True)
-        await inst.fail_queued("prefill instance shut down")
+        await inst.fail_waiting("prefill instance shut down")
+        await inst.publish_cleared()
         await _drain_transfers(sender, settings.transfer_timeout_s)
         log.info("prefill %s stopped", settings.instance_id)
 

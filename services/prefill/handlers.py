@@ -1,4 +1,8 @@
-"""Prefill: queue of jobs, one prompt at a time on the engine thread, KV offered to decode."""
+"""Prefill: prompts through the engine (chunked, prefix-cached); the first token is
+streamed, the prompt's KV is offered on the data plane and decode is told where it is.
+
+With no decode instance named in the job (colocated mode) the instance decodes too.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from shared import bus, errors, subjects
-from shared.engine.instance import EngineInstance
+from shared.engine.instance import EngineInstance, Stream
+from shared.engine.llm_engine import RequestOutput
 from shared.engine.runner import LoadedModel
-from shared.engine.sampling import Sampler
-from shared.messages import Ack, DecodeJob, KVEventKind, PrefillJob, Role
+from shared.messages import Ack, DecodeJob, PrefillJob, Role
 from shared.transfer import KVSender, TransferState
 from services.prefill.args import PrefillSettings
 
@@ -29,8 +33,8 @@ class PrefillInstance(EngineInstance):
         super().__init__(settings, nc, lm)
         self.settings: PrefillSettings = settings
         self.sender = sender
-        self.jobs: asyncio.Queue[PrefillJob] = asyncio.Queue()
-        self._releases: set[asyncio.Task] = set()
+        self.decode_for: dict[str, str] = {}
+        self._transfers: set[asyncio.Task] = set()
 
     async def on_submit(self, msg: Msg) -> None:
         try:
@@ -38,76 +42,58 @@ class PrefillInstance(EngineInstance):
         except ValueError as exc:
             await bus.respond(msg, errors.InvalidRequest(f"bad prefill job: {exc}"))
             return
-        if self.jobs.qsize() >= self.settings.max_queue:
+        req = job.request
+        if self._stats["waiting"] >= self.settings.max_queue:
             await bus.respond(msg, errors.Rejected("prefill queue is full", retry_after_s=1.0))
             return
-        self.jobs.put_nowait(job)
-        self.queue_depth = self.jobs.qsize()
+        self.streams[req.request_id] = Stream(req, 0)
+        self.decode_for[req.request_id] = job.decode_id
+        try:
+            await self.run_engine(self.engine.add_request, req.request_id, req.prompt_token_ids,
+                                  req.sampling, req.tenant, bool(job.decode_id))
+        except ValueError as exc:
+            self.streams.pop(req.request_id, None)
+            self.decode_for.pop(req.request_id, None)
+            await bus.respond(msg, errors.InvalidRequest(str(exc)))
+            return
+        self._stats = self.engine.stats()
+        self.wake()
         await bus.respond(msg, Ack())
 
-    async def serve(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                job = await asyncio.wait_for(self.jobs.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                continue
-            self.queue_depth = self.jobs.qsize()
-            if job.request.request_id in self.cancelled:
-                log.info("request %s cancelled before prefill", job.request.request_id)
-                continue
-            self.running += 1
-            try:
-                await self.process(job)
-            finally:
-                self.running -= 1
+    async def on_output(self, out: RequestOutput) -> None:
+        decode_id = self.decode_for.get(out.request_id, "")
+        stream = self.streams.get(out.request_id)
+        await self.publish_output(out)
+        if out.finish_reason is not None or out.error is not None:
+            self.decode_for.pop(out.request_id, None)
+        if out.handoff is None or stream is None:
+            return
+        self.streams.pop(out.request_id, None)
+        self.decode_for.pop(out.request_id, None)
+        await self._hand_off(out, stream, decode_id)
 
-    async def fail_queued(self, why: str) -> None:
-        """On shutdown, queued jobs end with a clear error instead of vanishing."""
-        while not self.jobs.empty():
-            job = self.jobs.get_nowait()
-            await self.publish_error(job.request, 0, "unavailable", why)
-        self.queue_depth = 0
-
-    async def process(self, job: PrefillJob) -> None:
-        req = job.request
-        next_index = 0
+    async def _hand_off(self, out: RequestOutput, stream: Stream, decode_id: str) -> None:
+        """Offer the prompt's KV on the data plane and give decode the job."""
+        assert out.handoff is not None
+        req = stream.request
+        tid = f"{req.request_id}.{uuid.uuid4().hex[:8]}"
+        handle = self.sender.offer(tid, out.handoff.meta.model_dump_json().encode(),
+                                   out.handoff.payload(), out.handoff.meta.num_tokens,
+                                   ttl_s=self.settings.transfer_timeout_s)
+        self._watch(tid)
+        job = DecodeJob(request=req, prefill_id=self.instance_id, kv=handle,
+                        output_token_ids=out.new_token_ids, emitted_text=out.text,
+                        events_sent=stream.next_index, cached_tokens=out.num_cached_tokens,
+                        first_token_time=time.time())
         try:
-            t0 = time.perf_counter()
-            logits, cache = await self.run_engine(self.runner.prefill, req.prompt_token_ids)
-            tracker = self.tracker(req)
-            token = Sampler(req.sampling).sample(logits, 0)
-            out = tracker.append(token)
-            await self.publish_tokens(req, 0, [token], out.text, out.finish_reason, tracker)
-            next_index = 1
-            log.info("request %s prefilled %d tokens in %.0f ms", req.request_id,
-                     len(req.prompt_token_ids), (time.perf_counter() - t0) * 1e3)
-            if out.finish_reason is not None:
-                return
-            meta, payload = await self.run_engine(
-                lambda: self.runner.export(cache, block_size=self.settings.block_size,
-                                           block_hashes=req.block_hashes))
-            tid = f"{req.request_id}.{uuid.uuid4().hex[:8]}"
-            handle = self.sender.offer(tid, meta.model_dump_json().encode(), payload,
-                                       meta.num_tokens, ttl_s=self.settings.transfer_timeout_s)
-            await self.publish_kv(KVEventKind.STORED, req.block_hashes, self.block_nbytes())
-            self._release_later(tid, req.block_hashes)
-            djob = DecodeJob(request=req, prefill_id=self.instance_id, kv=handle,
-                             output_token_ids=list(tracker.token_ids),
-                             emitted_text=tracker.emitted_text, events_sent=next_index,
-                             first_token_time=time.time())
-            await bus.request(self.nc, subjects.decode_submit(job.decode_id), djob, Ack,
-                              timeout_s=5.0)
+            await bus.request(self.nc, subjects.decode_submit(decode_id), job, Ack, timeout_s=5.0)
         except errors.HalfmoonError as exc:
-            await self.publish_error(req, next_index, exc.code, f"prefill: {exc.message}")
-        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the instance
-            log.exception("request %s: prefill crashed", req.request_id)
-            await self.publish_error(req, next_index, "internal_error",
-                                     f"prefill failed: {type(exc).__name__}")
+            await self.finish_with_error(req.request_id, exc.code,
+                                         f"decode {decode_id} did not take the request: {exc.message}",
+                                         stream)
 
-    def _release_later(self, transfer_id: str, hashes: list[int]) -> None:
-        """Once decode has the KV (or the offer expired), this instance no longer holds it."""
-
-        async def release() -> None:
+    def _watch(self, transfer_id: str) -> None:
+        async def watch() -> None:
             try:
                 state = await self.sender.wait(transfer_id, self.settings.transfer_timeout_s + 5)
             except asyncio.TimeoutError:
@@ -115,8 +101,13 @@ class PrefillInstance(EngineInstance):
             self.sender.states.forget(transfer_id)
             if state != TransferState.DONE:
                 log.warning("KV transfer %s ended %s", transfer_id, state)
-            await self.publish_kv(KVEventKind.REMOVED, hashes, self.block_nbytes())
 
-        task = asyncio.create_task(release())
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        task = asyncio.create_task(watch())
+        self._transfers.add(task)
+        task.add_done_callback(self._transfers.discard)
+
+    async def fail_waiting(self, why: str) -> None:
+        """On shutdown, requests not yet handed off end with a clear error."""
+        for rid in list(self.streams):
+            await self.run_engine(self.engine.abort, rid)
+            await self.finish_with_error(rid, "unavailable", why)

@@ -1,7 +1,8 @@
 """What prefill and decode instances share: settings, the engine thread, the bus side.
 
 Torch runs on one dedicated thread per instance, so the asyncio loop keeps answering
-heartbeats, cancels and transfers while a forward pass is in flight.
+heartbeats, cancels and transfers while a step is in flight. Every engine call (adding,
+aborting, stepping) goes through that one thread, which serializes them.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from nats.aio.client import Client as NATS
 from pydantic import Field
 
 from shared import subjects
-from shared.engine.output import OutputTracker
-from shared.engine.runner import LoadedModel, ModelRunner
+from shared.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from shared.engine.runner import LoadedModel
 from shared.messages import (CancelRequest, ErrorBody, FinishReason, GenerateRequest,
                              InstanceInfo, KVEvent, KVEventKind, Role, TokenEvent, Usage)
 from shared.settings import DEFAULT_MODEL_NAME, BaseSettings
@@ -34,11 +36,18 @@ class WorkerSettings(BaseSettings):
     dtype: str = Field("bfloat16", description="weights and KV dtype: float32 | bfloat16")
     device: str = Field("cpu", description="torch device: cpu | cuda")
     threads: int = Field(0, ge=0, description="torch threads for this instance (0: torch default)")
-    block_size: int = Field(16, gt=0, description="KV block size in tokens (hashing and events)")
+    block_size: int = Field(16, gt=0, le=64, description="KV block size in tokens")
+    kv_cache_gb: float = Field(1.0, gt=0, description="KV pool size in GiB")
+    max_num_seqs: int = Field(64, gt=0, description="sequences in the running batch at most")
+    chunk_tokens: int = Field(512, gt=0, description="prefill chunk: tokens computed per step at most")
     kv_host: str = Field("127.0.0.1", description="address the KV data plane binds")
     kv_advertise_host: str = Field("", description="address peers use to reach the data plane")
     kv_port: int = Field(0, ge=0, description="KV data plane port (0: any free port)")
     transfer_timeout_s: float = Field(30.0, gt=0, description="KV transfer timeout")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(block_size=self.block_size, kv_cache_bytes=int(self.kv_cache_gb * 2**30),
+                            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.chunk_tokens)
 
 
 class CancelSet:
@@ -58,6 +67,15 @@ class CancelSet:
         return request_id in self._ids
 
 
+@dataclass
+class Stream:
+    """Where a request's next token event goes, and what its final usage says."""
+
+    request: GenerateRequest
+    next_index: int
+    cached_tokens: int = 0
+
+
 class EngineInstance:
     role: Role
 
@@ -65,67 +83,119 @@ class EngineInstance:
         self.settings = settings
         self.nc = nc
         self.lm = lm
-        self.runner = ModelRunner(lm)
         self.instance_id = settings.instance_id
         self.started_at = time.time()
         self.cancelled = CancelSet()
-        self._engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.queue_depth = 0
-        self.running = 0
-        self.kv_tokens_used = 0
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.engine = LLMEngine(lm, settings.engine_config())
+        self.streams: dict[str, Stream] = {}
         self.kv_port = 0
+        self._wake = asyncio.Event()
+        self._stats = self.engine.stats()
 
     async def run_engine(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._engine, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
 
     def close_engine(self) -> None:
-        self._engine.shutdown(wait=True, cancel_futures=True)
+        self._engine_thread.shutdown(wait=True, cancel_futures=True)
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def info(self) -> InstanceInfo:
+        s = self._stats
+        used = s["kv_blocks_total"] - s["kv_blocks_free"]
         return InstanceInfo(
             instance_id=self.instance_id, role=self.role, pid=os.getpid(),
             started_at=self.started_at, kv_host=self.settings.kv_advertise_host or
-            self.settings.kv_host, kv_port=self.kv_port, queue_depth=self.queue_depth,
-            running=self.running, kv_tokens_used=self.kv_tokens_used, model=self.lm.name)
+            self.settings.kv_host, kv_port=self.kv_port, queue_depth=s["waiting"],
+            running=s["running"], kv_tokens_used=used * self.settings.block_size, model=self.lm.name)
 
+    # -- the engine loop ----------------------------------------------------------------
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Step while there is work; sleep on the wake event otherwise."""
+        while not stop.is_set():
+            await self.after_step()
+            if not self.engine.has_work():
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                outputs = await self.run_engine(self.engine.step)
+            except Exception:  # noqa: BLE001 - fail what ran, keep the instance alive
+                log.exception("engine step failed")
+                await self.fail_all("engine step failed")
+                continue
+            self._stats = self.engine.stats()
+            await self.publish_kv_events()
+            for out in outputs:
+                await self.on_output(out)
+
+    async def on_output(self, out: RequestOutput) -> None:
+        raise NotImplementedError
+
+    async def after_step(self) -> None:
+        """Hook run between steps (decode admits imports that waited for room)."""
+
+    async def fail_all(self, why: str) -> None:
+        for rid in list(self.streams):
+            await self.run_engine(self.engine.abort, rid)
+            await self.finish_with_error(rid, "internal_error", why)
+
+    # -- cancellation ---------------------------------------------------------------------
     async def on_cancel(self, msg: Any) -> None:
         req = CancelRequest.model_validate_json(msg.data)
         self.cancelled.add(req.request_id)
+        if req.request_id in self.streams:
+            self.streams.pop(req.request_id)
+            await self.run_engine(self.engine.abort, req.request_id)
+            log.info("request %s cancelled (%s)", req.request_id, req.reason)
 
-    def tracker(self, req: GenerateRequest) -> OutputTracker:
-        return OutputTracker(params=req.sampling, decode=self.runner.decode_text,
-                             eos_token_ids=self.lm.eos_token_ids,
-                             prompt_len=len(req.prompt_token_ids),
-                             max_model_len=self.lm.max_model_len)
-
-    async def publish_tokens(self, req: GenerateRequest, index: int, token_ids: list[int],
-                             text: str, finish: FinishReason | None,
-                             tracker: OutputTracker) -> None:
+    # -- publishing -----------------------------------------------------------------------
+    async def publish_output(self, out: RequestOutput) -> None:
+        stream = self.streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.error is not None:
+            await self.finish_with_error(out.request_id, "internal_error", out.error)
+            return
         usage = None
-        if finish is not None:
-            usage = Usage(prompt_tokens=len(req.prompt_token_ids),
-                          completion_tokens=tracker.completion_tokens)
-        event = TokenEvent(request_id=req.request_id, index=index, token_ids=token_ids, text=text,
-                           finish_reason=finish, usage=usage, instance_id=self.instance_id,
-                           sent_at=time.time())
-        await self.nc.publish(subjects.tokens(req.request_id), event.encode())
+        if out.finish_reason is not None:
+            usage = Usage(prompt_tokens=out.num_prompt_tokens,
+                          completion_tokens=out.num_output_tokens,
+                          cached_tokens=max(stream.cached_tokens, out.num_cached_tokens))
+            self.streams.pop(out.request_id)
+        event = TokenEvent(request_id=out.request_id, index=stream.next_index,
+                           token_ids=out.new_token_ids, text=out.text,
+                           finish_reason=out.finish_reason, usage=usage,
+                           instance_id=self.instance_id, sent_at=time.time())
+        stream.next_index += 1
+        await self.nc.publish(subjects.tokens(out.request_id), event.encode())
 
-    async def publish_error(self, req: GenerateRequest, index: int, code: str, message: str) -> None:
-        log.error("request %s failed: %s", req.request_id, message)
-        event = TokenEvent(request_id=req.request_id, index=index,
+    async def finish_with_error(self, request_id: str, code: str, message: str,
+                                stream: Stream | None = None) -> None:
+        stream = stream or self.streams.pop(request_id, None)
+        if stream is None:
+            return
+        self.streams.pop(request_id, None)
+        log.error("request %s failed: %s", request_id, message)
+        event = TokenEvent(request_id=request_id, index=stream.next_index,
                            finish_reason=FinishReason.ERROR, instance_id=self.instance_id,
                            error=ErrorBody(code=code, message=message), sent_at=time.time())
-        await self.nc.publish(subjects.tokens(req.request_id), event.encode())
+        await self.nc.publish(subjects.tokens(request_id), event.encode())
 
-    async def publish_kv(self, kind: KVEventKind, hashes: list[int], block_nbytes: int) -> None:
-        if not hashes and kind != KVEventKind.CLEARED:
-            return
-        event = KVEvent(kind=kind, instance_id=self.instance_id, block_hashes=hashes,
-                        block_nbytes=block_nbytes, sent_at=time.time())
+    async def publish_kv_events(self) -> None:
+        step = self.engine.last_step
+        for kind, hashes in ((KVEventKind.STORED, step.kv_stored),
+                             (KVEventKind.REMOVED, step.kv_evicted)):
+            if hashes:
+                event = KVEvent(kind=kind, instance_id=self.instance_id, block_hashes=hashes,
+                                block_nbytes=self.engine.kv.shape.block_nbytes, sent_at=time.time())
+                await self.nc.publish(subjects.KV_EVENTS, event.encode())
+
+    async def publish_cleared(self) -> None:
+        event = KVEvent(kind=KVEventKind.CLEARED, instance_id=self.instance_id, sent_at=time.time())
         await self.nc.publish(subjects.KV_EVENTS, event.encode())
-
-    def block_nbytes(self) -> int:
-        cfg = self.lm.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim
-        return per_token * self.settings.block_size * self.lm.dtype.itemsize

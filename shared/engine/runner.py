@@ -1,8 +1,4 @@
-"""Model runner: the only engine code that touches tensors.
-
-Wraps a transformers causal LM (Llama family). Every method is synchronous and meant to
-run on the instance's single engine thread, so the asyncio loop never blocks on torch.
-"""
+"""Loading a transformers causal LM (Llama family) and its tokenizer for the engine."""
 
 from __future__ import annotations
 
@@ -12,10 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from shared.engine.kv_codec import KVMeta, check_compatible, export_cache, import_cache
 
 log = logging.getLogger(__name__)
 
@@ -64,35 +59,3 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     return LoadedModel(name=name or path.name, model=model, tokenizer=tok, dtype=DTYPES[dtype],
                        device=device, max_model_len=int(cfg.max_position_embeddings),
                        eos_token_ids=eos_ids(path, tok, cfg))
-
-
-class ModelRunner:
-    """Prefill and single-sequence decode over a transformers DynamicCache."""
-
-    def __init__(self, lm: LoadedModel) -> None:
-        self.lm = lm
-
-    @torch.inference_mode()
-    def prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, DynamicCache]:
-        """Run the prompt; returns the last position's logits and the prompt's KV."""
-        cache = DynamicCache(config=self.lm.model.config)
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.lm.device)
-        out = self.lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float(), cache
-
-    @torch.inference_mode()
-    def decode_step(self, cache: DynamicCache, token_id: int) -> torch.Tensor:
-        """Feed one token; the cache grows by one position."""
-        ids = torch.tensor([[token_id]], dtype=torch.long, device=self.lm.device)
-        out = self.lm.model(input_ids=ids, cache=cache, use_cache=True)
-        return out.logits[0, -1].float()
-
-    def export(self, cache: DynamicCache, **extra: object) -> tuple[KVMeta, memoryview]:
-        return export_cache(cache, self.lm.name, **extra)
-
-    def import_(self, meta: KVMeta, payload: bytes | memoryview) -> DynamicCache:
-        check_compatible(meta, self.lm.name, self.lm.dtype, self.lm.num_layers)
-        return import_cache(meta, payload, self.lm.model.config, self.lm.device)
-
-    def decode_text(self, token_ids: list[int]) -> str:
-        return self.lm.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -81,7 +81,8 @@ async def test_streaming_greedy_matches_transformers(stack, reference):
         assert len(finals) == 1
         usage = chunks[-1]["usage"]
         assert usage["completion_tokens"] == len(ref_ids)
-        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached % 16 == 0 and 0 <= cached < usage["prompt_tokens"]  # whole blocks only
         expected = "stop" if len(ref_ids) < 48 else "length"
         assert finals[0]["choices"][0]["finish_reason"] == expected
 
@@ -131,6 +132,17 @@ async def test_every_request_has_one_terminal_record(stack):
         assert open_rows == []
     finally:
         await engine.dispose()
+
+
+async def test_repeated_prompt_reuses_the_prefix_cache(stack, reference):
+    prompt = "Summarize the plot of Romeo and Juliet in two sentences. " * 3
+    _, first = await stream_chat(stack.url, prompt, 16)
+    text, second = await stream_chat(stack.url, prompt, 16)
+    assert text == reference(prompt, 16)[1]  # reuse changes nothing in the output
+    prompt_tokens = second[-1]["usage"]["prompt_tokens"]
+    cached = second[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # every full block but the one holding the last prompt token comes from the cache
+    assert cached == (prompt_tokens - 1) // 16 * 16 > first[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 async def test_seeded_sampling_is_reproducible(stack):
