@@ -71,7 +71,7 @@ def _kv(argv: list[str]) -> int:
     return int(replay.main(argv[1:]) or 0)
 
 
-BENCHES = {"request": "services.bench.request_latency"}
+BENCHES = {"request": "services.bench.request_latency", "engine": "services.bench.engine_bench"}
 
 
 def _bench(argv: list[str]) -> int:
@@ -98,6 +98,7 @@ commands:
   db upgrade|downgrade [REV]   apply or roll back migrations
   kv replay          replay a Mooncake trace through the KV index and eviction code
   bench request      one request's latency through the stack vs in-process
+  bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
 
 `halfmoon <command> --help` shows each command's flags (every flag has a HALFMOON_ env var).
 """

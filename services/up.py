@@ -79,8 +79,10 @@ class Cluster:
                    PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         return env
 
-    async def _spawn(self, name: str, role: str, args: list[str]) -> None:
-        proc = await asyncio.create_subprocess_exec(sys.executable, *args, env=self._env(),
+    async def _spawn(self, name: str, role: str, args: list[str],
+                     env: dict[str, str] | None = None) -> None:
+        proc = await asyncio.create_subprocess_exec(sys.executable, *args,
+                                                    env={**self._env(), **(env or {})},
                                                     preexec_fn=child_preexec)
         self.children.append(Child(name, role, proc))
 
@@ -105,7 +107,8 @@ class Cluster:
             await self._spawn("console", "console", [
                 "-m", "streamlit", "run", str(app), "--server.headless", "true",
                 "--server.address", self.s.host, "--server.port", str(self.s.console_port),
-                "--browser.gatherUsageStats", "false"])
+                "--browser.gatherUsageStats", "false"],
+                env={"HALFMOON_GATEWAY_URL": f"http://{self.s.host}:{self.s.port}"})
 
     async def wait_ready(self, stop: asyncio.Event) -> bool:
         seen: dict[str, str] = {}
