@@ -100,6 +100,9 @@ class Placement(Message):
 class PrefillJob(Message):
     request: GenerateRequest
     decode_id: str = ""  # empty: a colocated instance decodes the request itself
+    # Cache load balancing: pull this many prefix blocks from another instance first.
+    prefix_from: str = ""
+    prefix_blocks: int = 0
 
 
 class KVHandle(BaseModel):
@@ -110,6 +113,11 @@ class KVHandle(BaseModel):
     port: int
     nbytes: int
     num_tokens: int
+    # Shared memory (shared.transfer.shm): a receiver whose host_id matches maps the
+    # segment instead of streaming it; anyone else fetches the same transfer over TCP.
+    transport: Literal["tcp", "shm"] = "tcp"
+    shm_name: str = ""  # empty: the sender writes the segment when a receiver asks
+    host_id: str = ""
 
 
 class DecodeJob(Message):
@@ -160,6 +168,17 @@ class KVEvent(Message):
     block_hashes: list[int] = Field(default_factory=list)
     block_nbytes: int = 0
     sent_at: float = 0.0
+
+
+class KVExportRequest(Message):
+    """Ask an instance to offer the cached blocks of a prefix on its data plane."""
+
+    block_hashes: list[int]
+
+
+class KVExportReply(Message):
+    handle: KVHandle
+    num_blocks: int
 
 
 class KVMatchRequest(Message):

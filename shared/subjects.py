@@ -36,6 +36,11 @@ def decode_submit(instance_id: str) -> str:
     return f"{PREFIX}.decode.{instance_id}.submit"
 
 
+def kv_export(instance_id: str) -> str:
+    """Request/reply: offer cached prefix blocks for a pull by another instance."""
+    return f"{PREFIX}.kv.{instance_id}.export"
+
+
 def tokens(request_id: str) -> str:
     """Per-request token stream: prefill publishes the first token, decode the rest."""
     return f"{PREFIX}.tokens.{request_id}"

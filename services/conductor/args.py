@@ -15,6 +15,9 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
         "least_loaded", description="placement policy")
     heartbeat_expiry_s: float = Field(3.0, gt=0, description="an instance silent this long is dead")
     dispatch_timeout_s: float = Field(5.0, gt=0, description="wait for a prefill instance to take a job")
+    kv_match_timeout_s: float = Field(0.2, gt=0, description="wait for the KV manager's prefix match")
+    min_pull_blocks: int = Field(2, ge=1, description="pull a prefix from another instance when it "
+                                 "holds at least this many more blocks")
     instance_record_interval_s: float = Field(5.0, gt=0, description="SQL refresh of instance rows")
 
 

@@ -10,7 +10,8 @@ from nats.aio.msg import Msg
 
 from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
-from shared.messages import Ack, GenerateRequest, InstanceInfo, Placement, PrefillJob, Role
+from shared.messages import (Ack, GenerateRequest, InstanceInfo, KVMatchReply, KVMatchRequest,
+                             Placement, PrefillJob, Role)
 from services.conductor.args import ConductorSettings
 from services.conductor.placement import make_policy
 from services.conductor.registry import InstanceState, Registry
@@ -79,10 +80,11 @@ class Conductor:
         if not decodes or not prefills:
             raise errors.Unavailable("no live prefill and decode instances", retry_after_s=2.0)
         decode = decodes[0]
+        matches = await self._prefix_matches(req)
         last_error: errors.HalfmoonError | None = None
         for prefill in prefills:
             try:
-                await self._dispatch(req, prefill, decode)
+                await self._dispatch(req, prefill, decode, matches, prefills)
             except errors.HalfmoonError as exc:
                 log.warning("request %s: prefill %s refused: %s", req.request_id,
                             prefill.info.instance_id, exc.message)
@@ -94,9 +96,36 @@ class Conductor:
         assert last_error is not None
         raise last_error
 
+    async def _prefix_matches(self, req: GenerateRequest) -> dict[str, int]:
+        """Cached prefix length (blocks) per instance, from the KV manager; {} if it is away."""
+        if not req.block_hashes:
+            return {}
+        try:
+            reply = await bus.request(self.nc, subjects.KV_MATCH,
+                                      KVMatchRequest(block_hashes=req.block_hashes), KVMatchReply,
+                                      timeout_s=self.settings.kv_match_timeout_s)
+        except errors.HalfmoonError as exc:
+            log.debug("request %s: no prefix match (%s)", req.request_id, exc.message)
+            return {}
+        return reply.matches
+
+    def _pull_hint(self, prefill: InstanceState, matches: dict[str, int],
+                   prefills: list[InstanceState]) -> tuple[str, int]:
+        """Where to pull prefix blocks from, if another prefill holds clearly more of it."""
+        local = matches.get(prefill.info.instance_id, 0)
+        holders = [(matches.get(p.info.instance_id, 0), p.info.instance_id) for p in prefills
+                   if p is not prefill]
+        best, holder = max(holders, default=(0, ""))
+        if best - local >= self.settings.min_pull_blocks:
+            return holder, best
+        return "", 0
+
     async def _dispatch(self, req: GenerateRequest, prefill: InstanceState,
-                        decode: InstanceState) -> None:
-        job = PrefillJob(request=req, decode_id=decode.info.instance_id)
+                        decode: InstanceState, matches: dict[str, int],
+                        prefills: list[InstanceState]) -> None:
+        source, blocks = self._pull_hint(prefill, matches, prefills)
+        job = PrefillJob(request=req, decode_id=decode.info.instance_id, prefix_from=source,
+                         prefix_blocks=blocks)
         await bus.request(self.nc, subjects.prefill_submit(prefill.info.instance_id), job, Ack,
                           timeout_s=self.settings.dispatch_timeout_s)
         self.registry.dispatched(prefill.info.instance_id)

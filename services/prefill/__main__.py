@@ -10,7 +10,7 @@ from typing import Sequence
 from shared import bus, subjects
 from shared.engine.bootstrap import load_for, with_instance_id
 from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
-from shared.transfer.tcp import TcpKVSender
+from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 from services.prefill.args import PrefillSettings, parse_args
 from services.prefill.handlers import PrefillInstance
 
@@ -28,11 +28,12 @@ async def serve(settings: PrefillSettings) -> None:
         sender = TcpKVSender(settings.kv_host, settings.kv_port, settings.kv_advertise_host)
         await sender.start()
         stack.push_async_callback(sender.close)
-        inst = PrefillInstance(settings, nc, lm, sender)
+        inst = PrefillInstance(settings, nc, lm, sender, TcpKVReceiver())
         inst.kv_port = sender.port
         stack.callback(inst.close_engine)
         submit = await nc.subscribe(subjects.prefill_submit(settings.instance_id), cb=inst.on_submit)
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
+        await nc.subscribe(subjects.kv_export(settings.instance_id), cb=inst.on_export)
         await inst.publish_cleared()  # a previous incarnation's blocks are gone
         worker = asyncio.create_task(inst.serve(stop))
         beat = asyncio.create_task(heartbeat_loop(nc, inst.info, settings.heartbeat_interval_s, stop))

@@ -18,8 +18,9 @@ from shared import bus, errors, subjects
 from shared.engine.instance import EngineInstance, Stream
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.runner import LoadedModel
-from shared.messages import Ack, DecodeJob, PrefillJob, Role
-from shared.transfer import KVSender, TransferState
+from shared.engine.kv_transfer import KVExport, KVMeta
+from shared.messages import Ack, DecodeJob, KVExportReply, KVExportRequest, PrefillJob, Role
+from shared.transfer import KVReceiver, KVSender, TransferFailed, TransferState
 from services.prefill.args import PrefillSettings
 
 log = logging.getLogger(__name__)
@@ -29,10 +30,11 @@ class PrefillInstance(EngineInstance):
     role = Role.PREFILL
 
     def __init__(self, settings: PrefillSettings, nc: NATS, lm: LoadedModel,
-                 sender: KVSender) -> None:
+                 sender: KVSender, receiver: KVReceiver) -> None:
         super().__init__(settings, nc, lm)
         self.settings: PrefillSettings = settings
         self.sender = sender
+        self.receiver = receiver
         self.decode_for: dict[str, str] = {}
         self._transfers: set[asyncio.Task] = set()
 
@@ -48,17 +50,65 @@ class PrefillInstance(EngineInstance):
             return
         self.streams[req.request_id] = Stream(req, 0)
         self.decode_for[req.request_id] = job.decode_id
+        await bus.respond(msg, Ack())
+        if job.prefix_from and job.prefix_from != self.instance_id and job.prefix_blocks > 0:
+            task = asyncio.create_task(self._pull_then_add(job))
+            self._transfers.add(task)
+            task.add_done_callback(self._transfers.discard)
+        else:
+            await self._add(job)
+
+    async def _add(self, job: PrefillJob) -> None:
+        req = job.request
+        if req.request_id not in self.streams:  # cancelled meanwhile
+            return
         try:
             await self.run_engine(self.engine.add_request, req.request_id, req.prompt_token_ids,
                                   req.sampling, req.tenant, bool(job.decode_id))
         except ValueError as exc:
-            self.streams.pop(req.request_id, None)
             self.decode_for.pop(req.request_id, None)
-            await bus.respond(msg, errors.InvalidRequest(str(exc)))
+            await self.finish_with_error(req.request_id, "invalid_request", str(exc))
             return
         self._stats = self.engine.stats()
         self.wake()
-        await bus.respond(msg, Ack())
+
+    async def _pull_then_add(self, job: PrefillJob) -> None:
+        """Fetch the prefix blocks another instance holds; on any failure just recompute."""
+        req = job.request
+        hashes = req.block_hashes[:job.prefix_blocks]
+        try:
+            reply = await bus.request(self.nc, subjects.kv_export(job.prefix_from),
+                                      KVExportRequest(block_hashes=hashes), KVExportReply,
+                                      timeout_s=2.0)
+            meta_bytes, payload = await self.receiver.fetch(reply.handle,
+                                                            self.settings.transfer_timeout_s)
+            export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
+            n = await self.run_engine(self.engine.import_prefix, req.prompt_token_ids, export,
+                                      req.tenant)
+            log.info("request %s: pulled %d prefix tokens from %s", req.request_id, n,
+                     job.prefix_from)
+        except (errors.HalfmoonError, TransferFailed, ValueError) as exc:
+            log.warning("request %s: prefix pull from %s failed (%s); recomputing",
+                        req.request_id, job.prefix_from, exc)
+        await self._add(job)
+
+    async def on_export(self, msg: Msg) -> None:
+        """Another instance wants our cached blocks of a prefix: offer them for a pull."""
+        try:
+            req = KVExportRequest.model_validate_json(msg.data)
+            export = await self.run_engine(self.engine.export_prefix, req.block_hashes)
+        except ValueError as exc:
+            await bus.respond(msg, errors.InvalidRequest(f"bad export request: {exc}"))
+            return
+        if export is None:
+            await bus.respond(msg, errors.HalfmoonError("none of those blocks is cached here",
+                                                        code="not_cached"))
+            return
+        tid = f"export.{uuid.uuid4().hex[:12]}"
+        handle = self.sender.offer(tid, export.meta.model_dump_json().encode(), export.payload(),
+                                   export.meta.num_tokens, ttl_s=self.settings.transfer_timeout_s)
+        self._watch(tid)
+        await bus.respond(msg, KVExportReply(handle=handle, num_blocks=export.meta.num_blocks))
 
     async def on_output(self, out: RequestOutput) -> None:
         decode_id = self.decode_for.get(out.request_id, "")

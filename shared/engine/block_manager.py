@@ -105,6 +105,16 @@ class BlockManager:
             parent = h
         return new
 
+    def cached_chain(self, hashes: list[int]) -> list[int]:
+        """Block ids of the longest leading run of `hashes` this pool has cached."""
+        out: list[int] = []
+        for h in hashes:
+            block_id = self._by_hash.get(h)
+            if block_id is None:
+                break
+            out.append(block_id)
+        return out
+
     # -- allocation ---------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Blocks for `num_new_tokens` more tokens; False (nothing taken) if the pool is short."""

@@ -64,6 +64,19 @@ def export_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, model: str
     return KVExport(meta, kv.export_blocks(seq.block_table[:n_blocks]))
 
 
+def export_cached(kv: KVCache, blocks: BlockManager, hashes: list[int], model: str
+                  ) -> KVExport | None:
+    """The cached blocks of the longest leading run of `hashes` (for another instance)."""
+    block_ids = blocks.cached_chain(hashes)
+    if not block_ids:
+        return None
+    n, s = len(block_ids), kv.shape
+    meta = KVMeta(model=model, dtype=_dtype_name(s.dtype), num_layers=s.num_layers,
+                  num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, block_size=s.block_size,
+                  num_tokens=n * s.block_size, num_blocks=n, block_hashes=list(hashes[:n]))
+    return KVExport(meta, kv.export_blocks(block_ids))
+
+
 def check_compatible(meta: KVMeta, kv: KVCache, model: str) -> None:
     s = kv.shape
     mine = (model, _dtype_name(s.dtype), s.num_layers, s.num_kv_heads, s.head_dim, s.block_size,

@@ -16,14 +16,15 @@ import torch
 from shared.engine.batch import build_batch
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache
-from shared.engine.kv_transfer import (KVExport, check_compatible, export_sequence,
-                                       import_sequence)
+from shared.engine.kv_transfer import (KVExport, check_compatible, export_cached,
+                                       export_sequence, import_sequence)
 from shared.engine.model import PagedLlama
 from shared.engine.output import OutputTracker
 from shared.engine.runner import LoadedModel
 from shared.engine.sampling import Sampler
 from shared.engine.scheduler import PoolTooSmall, ScheduledSeq, Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence
+from shared.hashing import block_hashes
 from shared.messages import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,28 @@ class LLMEngine:
         req.tracker.emitted_text = emitted_text
         self.scheduler.add_running(seq)
         return True
+
+    def export_prefix(self, hashes: list[int]) -> KVExport | None:
+        """Cached blocks of a prefix, for an instance that wants to reuse them."""
+        return export_cached(self.kv, self.blocks, hashes, self.lm.name)
+
+    def import_prefix(self, token_ids: list[int], export: KVExport, salt: str = "") -> int:
+        """Add pulled prefix blocks to this pool's prefix cache; returns the tokens they cover.
+
+        The hashes must be those of `token_ids` (same tokens, same tenant): blocks from
+        elsewhere are never trusted blindly. 0 when the pool has no room right now.
+        """
+        check_compatible(export.meta, self.kv, self.lm.name)
+        n_tokens = export.meta.num_blocks * self.config.block_size
+        expected = block_hashes(token_ids[:n_tokens], self.config.block_size, salt)
+        if export.meta.block_hashes != expected or len(expected) != export.meta.num_blocks:
+            raise ValueError("pulled KV blocks do not match this prompt's prefix hashes")
+        seq = Sequence(f"import:{expected[-1]:x}", list(token_ids[:n_tokens]), n_tokens,
+                       SamplingParams(max_tokens=1), salt)
+        if not import_sequence(self.kv, self.blocks, seq, export):
+            return 0
+        self.blocks.free(seq)  # unreferenced but cached: the next match_prefix finds them
+        return n_tokens
 
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         if num_prompt_tokens < 1:

@@ -1,0 +1,79 @@
+"""Cross-instance reuse: a conversation's second turn, placed on the other prefill
+instance, pulls its prefix blocks from the first instead of recomputing them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import torch
+from sqlalchemy import select
+
+from shared.db.schema import RequestRecord
+from shared.db.session import make_engine, sessionmaker
+from shared.engine.runner import load_model
+from tests.conftest import make_database
+from tests.e2e.conftest import start_stack, stop_stack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+MODEL = "SmolLM2-135M-Instruct"
+STORY = ("The lighthouse keeper wrote in his log every night. He noted the wind, the ships, "
+         "the color of the sea and the names of the birds that rested on the rail. ") * 6
+
+
+async def chat(url: str, messages: list[dict]) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+
+async def placed_on(database_url: str, request_id: str) -> str:
+    engine = make_engine(database_url)
+    try:
+        for _ in range(50):
+            async with sessionmaker(engine)() as s:
+                row = (await s.execute(select(RequestRecord).where(
+                    RequestRecord.id == request_id))).scalar_one_or_none()
+            if row is not None and row.prefill_instance:
+                return row.prefill_instance
+            await asyncio.sleep(0.1)
+    finally:
+        await engine.dispose()
+    raise AssertionError(f"no record for {request_id}")
+
+
+@pytest.fixture
+def two_prefill_stack(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("HALFMOON_POLICY", "round_robin")  # turn 2 lands on the other instance
+    url, _ = make_database("sqlite", tmp_path)
+    stack = start_stack(tmp_path, model_dir, url, ["--dtype", "float32", "--prefill", "2"])
+    yield stack
+    assert stop_stack(stack) == 0
+
+
+async def test_second_turn_on_other_instance_pulls_the_prefix(two_prefill_stack, model_dir):
+    stack = two_prefill_stack
+    turn1 = [{"role": "user", "content": STORY + "What did he write about?"}]
+    first = await chat(stack.url, turn1)
+    await asyncio.sleep(0.5)  # the KV manager indexes turn 1's blocks
+    turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And what about the birds?"}]
+    second = await chat(stack.url, turn2)
+
+    on1 = await placed_on(stack.database_url, first["id"])
+    on2 = await placed_on(stack.database_url, second["id"])
+    assert on1 != on2, "round robin should put turn 2 on the other prefill instance"
+    prompt1 = first["usage"]["prompt_tokens"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= prompt1 // 16 * 16 - 16, (cached, prompt1)  # turn 1's blocks came over
+    assert "pulled" in stack.log() and "prefix tokens from" in stack.log()
+
+    lm = load_model(model_dir, "float32", threads=1)
+    ids = lm.tokenizer.apply_chat_template(turn2, add_generation_prompt=True)["input_ids"]
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    cold = lm.tokenizer.decode(out[0][len(ids):], skip_special_tokens=True)
+    assert second["choices"][0]["message"]["content"] == cold
