@@ -83,24 +83,32 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # Decoding sequences first, whatever their admission order: a long prompt's chunk
+        # must never hold back another sequence's next token.
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget <= 0:
+                break
+            if seq.status != SeqStatus.RUNNING:
+                continue  # preempted earlier in this step
             n = min(seq.num_uncomputed_tokens, budget)
-            if n <= 0:
-                i += 1
+            if not self._allocate_or_preempt(seq, n, out):
                 continue
-            while not self.blocks.allocate(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
-                    if not self.running:
-                        raise PoolTooSmall(seq)  # alone and still short: it can never fit
-                    return budget
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-            i += 1
         return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for `seq`, preempting the newest running sequences; False if `seq` went."""
+        while not self.blocks.allocate(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                if not self.running:
+                    raise PoolTooSmall(seq)  # alone and still short: it can never fit
+                return False
+        return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -88,3 +88,16 @@ def test_finish_frees_blocks():
     run_step(sched)
     sched.finish(s)
     assert bm.num_free_blocks == bm.num_blocks and not sched.has_work()
+
+
+def test_a_long_prefill_never_starves_decodes():
+    sched, _ = make(chunk=8)
+    b = seq("b", 3)
+    sched.add(b)
+    run_step(sched)  # b is decoding
+    a = seq("a", 40, start=100)
+    sched.running.insert(0, a)  # admitted "before" b in list order, still prefilling
+    a.status = b.status
+    for _ in range(3):
+        names = [(i.seq.request_id, i.num_new_tokens) for i in run_step(sched).scheduled]
+        assert names[0] == ("b", 1) and ("a", 7) in names
