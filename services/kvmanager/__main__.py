@@ -15,6 +15,7 @@ from shared.lifecycle import (heartbeat_loop, install_stop_signals, new_instance
 from shared.messages import InstanceInfo, Role
 from services.kvmanager.args import KVManagerSettings, parse_args
 from services.kvmanager.handlers import KVManager
+from services.kvmanager.stream import ensure_stream, replay_and_follow
 
 log = logging.getLogger("services.kvmanager")
 
@@ -29,7 +30,8 @@ async def serve(settings: KVManagerSettings) -> None:
         nc = await bus.connect(settings, instance_id)
         stack.push_async_callback(bus.close, nc)
         manager = KVManager()
-        await nc.subscribe(subjects.KV_EVENTS, cb=manager.on_event)
+        await ensure_stream(nc, settings.stream_max_age_s, settings.stream_max_bytes)
+        await replay_and_follow(nc, manager.on_event)
         await nc.subscribe(subjects.KV_MATCH, queue=subjects.KVMANAGER_QUEUE, cb=manager.on_match)
         info = lambda: InstanceInfo(instance_id=instance_id, role=Role.KVMANAGER,  # noqa: E731
                                     pid=os.getpid(), started_at=started)

@@ -11,6 +11,8 @@ from shared.settings import BaseSettings, parse_settings
 
 class KVManagerSettings(BaseSettings):
     instance_id: str = Field("", description="instance id (empty: generated)")
+    stream_max_age_s: float = Field(24 * 3600.0, gt=0, description="KV event stream retention")
+    stream_max_bytes: int = Field(1 << 30, gt=0, description="KV event stream size limit")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> KVManagerSettings:

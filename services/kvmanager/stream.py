@@ -1,0 +1,47 @@
+"""The KV event stream: JetStream keeps every instance's stored/removed/cleared events so
+a restarted KV manager (or a second one) rebuilds the index by replaying them.
+
+Instances publish plain core-NATS messages on the subject; the stream captures them.
+Each instance publishes `cleared` when it starts, so a replay from the beginning ends in
+the right state even for instances that restarted. The stream is bounded by age and size:
+if old events fall off, the rebuilt index can only miss blocks (fewer hits, a pull that
+finds nothing and recomputes), never invent a wrong one (pulled blocks are hash-checked).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.aio.client import Client as NATS
+from nats.js.api import DeliverPolicy, StreamConfig
+from nats.js.errors import BadRequestError
+
+from shared import subjects
+
+log = logging.getLogger(__name__)
+
+STREAM = "HALFMOON_KV"
+
+
+def stream_config(max_age_s: float, max_bytes: int) -> StreamConfig:
+    return StreamConfig(name=STREAM, subjects=[subjects.KV_EVENTS], max_age=max_age_s,
+                        max_bytes=max_bytes)
+
+
+async def ensure_stream(nc: NATS, max_age_s: float, max_bytes: int) -> None:
+    js = nc.jetstream()
+    config = stream_config(max_age_s, max_bytes)
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        # Exists with other limits (an older deployment): bring them up to date.
+        await js.update_stream(config)
+
+
+async def replay_and_follow(nc: NATS, cb) -> object:  # type: ignore[no-untyped-def]
+    """An ordered consumer from the first stored event on: the replay, then live events."""
+    js = nc.jetstream()
+    info = await js.stream_info(STREAM)
+    log.info("replaying %d KV events from stream %s", info.state.messages, STREAM)
+    return await js.subscribe(subjects.KV_EVENTS, stream=STREAM, cb=cb, ordered_consumer=True,
+                              deliver_policy=DeliverPolicy.ALL)
