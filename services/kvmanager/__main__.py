@@ -13,6 +13,8 @@ from shared import bus, subjects
 from shared.lifecycle import (heartbeat_loop, install_stop_signals, new_instance_id, run_main,
                               setup_logging)
 from shared.messages import InstanceInfo, Role
+from shared.db.kv_records import KVBlockWriter, load_blocks
+from shared.db.session import make_engine
 from services.kvmanager.args import KVManagerSettings, parse_args
 from services.kvmanager.handlers import KVManager
 from services.kvmanager.stream import ensure_stream, replay_and_follow
@@ -27,9 +29,18 @@ async def serve(settings: KVManagerSettings) -> None:
     install_stop_signals(stop)
     started = time.time()
     async with contextlib.AsyncExitStack() as stack:
+        engine = make_engine(settings.database_url)
+        stack.push_async_callback(engine.dispose)
+        records = KVBlockWriter(engine, settings.metadata_flush_s)
+        manager = KVManager(records)
+        try:
+            manager.restore(await load_blocks(engine))
+        except Exception as exc:  # noqa: BLE001 - the stream alone can rebuild the index
+            log.warning("cache metadata not loaded from SQL: %s", exc)
+        await records.start()
+        stack.push_async_callback(records.close)
         nc = await bus.connect(settings, instance_id)
         stack.push_async_callback(bus.close, nc)
-        manager = KVManager()
         await ensure_stream(nc, settings.stream_max_age_s, settings.stream_max_bytes)
         await replay_and_follow(nc, manager.on_event)
         await nc.subscribe(subjects.KV_MATCH, queue=subjects.KVMANAGER_QUEUE, cb=manager.on_match)

@@ -6,13 +6,14 @@ from typing import Sequence
 
 from pydantic import Field
 
-from shared.settings import BaseSettings, parse_settings
+from shared.settings import BaseSettings, DatabaseSettings, parse_settings
 
 
-class KVManagerSettings(BaseSettings):
+class KVManagerSettings(BaseSettings, DatabaseSettings):
     instance_id: str = Field("", description="instance id (empty: generated)")
     stream_max_age_s: float = Field(24 * 3600.0, gt=0, description="KV event stream retention")
     stream_max_bytes: int = Field(1 << 30, gt=0, description="KV event stream size limit")
+    metadata_flush_s: float = Field(1.0, gt=0, description="seconds between kv_blocks SQL flushes")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> KVManagerSettings:

@@ -10,23 +10,38 @@ from nats.aio.msg import Msg
 from shared import bus, errors
 from shared.messages import KVEvent, KVEventKind, KVMatchReply, KVMatchRequest
 from services.kvmanager.index import KVIndex
+from shared.db.kv_records import KVBlockWriter
 
 log = logging.getLogger(__name__)
 
 
 class KVManager:
-    def __init__(self) -> None:
+    def __init__(self, records: KVBlockWriter | None = None) -> None:
         self.index = KVIndex()
+        self.records = records
         self.events_applied = 0
+        self.match_queries = 0
+
+    def restore(self, rows: list[tuple[int, str, str, int, float]]) -> None:
+        """Seed the index from SQL before the stream replay (events are idempotent)."""
+        for h, instance, tier, nbytes, last_access in rows:
+            self.index.stored(instance, tier, [h], nbytes, last_access)
 
     def apply(self, event: KVEvent, now: float) -> None:
+        rec = self.records
         if event.kind == KVEventKind.STORED:
             self.index.stored(event.instance_id, event.tier, event.block_hashes,
                               event.block_nbytes, now)
+            if rec:
+                rec.stored(event.instance_id, event.tier, event.block_hashes, event.block_nbytes, now)
         elif event.kind == KVEventKind.REMOVED:
             self.index.removed(event.instance_id, event.tier, event.block_hashes)
+            if rec:
+                rec.removed(event.instance_id, event.tier, event.block_hashes)
         else:
             self.index.cleared(event.instance_id)
+            if rec:
+                rec.cleared(event.instance_id)
         self.events_applied += 1
 
     async def on_event(self, msg: Msg) -> None:
@@ -44,4 +59,12 @@ class KVManager:
             await bus.respond(msg, errors.InvalidRequest(f"bad match request: {exc}"))
             return
         match = self.index.match(req.block_hashes)
-        await bus.respond(msg, KVMatchReply(matches=dict(match.per_instance)))
+        self.match_queries += 1
+        best, n = match.best()
+        if best is not None and n:
+            now = time.time()
+            self.index.touch(req.block_hashes[:n], now)
+            if self.records:
+                self.records.hit(best, "dram", req.block_hashes[:n], now)
+        await bus.respond(msg, KVMatchReply(matches={str(k): v for k, v in
+                                                     match.per_instance.items()}))

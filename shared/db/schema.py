@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from sqlalchemy import JSON, Float, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Float, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -62,6 +62,20 @@ class InstanceRecord(Base):
     started_at: Mapped[float] = mapped_column(Float)
     last_heartbeat: Mapped[float] = mapped_column(Float)
     info: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+class KVBlockRecord(Base):
+    """Cache metadata: one row per (block, instance, tier) the KV manager knows of."""
+
+    __tablename__ = "kv_blocks"
+
+    block_hash: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # shared.hashing.to_signed
+    instance_id: Mapped[str] = mapped_column(String(128), primary_key=True, index=True)
+    tier: Mapped[str] = mapped_column(String(8), primary_key=True)
+    nbytes: Mapped[int] = mapped_column(Integer)
+    created: Mapped[float] = mapped_column(Float)
+    last_access: Mapped[float] = mapped_column(Float)
+    hit_count: Mapped[int] = mapped_column(Integer, default=0)
 
 
 Index("ix_requests_status_arrival", RequestRecord.status, RequestRecord.arrival_time)
