@@ -37,6 +37,10 @@ class BlockManager:
         # Hashes registered / evicted since the last drain: the instance's KV events.
         self._stored_log: list[int] = []
         self._evicted_log: list[int] = []
+        # Evicted blocks whose data is still in place until the caller writes over it:
+        # (hash, block id, tokens), for spilling to a lower tier. Only kept when asked.
+        self.keep_spills = False
+        self._spills: list[tuple[int, int, tuple[int, ...]]] = []
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -153,7 +157,14 @@ class BlockManager:
                 del self._by_hash[block.block_hash]
                 self.num_evictions += 1
                 self._evicted_log.append(block.block_hash)
+                if self.keep_spills:
+                    self._spills.append((block.block_hash, block_id, block.token_ids))
             block.block_hash, block.token_ids = None, ()
+
+    def take_spills(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Blocks evicted since the last call; read their data before it is overwritten."""
+        out, self._spills = self._spills, []
+        return out
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         """(stored, evicted) block hashes since the last call."""

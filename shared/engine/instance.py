@@ -23,7 +23,7 @@ from shared.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from shared.engine.runner import LoadedModel
 from shared.messages import (CancelRequest, ErrorBody, FinishReason, GenerateRequest,
                              InstanceInfo, KVEvent, KVEventKind, Role, TokenEvent, Usage)
-from shared.settings import DEFAULT_MODEL_NAME, BaseSettings
+from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, halfmoon_home
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,7 +37,9 @@ class WorkerSettings(BaseSettings):
     device: str = Field("cpu", description="torch device: cpu | cuda")
     threads: int = Field(0, ge=0, description="torch threads for this instance (0: torch default)")
     block_size: int = Field(16, gt=0, le=64, description="KV block size in tokens")
-    kv_cache_gb: float = Field(1.0, gt=0, description="KV pool size in GiB")
+    kv_cache_gb: float = Field(1.0, gt=0, description="KV pool (DRAM tier) size in GiB")
+    disk_tier_gb: float = Field(0.0, ge=0, description="KV disk tier size in GiB (0: off)")
+    disk_tier_dir: str = Field("", description="disk tier folder (empty: HALFMOON_HOME/kvdisk/<id>)")
     max_num_seqs: int = Field(64, gt=0, description="sequences in the running batch at most")
     chunk_tokens: int = Field(512, gt=0, description="prefill chunk: tokens computed per step at most")
     kv_host: str = Field("127.0.0.1", description="address the KV data plane binds")
@@ -46,8 +48,10 @@ class WorkerSettings(BaseSettings):
     transfer_timeout_s: float = Field(30.0, gt=0, description="KV transfer timeout")
 
     def engine_config(self) -> EngineConfig:
+        disk_dir = self.disk_tier_dir or str(halfmoon_home() / "kvdisk" / self.instance_id)
         return EngineConfig(block_size=self.block_size, kv_cache_bytes=int(self.kv_cache_gb * 2**30),
-                            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.chunk_tokens)
+                            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.chunk_tokens,
+                            disk_tier_bytes=int(self.disk_tier_gb * 2**30), disk_tier_dir=disk_dir)
 
 
 class CancelSet:
@@ -189,11 +193,14 @@ class EngineInstance:
 
     async def publish_kv_events(self) -> None:
         step = self.engine.last_step
-        for kind, hashes in ((KVEventKind.STORED, step.kv_stored),
-                             (KVEventKind.REMOVED, step.kv_evicted)):
+        for kind, tier, hashes in ((KVEventKind.STORED, "dram", step.kv_stored),
+                                   (KVEventKind.REMOVED, "dram", step.kv_evicted),
+                                   (KVEventKind.STORED, "disk", step.disk_stored),
+                                   (KVEventKind.REMOVED, "disk", step.disk_removed)):
             if hashes:
-                event = KVEvent(kind=kind, instance_id=self.instance_id, block_hashes=hashes,
-                                block_nbytes=self.engine.kv.shape.block_nbytes, sent_at=time.time())
+                event = KVEvent(kind=kind, instance_id=self.instance_id, tier=tier,
+                                block_hashes=hashes, sent_at=time.time(),
+                                block_nbytes=self.engine.kv.shape.block_nbytes)
                 await self.nc.publish(subjects.KV_EVENTS, event.encode())
 
     async def publish_cleared(self) -> None:

@@ -62,6 +62,14 @@ class KVCache:
         v = v.permute(1, 0, 2, 3).reshape(s.num_kv_heads, -1, s.head_dim)[:, :num_tokens]
         return k, v
 
+    def block_data(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block's K and V over all layers (copies, on CPU)."""
+        return self.k[:, block_id].cpu().clone(), self.v[:, block_id].cpu().clone()
+
+    def write_block(self, block_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[:, block_id] = k.to(self.k.device)
+        self.v[:, block_id] = v.to(self.v.device)
+
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Blocks as one contiguous tensor [2, layers, n, ...] in pool layout (for transfer)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)

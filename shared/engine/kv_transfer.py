@@ -9,6 +9,7 @@ silently computed on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from pydantic import BaseModel
@@ -89,7 +90,8 @@ def check_compatible(meta: KVMeta, kv: KVCache, model: str) -> None:
         raise ValueError("KV metadata: block count does not cover the token count")
 
 
-def import_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, export: KVExport) -> bool:
+def import_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, export: KVExport,
+                    on_allocate: Callable[[], None] | None = None) -> bool:
     """Place `export` into freshly allocated blocks of `seq`; False if the pool is short."""
     meta = export.meta
     expected = meta.num_blocks * kv.shape.block_nbytes // kv.shape.dtype.itemsize
@@ -99,6 +101,8 @@ def import_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, export: KV
         raise ValueError("KV covers more tokens than the sequence has")
     if not blocks.allocate(seq, meta.num_tokens):
         return False
+    if on_allocate is not None:
+        on_allocate()  # e.g. spill what the allocation evicted, before it is overwritten
     kv.import_blocks(seq.block_table, export.data)
     seq.num_computed_tokens = meta.num_tokens
     blocks.commit(seq)  # the imported prompt is now this instance's prefix cache too

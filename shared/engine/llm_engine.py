@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 from shared.engine.batch import build_batch
 from shared.engine.block_manager import BlockManager
+from shared.engine.disk_tier import DiskTier
 from shared.engine.kv_cache import KVCache
 from shared.engine.kv_transfer import (KVExport, check_compatible, export_cached,
                                        export_sequence, import_sequence)
@@ -37,6 +39,8 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # prefill chunk size
+    disk_tier_bytes: int = 0  # 0: no disk tier
+    disk_tier_dir: str = ""
 
 
 @dataclass
@@ -68,6 +72,8 @@ class StepStats:
     preempted: int = 0
     kv_stored: list[int] = field(default_factory=list)
     kv_evicted: list[int] = field(default_factory=list)
+    disk_stored: list[int] = field(default_factory=list)
+    disk_removed: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -83,6 +89,11 @@ class LLMEngine:
                                                    config.max_num_batched_tokens), self.blocks)
         self.requests: dict[str, _Request] = {}
         self.last_step = StepStats()
+        self.disk: DiskTier | None = None
+        self._disk_stored: list[int] = []
+        if config.disk_tier_bytes > 0:
+            self.disk = DiskTier(Path(config.disk_tier_dir), config.disk_tier_bytes)
+            self.blocks.keep_spills = True
         log.info("KV pool: %d blocks of %d tokens (%.0f MiB), native attention %s", num_blocks,
                  config.block_size, self.kv.nbytes / 2**20, self.model.native)
 
@@ -93,6 +104,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, salt,
                        stop_after_first_token)
         self._register(seq)
+        self._load_from_disk(seq)
         self.scheduler.add(seq)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
@@ -103,7 +115,7 @@ class LLMEngine:
         check_compatible(kv.meta, self.kv, self.lm.name)
         seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
                        len(prompt_token_ids), params, salt)
-        if not import_sequence(self.kv, self.blocks, seq, kv):
+        if not import_sequence(self.kv, self.blocks, seq, kv, on_allocate=self._spill):
             return False
         req = self._register(seq)
         req.tracker.token_ids = list(output_token_ids)
@@ -128,7 +140,7 @@ class LLMEngine:
             raise ValueError("pulled KV blocks do not match this prompt's prefix hashes")
         seq = Sequence(f"import:{expected[-1]:x}", list(token_ids[:n_tokens]), n_tokens,
                        SamplingParams(max_tokens=1), salt)
-        if not import_sequence(self.kv, self.blocks, seq, export):
+        if not import_sequence(self.kv, self.blocks, seq, export, on_allocate=self._spill):
             return 0
         self.blocks.free(seq)  # unreferenced but cached: the next match_prefix finds them
         return n_tokens
@@ -169,13 +181,62 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         except PoolTooSmall as exc:
             return [self._fail(exc.seq.request_id, str(exc))]
+        self._spill()  # evicted blocks go to disk before this step's KV overwrites them
         outputs: list[RequestOutput] = []
         if sched.scheduled:
             outputs = self._run(sched.scheduled)
         stored, evicted = self.blocks.drain_events()
+        disk_stored, self._disk_stored = self._disk_stored, []
+        disk_removed = self.disk.drain_removed() if self.disk else []
         self.last_step = StepStats(sched.num_tokens, len(sched.scheduled),
-                                   time.perf_counter() - t0, len(sched.preempted), stored, evicted)
+                                   time.perf_counter() - t0, len(sched.preempted), stored, evicted,
+                                   disk_stored, disk_removed)
         return outputs
+
+    # -- disk tier ------------------------------------------------------------------------
+    def _spill(self) -> None:
+        if self.disk is None:
+            return
+        for block_hash, block_id, tokens in self.blocks.take_spills():
+            k, v = self.kv.block_data(block_id)
+            if self.disk.put(block_hash, tokens, k, v):
+                self._disk_stored.append(block_hash)
+
+    def _load_from_disk(self, seq: Sequence) -> int:
+        """Bring the prompt's prefix blocks that only the disk tier has back into DRAM."""
+        if self.disk is None:
+            return 0
+        bs = self.config.block_size
+        hashes = block_hashes(seq.token_ids[:(seq.num_tokens - 1) // bs * bs], bs, seq.salt)
+        n_dram = len(self.blocks.cached_chain(hashes))
+        on_disk = 0
+        while n_dram + on_disk < len(hashes) and hashes[n_dram + on_disk] in self.disk:
+            on_disk += 1
+        if not on_disk:
+            return 0
+        n_total = n_dram + on_disk
+        tmp = Sequence("disk-load", seq.token_ids[:n_total * bs] + [0], n_total * bs + 1,
+                       SamplingParams(max_tokens=1), seq.salt)
+        loaded = 0
+        if (self.blocks.match_prefix(tmp) == n_dram * bs
+                and self.blocks.allocate(tmp, on_disk * bs)):
+            self._spill()
+            loaded = self._read_disk_blocks(tmp, hashes, n_dram, on_disk)
+            tmp.num_computed_tokens = (n_dram + loaded) * bs
+            self.blocks.commit(tmp)
+        self.blocks.free(tmp)
+        return loaded * bs
+
+    def _read_disk_blocks(self, tmp: Sequence, hashes: list[int], start: int, count: int) -> int:
+        bs, loaded = self.config.block_size, 0
+        k_like, v_like = self.kv.k[:, 0], self.kv.v[:, 0]
+        for i in range(start, start + count):
+            got = self.disk.get(hashes[i], k_like, v_like) if self.disk else None
+            if got is None or got[0] != tuple(tmp.token_ids[i * bs:(i + 1) * bs]):
+                break
+            self.kv.write_block(tmp.block_table[i], got[1], got[2])
+            loaded += 1
+        return loaded
 
     def _run(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         batch, order = build_batch(scheduled, self.config.block_size, self.lm.device)

@@ -184,3 +184,21 @@ def test_seeded_sampling_same_alone_and_split(lm, prompts):
     d.add_prefilled("s", prompts[1], outs["s"].new_token_ids, params, outs["s"].handoff)
     rest, _ = drain(d)
     assert outs["s"].new_token_ids + rest["s"] == alone["s"]
+
+
+def test_disk_tier_brings_evicted_prefix_back(lm, prompts, reference, tmp_path):
+    # a DRAM pool too small for two long prompts: the first one's blocks spill to disk
+    engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=44 * engine_block_bytes(lm),
+                                        max_num_batched_tokens=256, disk_tier_bytes=64 << 20,
+                                        disk_tier_dir=str(tmp_path / "disk")))
+    first, other = prompts[13], prompts[14]
+    assert len(first) // 16 + len(other) // 16 > 44 and len(other) // 16 + 3 < 44
+    engine.add_request("a", first, greedy())
+    drain(engine)
+    engine.add_request("b", other, greedy())
+    drain(engine)
+    assert engine.disk is not None and engine.disk.nbytes > 0  # a's blocks were spilled
+    engine.add_request("a2", first, greedy())
+    tokens, outs = drain(engine)
+    assert tokens["a2"] == reference[13]
+    assert outs["a2"].num_cached_tokens == (len(first) - 1) // 16 * 16  # all of it, via disk

@@ -1,0 +1,93 @@
+"""The optional disk tier of an instance's KV store: evicted blocks spill to local files
+and come back on a prefix hit, instead of being recomputed.
+
+One file per block, named by its chained hash, holding the block's tokens (to verify a
+hit, as the DRAM tier does) and its K/V bytes in the pool layout. LRU by bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+_HEADER = struct.Struct("<4sII")  # magic, number of tokens, K bytes
+MAGIC = b"HMB1"
+
+
+class DiskTier:
+    def __init__(self, directory: Path, capacity_bytes: int) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob("*.kvb"):  # a previous incarnation's blocks: not indexed
+            stale.unlink()
+        self.capacity_bytes = capacity_bytes
+        self._files: OrderedDict[int, int] = OrderedDict()  # hash -> bytes, LRU first
+        self.nbytes = 0
+        self._removed: list[int] = []
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._files
+
+    def _path(self, block_hash: int) -> Path:
+        return self.dir / f"{block_hash:016x}.kvb"
+
+    def put(self, block_hash: int, tokens: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Store one block (k, v: that block's slices, all layers). False if it cannot fit."""
+        kb = k.contiguous().view(torch.uint8).numpy().tobytes()
+        vb = v.contiguous().view(torch.uint8).numpy().tobytes()
+        data = _HEADER.pack(MAGIC, len(tokens), len(kb)) + struct.pack(f"<{len(tokens)}I", *tokens)
+        size = len(data) + len(kb) + len(vb)
+        if size > self.capacity_bytes:
+            return False
+        while self.nbytes + size > self.capacity_bytes:
+            self._drop_oldest()
+        tmp = self._path(block_hash).with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.write(kb)
+            f.write(vb)
+        os.replace(tmp, self._path(block_hash))  # never a half-written block under its name
+        self._files[block_hash] = size
+        self.nbytes += size
+        return True
+
+    def get(self, block_hash: int, k_like: torch.Tensor, v_like: torch.Tensor
+            ) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None:
+        """(tokens, k, v) shaped like the given templates, or None if missing or corrupt."""
+        try:
+            raw = self._path(block_hash).read_bytes()
+            magic, n_tokens, k_len = _HEADER.unpack_from(raw)
+            if magic != MAGIC:
+                raise ValueError("bad magic")
+            off = _HEADER.size + 4 * n_tokens
+            tokens = struct.unpack_from(f"<{n_tokens}I", raw, _HEADER.size)
+            k = torch.frombuffer(bytearray(raw[off:off + k_len]), dtype=torch.uint8)
+            v = torch.frombuffer(bytearray(raw[off + k_len:]), dtype=torch.uint8)
+            k = k.view(k_like.dtype).view(k_like.shape)
+            v = v.view(v_like.dtype).view(v_like.shape)
+        except (OSError, ValueError, RuntimeError, struct.error) as exc:
+            log.warning("disk block %016x unreadable (%s): dropped", block_hash, exc)
+            self.remove(block_hash)
+            return None
+        self._files.move_to_end(block_hash)
+        return tokens, k, v
+
+    def remove(self, block_hash: int) -> None:
+        size = self._files.pop(block_hash, None)
+        if size is not None:
+            self.nbytes -= size
+            self._removed.append(block_hash)
+            self._path(block_hash).unlink(missing_ok=True)
+
+    def _drop_oldest(self) -> None:
+        self.remove(next(iter(self._files)))
+
+    def drain_removed(self) -> list[int]:
+        out, self._removed = self._removed, []
+        return out
