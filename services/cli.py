@@ -71,7 +71,8 @@ def _kv(argv: list[str]) -> int:
     return int(replay.main(argv[1:]) or 0)
 
 
-BENCHES = {"request": "services.bench.request_latency", "engine": "services.bench.engine_bench"}
+BENCHES = {"request": "services.bench.request_latency", "engine": "services.bench.engine_bench",
+           "kv": "services.bench.kv_bench", "transfer": "services.bench.transfer_bench"}
 
 
 def _bench(argv: list[str]) -> int:
@@ -99,6 +100,8 @@ commands:
   kv replay          replay a Mooncake trace through the KV index and eviction code
   bench request      one request's latency through the stack vs in-process
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
+  bench kv           the KV index's prefix-match latency
+  bench transfer     KV data plane throughput: TCP and shared memory vs a plain socket
 
 `halfmoon <command> --help` shows each command's flags (every flag has a HALFMOON_ env var).
 """
