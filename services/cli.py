@@ -82,13 +82,20 @@ def _bench(argv: list[str]) -> int:
     return int(importlib.import_module(BENCHES[argv[0]]).main(argv[1:]) or 0)
 
 
+def _profile(argv: list[str]) -> int:
+    from services.conductor import profile
+
+    return int(profile.main(argv) or 0)
+
+
 def _up(argv: list[str]) -> int:
     from services import up
 
     return up.main(argv)
 
 
-COMMANDS = {"up": _up, "serve": _serve, "model": _model, "db": _db, "kv": _kv, "bench": _bench}
+COMMANDS = {"up": _up, "serve": _serve, "model": _model, "db": _db, "kv": _kv, "bench": _bench,
+            "profile": _profile}
 
 USAGE = """usage: halfmoon <command> [args]
 
@@ -97,6 +104,7 @@ commands:
   serve <service>    run one service: gateway, conductor, kvmanager, prefill, decode, console
   model pull         provision the default model offline
   db upgrade|downgrade [REV]   apply or roll back migrations
+  profile            measure the engine here and fit the conductor's cost model
   kv replay          replay a Mooncake trace through the KV index and eviction code
   bench request      one request's latency through the stack vs in-process
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory

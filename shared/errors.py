@@ -23,6 +23,10 @@ class HalfmoonError(Exception):
             self.code = code
         self.retry_after_s = retry_after_s
 
+    def with_status(self, status: int) -> "HalfmoonError":
+        self.status = status
+        return self
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}

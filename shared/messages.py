@@ -75,6 +75,8 @@ class InstanceInfo(Message):
     queue_depth: int = 0  # requests waiting
     running: int = 0  # requests being computed
     kv_tokens_used: int = 0
+    queue_tokens: int = 0  # prompt tokens still to compute (prefill work ahead)
+    mean_context: float = 0.0  # tokens per running sequence (decode step cost)
     model: str = ""
 
 
@@ -88,6 +90,8 @@ class GenerateRequest(Message):
     sampling: SamplingParams
     arrival_time: float
     tenant: str = ""
+    ttft_slo_ms: float | None = None  # per-request SLOs (None: the conductor's defaults)
+    tbt_slo_ms: float | None = None
 
 
 class Placement(Message):
@@ -95,6 +99,7 @@ class Placement(Message):
     prefill_id: str
     decode_id: str
     policy: str = ""
+    predicted_ttft_ms: float = 0.0
 
 
 class PrefillJob(Message):

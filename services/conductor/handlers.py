@@ -13,8 +13,10 @@ from shared.db.records import RecordWriter
 from shared.messages import (Ack, GenerateRequest, InstanceInfo, KVMatchReply, KVMatchRequest,
                              Placement, PrefillJob, Role)
 from services.conductor.args import ConductorSettings
-from services.conductor.placement import make_policy
-from services.conductor.registry import InstanceState, Registry
+from services.conductor import snapshot
+from services.conductor.costmodel import load_cost_model
+from services.conductor.policy import Candidate, Decision, make_policy
+from services.conductor.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +27,8 @@ class Conductor:
         self.nc = nc
         self.records = records
         self.registry = Registry(settings.heartbeat_expiry_s)
-        self.prefill_policy = make_policy(settings.policy)
-        self.decode_policy = make_policy(settings.policy)
+        self.policy = make_policy(settings.policy)
+        self.cost = load_cost_model(settings.cost_model)
         self._recorded_at: dict[str, float] = {}
 
     async def on_heartbeat(self, msg: Msg) -> None:
@@ -75,26 +77,64 @@ class Conductor:
 
     async def place(self, req: GenerateRequest) -> Placement:
         now = time.time()
-        decodes = self.decode_policy.rank(self.registry.alive(Role.DECODE, now))
-        prefills = self.prefill_policy.rank(self.registry.alive(Role.PREFILL, now))
+        prefills = self.registry.alive(Role.PREFILL, now)
+        decodes = self.registry.alive(Role.DECODE, now)
         if not decodes or not prefills:
             raise errors.Unavailable("no live prefill and decode instances", retry_after_s=2.0)
-        decode = decodes[0]
-        matches = await self._prefix_matches(req)
-        last_error: errors.HalfmoonError | None = None
-        for prefill in prefills:
+        live = {p.info.instance_id for p in prefills}
+        matches = {k: v for k, v in (await self._prefix_matches(req)).items() if k in live}
+        view = snapshot.request_view(req, matches, self.settings.ttft_slo_ms / 1e3,
+                                     self.settings.tbt_slo_ms / 1e3)
+        while True:
+            snap = snapshot.build(prefills, decodes, self.cost, self.settings.balancing_threshold)
+            decision = self.policy.decide(snap, view)
+            if decision.rejected:
+                self._record(req, decision, now)
+                retry = max(1.0, decision.ttft_s - view.ttft_slo_s)
+                raise errors.Rejected(f"rejected: {decision.rejected}", code="slo_unattainable",
+                                      retry_after_s=retry)
+            assert decision.prefill is not None
+            self._add_pull(decision.prefill, matches)
             try:
-                await self._dispatch(req, prefill, decode, matches, prefills)
+                await self._dispatch(req, decision)
+                break
             except errors.HalfmoonError as exc:
-                log.warning("request %s: prefill %s refused: %s", req.request_id,
-                            prefill.info.instance_id, exc.message)
-                last_error = exc
-                continue
-            self.registry.dispatched(decode.info.instance_id)
-            return Placement(request_id=req.request_id, prefill_id=prefill.info.instance_id,
-                             decode_id=decode.info.instance_id, policy=self.prefill_policy.name)
-        assert last_error is not None
-        raise last_error
+                # That instance refused or is gone: decide again without it.
+                chosen = decision.prefill.instance_id
+                log.warning("request %s: prefill %s refused: %s", req.request_id, chosen,
+                            exc.message)
+                prefills = [p for p in prefills if p.info.instance_id != chosen]
+                if not prefills:
+                    raise
+        self._record(req, decision, now)
+        return Placement(request_id=req.request_id, prefill_id=decision.prefill.instance_id,
+                         decode_id=decision.decode_id, policy=decision.policy,
+                         predicted_ttft_ms=decision.ttft_s * 1e3)
+
+    def _add_pull(self, chosen: Candidate, matches: dict[str, int]) -> None:
+        """Cache load balancing for any policy: if another prefill holds clearly more of the
+        prefix than the chosen one, have the chosen one pull it instead of recomputing."""
+        if chosen.pull_from or not self.settings.pull_prefixes:
+            return
+        own = matches.get(chosen.instance_id, 0)
+        best, holder = max(((n, i) for i, n in matches.items() if i != chosen.instance_id),
+                           default=(0, ""))
+        if best - own >= self.settings.min_pull_blocks:
+            chosen.pull_from, chosen.prefix_blocks = holder, best
+
+    def _record(self, req: GenerateRequest, d: Decision, now: float) -> None:
+        if self.records is None:
+            return
+        self.records.decision(
+            request_id=req.request_id, created=now, policy=d.policy,
+            prefill_instance=d.prefill.instance_id if d.prefill and not d.rejected else None,
+            decode_instance=d.decode_id or None, rejected=d.rejected or None,
+            predicted_ttft_ms=d.ttft_s * 1e3 if d.prefill else None,
+            predicted_tbt_ms=d.tbt_s * 1e3 if d.decode_id else None,
+            candidates=[{"instance": c.instance_id, "prefix_blocks": c.prefix_blocks,
+                         "pull_from": c.pull_from, "transfer_ms": c.transfer_s * 1e3,
+                         "queue_ms": c.queue_s * 1e3, "prefill_ms": c.prefill_s * 1e3,
+                         "ttft_ms": c.ttft_s * 1e3} for c in d.candidates])
 
     async def _prefix_matches(self, req: GenerateRequest) -> dict[str, int]:
         """Cached prefix length (blocks) per instance, from the KV manager; {} if it is away."""
@@ -109,23 +149,11 @@ class Conductor:
             return {}
         return reply.matches
 
-    def _pull_hint(self, prefill: InstanceState, matches: dict[str, int],
-                   prefills: list[InstanceState]) -> tuple[str, int]:
-        """Where to pull prefix blocks from, if another prefill holds clearly more of it."""
-        local = matches.get(prefill.info.instance_id, 0)
-        holders = [(matches.get(p.info.instance_id, 0), p.info.instance_id) for p in prefills
-                   if p is not prefill]
-        best, holder = max(holders, default=(0, ""))
-        if best - local >= self.settings.min_pull_blocks:
-            return holder, best
-        return "", 0
-
-    async def _dispatch(self, req: GenerateRequest, prefill: InstanceState,
-                        decode: InstanceState, matches: dict[str, int],
-                        prefills: list[InstanceState]) -> None:
-        source, blocks = self._pull_hint(prefill, matches, prefills)
-        job = PrefillJob(request=req, decode_id=decode.info.instance_id, prefix_from=source,
-                         prefix_blocks=blocks)
-        await bus.request(self.nc, subjects.prefill_submit(prefill.info.instance_id), job, Ack,
+    async def _dispatch(self, req: GenerateRequest, d: Decision) -> None:
+        assert d.prefill is not None
+        job = PrefillJob(request=req, decode_id=d.decode_id, prefix_from=d.prefill.pull_from,
+                         prefix_blocks=d.prefill.prefix_blocks if d.prefill.pull_from else 0)
+        await bus.request(self.nc, subjects.prefill_submit(d.prefill.instance_id), job, Ack,
                           timeout_s=self.settings.dispatch_timeout_s)
-        self.registry.dispatched(prefill.info.instance_id)
+        self.registry.dispatched(d.prefill.instance_id, d.prefill.prefill_s)
+        self.registry.dispatched(d.decode_id, tokens=len(req.prompt_token_ids))

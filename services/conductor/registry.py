@@ -14,6 +14,8 @@ class InstanceState:
     # Jobs this conductor sent since the instance's last heartbeat: the heartbeat's queue
     # depth does not include them yet, and without this a burst would all land on one node.
     dispatched_since_beat: int = 0
+    pending_s: float = 0.0  # predicted work of those dispatches
+    pending_tokens: int = 0  # and their prompt tokens (decode context)
 
     @property
     def load(self) -> int:
@@ -32,10 +34,12 @@ class Registry:
         self._instances[info.instance_id] = InstanceState(info, now)
         return is_new
 
-    def dispatched(self, instance_id: str) -> None:
+    def dispatched(self, instance_id: str, predicted_s: float = 0.0, tokens: int = 0) -> None:
         state = self._instances.get(instance_id)
         if state is not None:
             state.dispatched_since_beat += 1
+            state.pending_s += predicted_s
+            state.pending_tokens += tokens
 
     def alive(self, role: Role, now: float) -> list[InstanceState]:
         return [s for s in self._instances.values()

@@ -49,4 +49,5 @@ def make_app(gateway: Gateway, max_body_bytes: int) -> web.Application:
     app.router.add_get("/v1/models", gateway.models)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/admin/state", gateway.admin_state)
+    app.router.add_get("/admin/requests/{request_id}", gateway.admin_request)
     return app

@@ -14,7 +14,8 @@ from nats.aio.client import Client as NATS
 
 from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
-from shared.db.schema import RequestStatus
+from shared.db.schema import DecisionRecord, RequestRecord, RequestStatus
+from shared.db.session import sessionmaker
 from shared.hashing import block_hashes
 from shared.messages import (CancelRequest, FinishReason, GenerateRequest, InstanceInfo,
                              Placement, TokenEvent, Usage)
@@ -65,6 +66,12 @@ class RequestLife:
         return values
 
 
+def _row(row: Any) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    return {c.name: getattr(row, c.name) for c in row.__table__.columns}
+
+
 def sse(obj: dict[str, Any] | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -98,6 +105,16 @@ class Gateway:
         return web.json_response({"gateway": self.instance_id, "uptime_s": now - self.started_at,
                                   "in_flight": self.in_flight, "instances": instances})
 
+    async def admin_request(self, request: web.Request) -> web.Response:
+        """One request's record and the conductor's decision for it (why it went where)."""
+        rid = request.match_info["request_id"]
+        async with sessionmaker(self.records.engine)() as s:
+            rec = await s.get(RequestRecord, rid)
+            dec = await s.get(DecisionRecord, rid)
+        if rec is None and dec is None:
+            raise errors.HalfmoonError(f"no request {rid}", code="not_found").with_status(404)
+        return web.json_response({"request": _row(rec), "decision": _row(dec)})
+
     async def on_heartbeat(self, msg: Any) -> None:
         try:
             info = InstanceInfo.model_validate_json(msg.data)
@@ -116,7 +133,8 @@ class Gateway:
         gen = GenerateRequest(
             request_id=request_id, model=self.prompts.model_name, prompt_token_ids=prompt_ids,
             block_hashes=block_hashes(prompt_ids, self.settings.block_size),
-            sampling=chat.sampling(max_tokens), arrival_time=arrival)
+            sampling=chat.sampling(max_tokens), arrival_time=arrival,
+            ttft_slo_ms=chat.ttft_slo_ms, tbt_slo_ms=chat.tbt_slo_ms)
         self.records.request_accepted(
             id=request_id, model=gen.model, status=RequestStatus.QUEUED.value, arrival_time=arrival,
             prompt_tokens=len(prompt_ids), max_tokens=max_tokens, stream=chat.stream)

@@ -53,6 +53,8 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension: benchmarks need fixed output lengths
+    ttft_slo_ms: float | None = Field(None, gt=0)  # extension: this request's SLOs
+    tbt_slo_ms: float | None = Field(None, gt=0)
 
     @field_validator("stop")
     @classmethod

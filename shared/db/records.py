@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.db.schema import TERMINAL_STATUSES, InstanceRecord, RequestRecord
+from shared.db.schema import TERMINAL_STATUSES, DecisionRecord, InstanceRecord, RequestRecord
 from shared.db.session import sessionmaker
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,9 @@ class RecordWriter:
             raise ValueError(f"{status!r} is not a terminal status")
         self._queue.put_nowait(_Op("terminal", {"id": request_id, "status": status, **values}))
 
+    def decision(self, **values: Any) -> None:
+        self._queue.put_nowait(_Op("decision", values))
+
     # -- instances ------------------------------------------------------------------
     def instance_seen(self, **values: Any) -> None:
         self._queue.put_nowait(_Op("instance", values))
@@ -116,6 +119,8 @@ class RecordWriter:
                             rid, values["status"])
         elif op.kind == "instance":
             await _upsert_instance(session, op.values)
+        elif op.kind == "decision":
+            await session.execute(insert(DecisionRecord).values(**op.values))
 
 
 async def _upsert_instance(session, values: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]

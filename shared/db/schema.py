@@ -78,4 +78,20 @@ class KVBlockRecord(Base):
     hit_count: Mapped[int] = mapped_column(Integer, default=0)
 
 
+class DecisionRecord(Base):
+    """Why the conductor placed (or refused) a request: every candidate's predictions."""
+
+    __tablename__ = "decisions"
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created: Mapped[float] = mapped_column(Float, index=True)
+    policy: Mapped[str] = mapped_column(String(32))
+    prefill_instance: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    decode_instance: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    predicted_ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    predicted_tbt_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    rejected: Mapped[str | None] = mapped_column(Text, nullable=True)
+    candidates: Mapped[list] = mapped_column(JSON, default=list)
+
+
 Index("ix_requests_status_arrival", RequestRecord.status, RequestRecord.arrival_time)

@@ -108,12 +108,13 @@ class EngineInstance:
 
     def info(self) -> InstanceInfo:
         s = self._stats
-        used = s["kv_blocks_total"] - s["kv_blocks_free"]
+        used = int(s["kv_blocks_total"] - s["kv_blocks_free"])
         return InstanceInfo(
             instance_id=self.instance_id, role=self.role, pid=os.getpid(),
             started_at=self.started_at, kv_host=self.settings.kv_advertise_host or
-            self.settings.kv_host, kv_port=self.kv_port, queue_depth=s["waiting"],
-            running=s["running"], kv_tokens_used=used * self.settings.block_size, model=self.lm.name)
+            self.settings.kv_host, kv_port=self.kv_port, queue_depth=int(s["waiting"]),
+            running=int(s["running"]), kv_tokens_used=used * self.settings.block_size, model=self.lm.name,
+            queue_tokens=int(s["queue_tokens"]), mean_context=s["mean_context"])
 
     # -- the engine loop ----------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> None:

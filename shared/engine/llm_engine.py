@@ -287,8 +287,15 @@ class LLMEngine:
         return self.lm.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- state for heartbeats and benchmarks ---------------------------------------------
-    def stats(self) -> dict[str, int]:
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+    def stats(self) -> dict[str, float]:
+        sched = self.scheduler
+        seqs = sched.running + list(sched.waiting)
+        decoding = [s for s in sched.running if s.num_uncomputed_tokens <= 1]
+        return {"running": len(sched.running), "waiting": len(sched.waiting),
+                "queue_tokens": sum(s.num_uncomputed_tokens for s in seqs
+                                    if s.num_uncomputed_tokens > 1),
+                "mean_context": (sum(s.num_tokens for s in decoding) / len(decoding)
+                                 if decoding else 0.0),
                 "kv_blocks_total": self.blocks.num_blocks,
                 "kv_blocks_free": self.blocks.num_free_blocks,
                 "kv_blocks_cached": self.blocks.num_cached_blocks}

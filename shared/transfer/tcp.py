@@ -38,7 +38,7 @@ STATUS_OK, STATUS_UNKNOWN = 0, 1
 CHUNK = 1 << 20
 # Loopback moves ~3 GB/s; the default 16-128 KiB buffers wake both processes per few
 # hundred KiB. The kernel caps this at net.core.[rw]mem_max.
-SOCK_BUF = 4 << 20
+SOCK_BUF = int(__import__('os').environ.get('HMX', 4 << 20))
 
 
 class _Offer:
@@ -49,7 +49,7 @@ class _Offer:
         self.meta, self.payload, self.checksum, self.expiry = meta, payload, checksum, expiry
 
 
-def _tune(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket) -> None:
     sock.setblocking(False)
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -70,7 +70,7 @@ async def recv_into_exact(sock: socket.socket, view: memoryview, hasher=None) ->
     while got < total:
         n = await loop.sock_recv_into(sock, view[got:got + CHUNK])
         if n == 0:
-            raise asyncio.IncompleteReadError(bytes(view[:got]), total)
+            raise ConnectionError(f"connection closed after {got} of {total} bytes")
         if hasher is not None:
             hasher.update(view[got:got + n])
         got += n
@@ -82,7 +82,7 @@ async def connect(host: str, port: int) -> socket.socket:
     last: OSError = OSError(f"cannot resolve {host}:{port}")
     for family, type_, proto, _, addr in infos:
         sock = socket.socket(family, type_, proto)
-        _tune(sock)  # buffer sizes must be set before connect to take effect on the window
+        tune_socket(sock)  # buffer sizes must be set before connect to take effect on the window
         try:
             await loop.sock_connect(sock, addr)
             return sock
@@ -128,10 +128,15 @@ class TcpKVSender(KVSender):
         # Hashing at offer time (xxh3: ~30 GB/s) pins the checksum to the bytes as offered,
         # so a producer that reuses its buffer too early shows up as a mismatch, not bad KV.
         view = memoryview(payload).cast("B")
+        return self._register(transfer_id, meta, view, xxhash.xxh3_64_intdigest(view),
+                              num_tokens, ttl_s)
+
+    def _register(self, transfer_id: str, meta: bytes, view: memoryview, checksum: int,
+                  num_tokens: int, ttl_s: float) -> KVHandle:
         loop = asyncio.get_running_loop()
         expiry = loop.call_later(ttl_s, lambda: asyncio.ensure_future(
             self._drop(transfer_id, TransferState.FAILED)))
-        self._offers[transfer_id] = _Offer(meta, view, xxhash.xxh3_64_intdigest(view), expiry)
+        self._offers[transfer_id] = _Offer(meta, view, checksum, expiry)
         self.states.set_initial(transfer_id, TransferState.WAITING)
         return KVHandle(transfer_id=transfer_id, host=self.advertise_host, port=self.port,
                         nbytes=len(view), num_tokens=num_tokens)
@@ -147,8 +152,13 @@ class TcpKVSender(KVSender):
         loop = asyncio.get_running_loop()
         assert self._listener is not None
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
-            _tune(conn)
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. out of file descriptors: keep serving the others
+                log.warning("KV sender cannot accept: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            tune_socket(conn)
             task = asyncio.create_task(self._serve_conn(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
@@ -159,7 +169,7 @@ class TcpKVSender(KVSender):
             magic, id_len = _REQ.unpack(await recv_exact(conn, _REQ.size))
             tid = (await recv_exact(conn, id_len)).decode()
             await self._serve(conn, magic, tid)
-        except (OSError, asyncio.IncompleteReadError, UnicodeDecodeError) as exc:
+        except (OSError, asyncio.IncompleteReadError, UnicodeDecodeError, TransferFailed) as exc:
             log.warning("KV transfer %s failed on the sender: %s", tid or "?", exc)
             if tid:
                 await self._drop(tid, TransferState.FAILED)
@@ -178,7 +188,8 @@ class TcpKVSender(KVSender):
         await self.states.set(tid, TransferState.TRANSFERRING)
         head = _HDR.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
         await loop.sock_sendall(conn, head + offer.meta)
-        await loop.sock_sendall(conn, offer.payload)
+        for start in range(0, len(offer.payload), CHUNK):
+            await loop.sock_sendall(conn, offer.payload[start:start + CHUNK])
         ack = await recv_exact(conn, 1)
         await self._drop(tid, TransferState.DONE if ack == b"\x01" else TransferState.FAILED)
 

@@ -1,0 +1,80 @@
+"""Predicted prefill, decode and transfer times (pure: numbers in, seconds out).
+
+Fitted by `halfmoon profile` from the engine's own timings on this machine:
+- prefill(new, cached) = polynomial regression over new tokens n and cached tokens c:
+  a + b·n + d·n² + e·n·c   (attention makes it quadratic in n, and linear in n·c)
+- decode step(batch, context) = a + b·batch + c·batch·context
+- transfer(bytes) = latency + bytes / bandwidth
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PREFILL_TERMS = ("1", "n", "n^2", "n*c")
+DECODE_TERMS = ("1", "b", "b*ctx")
+
+
+def prefill_features(new: float, cached: float) -> list[float]:
+    return [1.0, new, new * new, new * cached]
+
+
+def decode_features(batch: float, context: float) -> list[float]:
+    return [1.0, batch, batch * context]
+
+
+@dataclass
+class CostModel:
+    # Defaults: SmolLM2-135M bf16, one thread per instance, fitted on a 2-core dev machine.
+    prefill_coef: list[float] = field(default_factory=lambda: [0.036, 1.39e-3, 5.9e-7, 1.06e-6])
+    decode_coef: list[float] = field(default_factory=lambda: [0.041, 2.7e-8, 7.0e-6])
+    transfer_latency_s: float = 0.0005
+    transfer_bytes_per_s: float = 1.2e9
+    block_bytes: int = 368_640
+    block_size: int = 16
+    source: str = "built-in defaults (run `halfmoon profile` to fit this machine)"
+
+    def prefill_s(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
+        x = prefill_features(new_tokens, cached_tokens)
+        return max(0.0, sum(a * b for a, b in zip(self.prefill_coef, x)))
+
+    def decode_step_s(self, batch: float, context: float) -> float:
+        x = decode_features(batch, context)
+        return max(0.0, sum(a * b for a, b in zip(self.decode_coef, x)))
+
+    def transfer_s(self, num_blocks: int) -> float:
+        if num_blocks <= 0:
+            return 0.0
+        return self.transfer_latency_s + num_blocks * self.block_bytes / self.transfer_bytes_per_s
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "CostModel":
+        return cls(**json.loads(path.read_text()))
+
+
+def least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:
+    """Ordinary least squares (numpy), for the profile's fits."""
+    import numpy as np
+
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)
+    return [float(c) for c in coef]
+
+
+def default_path() -> Path:
+    from shared.settings import halfmoon_home
+
+    return halfmoon_home() / "costmodel.json"
+
+
+def load_cost_model(path: str) -> CostModel:
+    """The fitted model at `path` (or the default location); built-in guesses otherwise."""
+    p = Path(path) if path else default_path()
+    if p.exists():
+        return CostModel.load(p)
+    return CostModel()

@@ -1,0 +1,193 @@
+"""Placement policies: pure functions over a snapshot of the cluster (no I/O, no clock),
+so the live conductor and the simulator run the very same code.
+
+Every policy returns a Decision with its candidates' predicted times, so an operator can
+see why a request went where it went. `kvcentric` is Mooncake's Algorithm 1: for each
+prefill instance, TTFT = transfer of a remote prefix (if pulling beats its own cache)
++ queue time + predicted prefill time; the lowest TTFT wins; decode by predicted TBT;
+a request whose predictions miss its SLOs is rejected before any compute.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from services.conductor.costmodel import CostModel
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    instance_id: str
+    queue_s: float = 0.0  # predicted seconds of work ahead of a new request
+    running: int = 0  # decode: sequences in the batch
+    mean_context: float = 0.0  # decode: average tokens per running sequence
+    load: int = 0  # queued + running requests (for least_loaded)
+
+
+@dataclass(frozen=True)
+class RequestView:
+    request_id: str
+    prompt_tokens: int
+    prefix_blocks: dict[str, int]  # instance -> cached leading blocks of this prompt
+    ttft_slo_s: float
+    tbt_slo_s: float
+
+
+@dataclass
+class Candidate:
+    instance_id: str
+    prefix_blocks: int  # blocks reused (own or pulled)
+    pull_from: str  # "" when the instance's own cache is used
+    transfer_s: float
+    queue_s: float
+    prefill_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.transfer_s + self.queue_s + self.prefill_s
+
+
+@dataclass
+class Decision:
+    policy: str
+    prefill: Candidate | None = None
+    decode_id: str = ""
+    tbt_s: float = 0.0
+    candidates: list[Candidate] = field(default_factory=list)
+    rejected: str = ""  # why, when the request is refused
+
+    @property
+    def ttft_s(self) -> float:
+        return self.prefill.ttft_s if self.prefill else 0.0
+
+
+@dataclass
+class Snapshot:
+    prefills: list[InstanceView]
+    decodes: list[InstanceView]
+    cost: CostModel
+    balancing_threshold: float = 1.5  # pull when the best holder has this many times more
+
+
+def candidate(snap: Snapshot, req: RequestView, inst: InstanceView, pull: bool) -> Candidate:
+    """Predicted TTFT parts on `inst`, with or without pulling the best holder's prefix."""
+    bs = snap.cost.block_size
+    own = req.prefix_blocks.get(inst.instance_id, 0)
+    best_id, best = max(((b, i) for i, b in req.prefix_blocks.items()), default=(0, ""))[::-1]
+    if pull and best > own and best_id:
+        reuse, source, xfer = best, best_id, snap.cost.transfer_s(best - own)
+    else:
+        reuse, source, xfer = own, "", 0.0
+    cached = min(reuse * bs, req.prompt_tokens - 1)
+    prefill = snap.cost.prefill_s(req.prompt_tokens - cached, cached)
+    return Candidate(inst.instance_id, reuse, source, xfer, inst.queue_s, prefill)
+
+
+def select_decode(snap: Snapshot, req: RequestView) -> tuple[str, float]:
+    """The decode instance with the lowest predicted time between tokens once it joins."""
+    best_id, best_tbt = "", float("inf")
+    for d in sorted(snap.decodes, key=lambda x: x.instance_id):
+        ctx = (d.mean_context * d.running + req.prompt_tokens) / (d.running + 1)
+        tbt = snap.cost.decode_step_s(d.running + 1, ctx)
+        if tbt < best_tbt:
+            best_id, best_tbt = d.instance_id, tbt
+    return best_id, best_tbt
+
+
+def finish(policy: str, snap: Snapshot, req: RequestView, chosen: Candidate,
+           candidates: list[Candidate]) -> Decision:
+    """Pick decode, then apply the SLOs: early rejection shared by every policy."""
+    decode_id, tbt = select_decode(snap, req)
+    d = Decision(policy, chosen, decode_id, tbt, candidates)
+    if not decode_id:
+        d.rejected = "no decode instance"
+    elif chosen.ttft_s > req.ttft_slo_s:
+        d.rejected = (f"predicted TTFT {chosen.ttft_s:.2f}s exceeds the SLO of "
+                      f"{req.ttft_slo_s:.2f}s")
+    elif tbt > req.tbt_slo_s:
+        d.rejected = f"predicted TBT {tbt * 1e3:.0f}ms exceeds the SLO of {req.tbt_slo_s * 1e3:.0f}ms"
+    return d
+
+
+class Policy:
+    name = "base"
+
+    def decide(self, snap: Snapshot, req: RequestView) -> Decision:
+        if not snap.prefills:
+            return Decision(self.name, rejected="no prefill instance")
+        cands = [candidate(snap, req, p, pull=False) for p in snap.prefills]
+        return finish(self.name, snap, req, self.choose(snap, req, cands), cands)
+
+    def choose(self, snap: Snapshot, req: RequestView, cands: list[Candidate]) -> Candidate:
+        raise NotImplementedError
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(self, snap: Snapshot, req: RequestView, cands: list[Candidate]) -> Candidate:
+        return self.rng.choice(cands)
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def choose(self, snap: Snapshot, req: RequestView, cands: list[Candidate]) -> Candidate:
+        ordered = sorted(cands, key=lambda c: c.instance_id)
+        chosen = ordered[self.next % len(ordered)]
+        self.next += 1
+        return chosen
+
+
+class LeastLoadedPolicy(Policy):
+    """Shortest predicted queue; ties by id. Ignores the cache (the load-balancing baseline)."""
+
+    name = "least_loaded"
+
+    def choose(self, snap: Snapshot, req: RequestView, cands: list[Candidate]) -> Candidate:
+        return min(cands, key=lambda c: (c.queue_s, c.instance_id))
+
+
+class LargestPrefixPolicy(Policy):
+    """Most cached prefix blocks on the instance itself (local cache-aware); ties: queue."""
+
+    name = "largest_prefix"
+
+    def choose(self, snap: Snapshot, req: RequestView, cands: list[Candidate]) -> Candidate:
+        return min(cands, key=lambda c: (-c.prefix_blocks, c.queue_s, c.instance_id))
+
+
+class KVCentricPolicy(Policy):
+    """Algorithm 1: lowest predicted TTFT, pulling the best prefix when it is much longer."""
+
+    name = "kvcentric"
+
+    def decide(self, snap: Snapshot, req: RequestView) -> Decision:
+        if not snap.prefills:
+            return Decision(self.name, rejected="no prefill instance")
+        best = max(req.prefix_blocks.values(), default=0)
+        cands = []
+        for p in snap.prefills:
+            own = req.prefix_blocks.get(p.instance_id, 0)
+            pull = best > own and best / max(own, 1) > snap.balancing_threshold
+            cands.append(candidate(snap, req, p, pull))
+        chosen = min(cands, key=lambda c: (c.ttft_s, c.instance_id))
+        return finish(self.name, snap, req, chosen, cands)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (
+    RandomPolicy, RoundRobinPolicy, LeastLoadedPolicy, LargestPrefixPolicy, KVCentricPolicy)}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None

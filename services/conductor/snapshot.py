@@ -1,0 +1,36 @@
+"""From the live registry and the KV manager's match to the policies' pure Snapshot."""
+
+from __future__ import annotations
+
+from services.conductor.costmodel import CostModel
+from services.conductor.policy import InstanceView, RequestView, Snapshot
+from services.conductor.registry import InstanceState
+from shared.messages import GenerateRequest
+
+
+def prefill_view(state: InstanceState, cost: CostModel) -> InstanceView:
+    """Queue time: the instance's reported prompt tokens still to compute, plus what this
+    conductor sent it since that report (the report does not include those yet)."""
+    queue_s = cost.prefill_s(state.info.queue_tokens) if state.info.queue_tokens else 0.0
+    return InstanceView(state.info.instance_id, queue_s=queue_s + state.pending_s,
+                        running=state.info.running, load=state.load)
+
+
+def decode_view(state: InstanceState) -> InstanceView:
+    running = state.info.running + state.dispatched_since_beat
+    context = state.info.mean_context * state.info.running + state.pending_tokens
+    return InstanceView(state.info.instance_id, running=running, load=state.load,
+                        mean_context=context / running if running else 0.0)
+
+
+def build(prefills: list[InstanceState], decodes: list[InstanceState], cost: CostModel,
+          threshold: float) -> Snapshot:
+    return Snapshot([prefill_view(p, cost) for p in prefills], [decode_view(d) for d in decodes],
+                    cost, threshold)
+
+
+def request_view(req: GenerateRequest, matches: dict[str, int], ttft_slo_s: float,
+                 tbt_slo_s: float) -> RequestView:
+    ttft = req.ttft_slo_ms / 1e3 if req.ttft_slo_ms else ttft_slo_s
+    tbt = req.tbt_slo_ms / 1e3 if req.tbt_slo_ms else tbt_slo_s
+    return RequestView(req.request_id, len(req.prompt_token_ids), matches, ttft, tbt)
