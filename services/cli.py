@@ -72,7 +72,8 @@ def _kv(argv: list[str]) -> int:
 
 
 BENCHES = {"request": "services.bench.request_latency", "engine": "services.bench.engine_bench",
-           "kv": "services.bench.kv_bench", "transfer": "services.bench.transfer_bench"}
+           "kv": "services.bench.kv_bench", "transfer": "services.bench.transfer_bench",
+           "conductor": "services.bench.conductor_bench"}
 
 
 def _bench(argv: list[str]) -> int:
@@ -109,6 +110,7 @@ commands:
   bench request      one request's latency through the stack vs in-process
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
   bench kv           the KV index's prefix-match latency
+  bench conductor    decision latency; with --url, predicted vs measured TTFT
   bench transfer     KV data plane throughput: TCP and shared memory vs a plain socket
 
 `halfmoon <command> --help` shows each command's flags (every flag has a HALFMOON_ env var).

@@ -75,7 +75,7 @@ class InstanceInfo(Message):
     queue_depth: int = 0  # requests waiting
     running: int = 0  # requests being computed
     kv_tokens_used: int = 0
-    queue_tokens: int = 0  # prompt tokens still to compute (prefill work ahead)
+    queue_prompts: list[int] = Field(default_factory=list)  # tokens left per queued prompt
     mean_context: float = 0.0  # tokens per running sequence (decode step cost)
     model: str = ""
 

@@ -37,8 +37,9 @@ class CostModel:
     source: str = "built-in defaults (run `halfmoon profile` to fit this machine)"
 
     def prefill_s(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
-        x = prefill_features(new_tokens, cached_tokens)
-        return max(0.0, sum(a * b for a, b in zip(self.prefill_coef, x)))
+        a, b, c, d = self.prefill_coef  # inlined prefill_features: this runs per candidate
+        n = new_tokens
+        return max(0.0, a + b * n + c * n * n + d * n * cached_tokens)
 
     def decode_step_s(self, batch: float, context: float) -> float:
         x = decode_features(batch, context)

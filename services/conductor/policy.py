@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from services.conductor.costmodel import CostModel
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per instance per decision: keep construction cheap
 class InstanceView:
     instance_id: str
     queue_s: float = 0.0  # predicted seconds of work ahead of a new request
@@ -34,7 +34,7 @@ class RequestView:
     tbt_slo_s: float
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     instance_id: str
     prefix_blocks: int  # blocks reused (own or pulled)
@@ -70,11 +70,18 @@ class Snapshot:
     balancing_threshold: float = 1.5  # pull when the best holder has this many times more
 
 
-def candidate(snap: Snapshot, req: RequestView, inst: InstanceView, pull: bool) -> Candidate:
+def best_holder(req: RequestView) -> tuple[str, int]:
+    """The instance with the longest cached prefix (ties: the larger id, deterministically)."""
+    blocks, holder = max(((b, i) for i, b in req.prefix_blocks.items()), default=(0, ""))
+    return holder, blocks
+
+
+def candidate(snap: Snapshot, req: RequestView, inst: InstanceView, pull: bool,
+              best: tuple[str, int] | None = None) -> Candidate:
     """Predicted TTFT parts on `inst`, with or without pulling the best holder's prefix."""
     bs = snap.cost.block_size
     own = req.prefix_blocks.get(inst.instance_id, 0)
-    best_id, best = max(((b, i) for i, b in req.prefix_blocks.items()), default=(0, ""))[::-1]
+    best_id, best = best if best is not None else best_holder(req)
     if pull and best > own and best_id:
         reuse, source, xfer = best, best_id, snap.cost.transfer_s(best - own)
     else:
@@ -116,7 +123,8 @@ class Policy:
     def decide(self, snap: Snapshot, req: RequestView) -> Decision:
         if not snap.prefills:
             return Decision(self.name, rejected="no prefill instance")
-        cands = [candidate(snap, req, p, pull=False) for p in snap.prefills]
+        best = best_holder(req)
+        cands = [candidate(snap, req, p, False, best) for p in snap.prefills]
         return finish(self.name, snap, req, self.choose(snap, req, cands), cands)
 
     def choose(self, snap: Snapshot, req: RequestView, cands: list[Candidate]) -> Candidate:
@@ -172,12 +180,13 @@ class KVCentricPolicy(Policy):
     def decide(self, snap: Snapshot, req: RequestView) -> Decision:
         if not snap.prefills:
             return Decision(self.name, rejected="no prefill instance")
-        best = max(req.prefix_blocks.values(), default=0)
+        holder = best_holder(req)
+        best = holder[1]
         cands = []
         for p in snap.prefills:
             own = req.prefix_blocks.get(p.instance_id, 0)
             pull = best > own and best / max(own, 1) > snap.balancing_threshold
-            cands.append(candidate(snap, req, p, pull))
+            cands.append(candidate(snap, req, p, pull, holder))
         chosen = min(cands, key=lambda c: (c.ttft_s, c.instance_id))
         return finish(self.name, snap, req, chosen, cands)
 

@@ -9,9 +9,9 @@ from shared.messages import GenerateRequest
 
 
 def prefill_view(state: InstanceState, cost: CostModel) -> InstanceView:
-    """Queue time: the instance's reported prompt tokens still to compute, plus what this
-    conductor sent it since that report (the report does not include those yet)."""
-    queue_s = cost.prefill_s(state.info.queue_tokens) if state.info.queue_tokens else 0.0
+    """Queue time: the predicted prefill of each prompt the instance reported still to
+    compute, plus what this conductor sent it since that report (not in it yet)."""
+    queue_s = sum(cost.prefill_s(n) for n in state.info.queue_prompts)
     return InstanceView(state.info.instance_id, queue_s=queue_s + state.pending_s,
                         running=state.info.running, load=state.load)
 

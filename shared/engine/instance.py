@@ -114,7 +114,7 @@ class EngineInstance:
             started_at=self.started_at, kv_host=self.settings.kv_advertise_host or
             self.settings.kv_host, kv_port=self.kv_port, queue_depth=int(s["waiting"]),
             running=int(s["running"]), kv_tokens_used=used * self.settings.block_size, model=self.lm.name,
-            queue_tokens=int(s["queue_tokens"]), mean_context=s["mean_context"])
+            queue_prompts=s["queue_prompts"][:256], mean_context=s["mean_context"])
 
     # -- the engine loop ----------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> None:

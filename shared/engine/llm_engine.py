@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -287,13 +287,13 @@ class LLMEngine:
         return self.lm.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- state for heartbeats and benchmarks ---------------------------------------------
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         sched = self.scheduler
         seqs = sched.running + list(sched.waiting)
         decoding = [s for s in sched.running if s.num_uncomputed_tokens <= 1]
         return {"running": len(sched.running), "waiting": len(sched.waiting),
-                "queue_tokens": sum(s.num_uncomputed_tokens for s in seqs
-                                    if s.num_uncomputed_tokens > 1),
+                "queue_prompts": [s.num_uncomputed_tokens for s in seqs
+                                  if s.num_uncomputed_tokens > 1],
                 "mean_context": (sum(s.num_tokens for s in decoding) / len(decoding)
                                  if decoding else 0.0),
                 "kv_blocks_total": self.blocks.num_blocks,

@@ -1,0 +1,122 @@
+"""`halfmoon bench conductor`: how fast the conductor decides, and how right it is.
+
+- decision latency: snapshot + kvcentric decision for 8, 64 and 256 prefill instances
+  with 100-block prompts and random cached prefixes (pure code, no bus); target p99 at
+  64 instances < 0.5 ms.
+- with --url: a live run against a stack (two prefill instances, say): requests with
+  shared and fresh prefixes at a steady rate; predicted TTFT (the conductor's decision
+  record) against measured TTFT (the gateway's request record), median absolute error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from typing import Any, Sequence
+
+import aiohttp
+from sqlalchemy import select
+
+from services.bench.stats import percentile
+from services.conductor import snapshot
+from services.conductor.costmodel import CostModel, load_cost_model
+from services.conductor.policy import make_policy
+from services.conductor.registry import Registry
+from shared.messages import GenerateRequest, InstanceInfo, Role, SamplingParams
+
+
+def decision_latency(instances: int, blocks: int, runs: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    reg = Registry(expiry_s=3)
+    for i in range(instances):
+        reg.seen(InstanceInfo(instance_id=f"prefill-{i}", role=Role.PREFILL,
+                              queue_prompts=[rng.randrange(64, 2048) for _ in range(rng.randrange(4))]), 0)
+    for i in range(max(1, instances // 2)):
+        reg.seen(InstanceInfo(instance_id=f"decode-{i}", role=Role.DECODE, running=rng.randrange(64),
+                              mean_context=rng.randrange(100, 2000)), 0)
+    cost, policy = CostModel(), make_policy("kvcentric")
+    req = GenerateRequest(request_id="r", model="m", prompt_token_ids=[1] * blocks * 16,
+                          sampling=SamplingParams(), arrival_time=0)
+    times = []
+    for _ in range(runs):
+        matches = {f"prefill-{i}": rng.randrange(blocks + 1) for i in rng.sample(range(instances), k=min(instances, 8))}
+        t0 = time.perf_counter()
+        snap = snapshot.build(reg.alive(Role.PREFILL, 0), reg.alive(Role.DECODE, 0), cost, 1.5)
+        policy.decide(snap, snapshot.request_view(req, matches, 30.0, 0.3))
+        times.append(time.perf_counter() - t0)
+    return {"p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3}
+
+
+async def _one(http: aiohttp.ClientSession, url: str, model: str, prompt: str) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
+            "temperature": 0}
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        return {"status": resp.status, "id": resp.headers.get("X-Request-Id", "")}
+
+
+async def live(url: str, database_url: str, requests: int, rate: float) -> dict[str, Any]:
+    from shared.db.schema import DecisionRecord, RequestRecord
+    from shared.db.session import make_engine, sessionmaker
+
+    rng = random.Random(9)
+    docs = [" ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.choice((150, 400, 800))))
+            for _ in range(4)]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        tasks = []
+        for i in range(requests):  # half reuse a document (prefix hits), half are fresh
+            prompt = (docs[i % 4] if i % 2 else f"{rng.random()} " + docs[i % 4][::-1]) + f" Q{i}?"
+            tasks.append(asyncio.create_task(_one(http, url, model, prompt)))
+            await asyncio.sleep(1 / rate)
+        results = await asyncio.gather(*tasks)
+    await asyncio.sleep(1.0)  # records are written in batches
+    engine = make_engine(database_url)
+    pairs = []
+    try:
+        async with sessionmaker(engine)() as s:
+            for r in results:
+                rec = await s.get(RequestRecord, r["id"])
+                dec = await s.get(DecisionRecord, r["id"])
+                if rec and dec and rec.ttft_ms and dec.predicted_ttft_ms:
+                    pairs.append((dec.predicted_ttft_ms, rec.ttft_ms))
+    finally:
+        await engine.dispose()
+    errs = [abs(p - m) / m for p, m in pairs]
+    return {"requests": requests, "rate_per_s": rate, "compared": len(pairs),
+            "median_abs_error": statistics.median(errs) if errs else float("nan"),
+            "p90_abs_error": percentile(errs, 90),
+            "median_predicted_ms": statistics.median(p for p, _ in pairs) if pairs else None,
+            "median_measured_ms": statistics.median(m for _, m in pairs) if pairs else None}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="halfmoon bench conductor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=2000)
+    p.add_argument("--url", default="", help="a running gateway, for the live accuracy run")
+    p.add_argument("--database-url", default="", help="that stack's database")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second in the live run")
+    args = p.parse_args(argv)
+    out: dict[str, Any] = {"decision_latency": {
+        str(n): decision_latency(n, 100, args.runs, seed=n) for n in (8, 64, 256)}}
+    if args.url:
+        out["live"] = asyncio.run(live(args.url, args.database_url, args.requests, args.rate))
+    print(json.dumps(out, indent=2))
+    for n, r in out["decision_latency"].items():
+        print(f"decision, {n:>3} instances, 100-block prompt: p50 {r['p50_ms']:.3f} ms, "
+              f"p99 {r['p99_ms']:.3f} ms")
+    if "live" in out:
+        lv = out["live"]
+        print(f"live: {lv['compared']} requests, predicted vs measured TTFT median abs error "
+              f"{lv['median_abs_error'] * 100:.1f}% (p90 {lv['p90_abs_error'] * 100:.1f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
