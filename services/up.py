@@ -46,6 +46,8 @@ class UpSettings(BaseModel):
     model: str = Field(DEFAULT_MODEL_NAME, description="model folder or name in HALFMOON_HOME/models")
     dtype: str = Field("bfloat16", description="float32 | bfloat16")
     threads: int = Field(0, ge=0, description="torch threads per engine instance (0: cores / instances)")
+    engine_nice: int = Field(10, ge=0, le=19, description="niceness of engine processes, so the "
+                             "control plane stays responsive when the cores are busy")
     nats_url: str = Field("", description="external NATS (empty: embedded nats-server)")
     database_url: str = Field("", description="SQLAlchemy URL (empty: SQLite in HALFMOON_HOME)")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready by then")
@@ -90,16 +92,16 @@ class Cluster:
         engines = self.s.prefill + self.s.decode
         threads = self.s.threads or max(1, (os.cpu_count() or 1) // engines)
         common = ["--model", str(model_dir)]
+        engine = [*common, "--dtype", self.s.dtype, "--threads", str(threads), "--nice",
+                  str(self.s.engine_nice)]
         await self._spawn("conductor", "conductor", ["-m", "services.conductor"])
         await self._spawn("kvmanager", "kvmanager", ["-m", "services.kvmanager"])
         for i in range(self.s.prefill):
             await self._spawn(f"prefill-{i}", "prefill", [
-                "-m", "services.prefill", "--instance-id", f"prefill-{i}", "--dtype", self.s.dtype,
-                "--threads", str(threads), *common])
+                "-m", "services.prefill", "--instance-id", f"prefill-{i}", *engine])
         for i in range(self.s.decode):
             await self._spawn(f"decode-{i}", "decode", [
-                "-m", "services.decode", "--instance-id", f"decode-{i}", "--dtype", self.s.dtype,
-                "--threads", str(threads), *common])
+                "-m", "services.decode", "--instance-id", f"decode-{i}", *engine])
         await self._spawn("gateway", "gateway", ["-m", "services.gateway", "--host", self.s.host,
                                                  "--port", str(self.s.port), *common])
         if self.s.console:

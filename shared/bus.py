@@ -55,7 +55,8 @@ async def close(nc: NATS, timeout_s: float = 5.0) -> None:
 
 
 def encode_error(exc: errors.HalfmoonError) -> bytes:
-    body = ErrorBody(code=exc.code, message=exc.message, retry_after_s=exc.retry_after_s)
+    body = ErrorBody(code=exc.code, message=exc.message, retry_after_s=exc.retry_after_s,
+                     status=exc.status)
     return json.dumps({"error": body.model_dump()}).encode()
 
 
@@ -64,7 +65,7 @@ def decode_reply(data: bytes, cls: type[M]) -> M:
     obj = json.loads(data)
     if isinstance(obj, dict) and "error" in obj and isinstance(obj["error"], dict):
         err = ErrorBody.model_validate(obj["error"])
-        raise errors.from_code(err.code, err.message, err.retry_after_s)
+        raise errors.from_code(err.code, err.message, err.retry_after_s, err.status)
     return cls.model_validate(obj)
 
 

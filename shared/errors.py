@@ -86,7 +86,15 @@ _BY_CODE: dict[str, type[HalfmoonError]] = {
 }
 
 
-def from_code(code: str, message: str, retry_after_s: float | None = None) -> HalfmoonError:
-    """Rebuild a typed error from an ErrorReply that crossed the bus."""
-    cls = _BY_CODE.get(code, UpstreamFailed)
+_BY_STATUS: dict[int, type[HalfmoonError]] = {
+    cls.status: cls for cls in (InvalidRequest, ModelNotFound, PayloadTooLarge, Rejected,
+                                Unavailable, Timeout)
+}
+
+
+def from_code(code: str, message: str, retry_after_s: float | None = None,
+              status: int | None = None) -> HalfmoonError:
+    """Rebuild a typed error from an ErrorReply that crossed the bus: by its code, else by
+    its HTTP status (a 429 with a specific code is still a Rejected)."""
+    cls = _BY_CODE.get(code) or _BY_STATUS.get(status or 0, UpstreamFailed)
     return cls(message, code=code, retry_after_s=retry_after_s)

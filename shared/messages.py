@@ -52,6 +52,7 @@ class ErrorBody(BaseModel):
     code: str
     message: str
     retry_after_s: float | None = None
+    status: int = 500  # the HTTP status it maps to, so the kind survives the bus
 
 
 class Ack(Message):

@@ -63,7 +63,7 @@ async def live(url: str, database_url: str, requests: int, rate: float) -> dict[
     from shared.db.session import make_engine, sessionmaker
 
     rng = random.Random(9)
-    docs = [" ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.choice((150, 400, 800))))
+    docs = [" ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.choice((40, 120, 200))))
             for _ in range(4)]
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/v1/models") as resp:

@@ -32,6 +32,9 @@ class CostModel:
     decode_coef: list[float] = field(default_factory=lambda: [0.041, 2.7e-8, 7.0e-6])
     transfer_latency_s: float = 0.0005
     transfer_bytes_per_s: float = 1.2e9
+    # Gateway → conductor → prefill → first token back: bus hops and scheduling, measured
+    # on the local stack as the TTFT of fully cached prompts minus their predicted prefill.
+    overhead_s: float = 0.04
     block_bytes: int = 368_640
     block_size: int = 16
     source: str = "built-in defaults (run `halfmoon profile` to fit this machine)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -30,6 +31,7 @@ class Conductor:
         self.policy = make_policy(settings.policy)
         self.cost = load_cost_model(settings.cost_model)
         self._recorded_at: dict[str, float] = {}
+        self._tasks: set[asyncio.Task] = set()
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -62,6 +64,13 @@ class Conductor:
                     self.records.instance_seen(id=state.info.instance_id, status="dead")
 
     async def on_schedule(self, msg: Msg) -> None:
+        # One task per request: a placement waiting on a slow prefill ack must not hold up
+        # the next decision (nats-py runs a subscription's callbacks one at a time).
+        task = asyncio.create_task(self._schedule(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _schedule(self, msg: Msg) -> None:
         try:
             req = GenerateRequest.model_validate_json(msg.data)
         except ValueError as exc:
@@ -86,7 +95,8 @@ class Conductor:
         view = snapshot.request_view(req, matches, self.settings.ttft_slo_ms / 1e3,
                                      self.settings.tbt_slo_ms / 1e3)
         while True:
-            snap = snapshot.build(prefills, decodes, self.cost, self.settings.balancing_threshold)
+            snap = snapshot.build(prefills, decodes, self.cost, self.settings.balancing_threshold,
+                                  self.settings.slo_margin)
             decision = self.policy.decide(snap, view)
             if decision.rejected:
                 self._record(req, decision, now)
@@ -153,7 +163,13 @@ class Conductor:
         assert d.prefill is not None
         job = PrefillJob(request=req, decode_id=d.decode_id, prefix_from=d.prefill.pull_from,
                          prefix_blocks=d.prefill.prefix_blocks if d.prefill.pull_from else 0)
-        await bus.request(self.nc, subjects.prefill_submit(d.prefill.instance_id), job, Ack,
-                          timeout_s=self.settings.dispatch_timeout_s)
+        # Count the work before awaiting the ack, so decisions made meanwhile see it.
         self.registry.dispatched(d.prefill.instance_id, d.prefill.prefill_s)
         self.registry.dispatched(d.decode_id, tokens=len(req.prompt_token_ids))
+        try:
+            await bus.request(self.nc, subjects.prefill_submit(d.prefill.instance_id), job, Ack,
+                              timeout_s=self.settings.dispatch_timeout_s)
+        except errors.HalfmoonError:
+            self.registry.dispatched(d.prefill.instance_id, -d.prefill.prefill_s, count=-1)
+            self.registry.dispatched(d.decode_id, tokens=-len(req.prompt_token_ids), count=-1)
+            raise

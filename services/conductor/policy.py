@@ -42,10 +42,11 @@ class Candidate:
     transfer_s: float
     queue_s: float
     prefill_s: float
+    overhead_s: float = 0.0
 
     @property
     def ttft_s(self) -> float:
-        return self.transfer_s + self.queue_s + self.prefill_s
+        return self.overhead_s + self.transfer_s + self.queue_s + self.prefill_s
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Snapshot:
     decodes: list[InstanceView]
     cost: CostModel
     balancing_threshold: float = 1.5  # pull when the best holder has this many times more
+    slo_margin: float = 1.0  # admit only predictions within this share of the SLO
 
 
 def best_holder(req: RequestView) -> tuple[str, int]:
@@ -88,7 +90,8 @@ def candidate(snap: Snapshot, req: RequestView, inst: InstanceView, pull: bool,
         reuse, source, xfer = own, "", 0.0
     cached = min(reuse * bs, req.prompt_tokens - 1)
     prefill = snap.cost.prefill_s(req.prompt_tokens - cached, cached)
-    return Candidate(inst.instance_id, reuse, source, xfer, inst.queue_s, prefill)
+    return Candidate(inst.instance_id, reuse, source, xfer, inst.queue_s, prefill,
+                     snap.cost.overhead_s)
 
 
 def select_decode(snap: Snapshot, req: RequestView) -> tuple[str, float]:
@@ -109,12 +112,17 @@ def finish(policy: str, snap: Snapshot, req: RequestView, chosen: Candidate,
     d = Decision(policy, chosen, decode_id, tbt, candidates)
     if not decode_id:
         d.rejected = "no decode instance"
-    elif chosen.ttft_s > req.ttft_slo_s:
-        d.rejected = (f"predicted TTFT {chosen.ttft_s:.2f}s exceeds the SLO of "
+    elif chosen.ttft_s > req.ttft_slo_s * snap.slo_margin:
+        d.rejected = (f"predicted TTFT {chosen.ttft_s:.2f}s exceeds {_share(snap)}the SLO of "
                       f"{req.ttft_slo_s:.2f}s")
-    elif tbt > req.tbt_slo_s:
-        d.rejected = f"predicted TBT {tbt * 1e3:.0f}ms exceeds the SLO of {req.tbt_slo_s * 1e3:.0f}ms"
+    elif tbt > req.tbt_slo_s * snap.slo_margin:
+        d.rejected = (f"predicted TBT {tbt * 1e3:.0f}ms exceeds {_share(snap)}the SLO of "
+                      f"{req.tbt_slo_s * 1e3:.0f}ms")
     return d
+
+
+def _share(snap: Snapshot) -> str:
+    return "" if snap.slo_margin >= 1 else f"{snap.slo_margin:.0%} of "
 
 
 class Policy:

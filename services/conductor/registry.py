@@ -34,10 +34,12 @@ class Registry:
         self._instances[info.instance_id] = InstanceState(info, now)
         return is_new
 
-    def dispatched(self, instance_id: str, predicted_s: float = 0.0, tokens: int = 0) -> None:
+    def dispatched(self, instance_id: str, predicted_s: float = 0.0, tokens: int = 0,
+                   count: int = 1) -> None:
+        """Account a dispatch (or, with negative values, take a failed one back)."""
         state = self._instances.get(instance_id)
         if state is not None:
-            state.dispatched_since_beat += 1
+            state.dispatched_since_beat += count
             state.pending_s += predicted_s
             state.pending_tokens += tokens
 

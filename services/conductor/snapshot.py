@@ -24,9 +24,9 @@ def decode_view(state: InstanceState) -> InstanceView:
 
 
 def build(prefills: list[InstanceState], decodes: list[InstanceState], cost: CostModel,
-          threshold: float) -> Snapshot:
+          threshold: float, slo_margin: float = 1.0) -> Snapshot:
     return Snapshot([prefill_view(p, cost) for p in prefills], [decode_view(d) for d in decodes],
-                    cost, threshold)
+                    cost, threshold, slo_margin)
 
 
 def request_view(req: GenerateRequest, matches: dict[str, int], ttft_slo_s: float,

@@ -173,7 +173,8 @@ class Gateway:
                                              self.settings.token_timeout_s):
                 if event.error is not None:
                     life.error = f"{event.error.code}: {event.error.message}"
-                    raise errors.from_code(event.error.code, event.error.message)
+                    raise errors.from_code(event.error.code, event.error.message,
+                                            status=event.error.status)
                 life.on_event(event)
         except errors.Timeout as exc:
             life.error = f"timeout: {exc.message}"
@@ -196,7 +197,8 @@ class Gateway:
                                              self.settings.token_timeout_s):
                 if event.error is not None:
                     life.error = f"{event.error.code}: {event.error.message}"
-                    await resp.write(sse(errors.from_code(event.error.code, event.error.message).body()))
+                    await resp.write(sse(errors.from_code(event.error.code, event.error.message,
+                                            status=event.error.status).body()))
                     break
                 life.on_event(event)
                 await self._write_event(resp, chat, event, rid, model, created)

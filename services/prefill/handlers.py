@@ -51,12 +51,12 @@ class PrefillInstance(EngineInstance):
         self.streams[req.request_id] = Stream(req, 0)
         self.decode_for[req.request_id] = job.decode_id
         await bus.respond(msg, Ack())
-        if job.prefix_from and job.prefix_from != self.instance_id and job.prefix_blocks > 0:
-            task = asyncio.create_task(self._pull_then_add(job))
-            self._transfers.add(task)
-            task.add_done_callback(self._transfers.discard)
-        else:
-            await self._add(job)
+        # Adding waits for the engine thread (up to a step): do it off this callback so the
+        # next job is acknowledged at once.
+        pull = job.prefix_from and job.prefix_from != self.instance_id and job.prefix_blocks > 0
+        task = asyncio.create_task(self._pull_then_add(job) if pull else self._add(job))
+        self._transfers.add(task)
+        task.add_done_callback(self._transfers.discard)
 
     async def _add(self, job: PrefillJob) -> None:
         req = job.request

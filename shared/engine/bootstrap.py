@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from shared.engine.instance import WorkerSettings
 from shared.engine.runner import LoadedModel, load_model
@@ -19,6 +20,8 @@ def with_instance_id(settings: S, role: str) -> S:
 
 async def load_for(settings: WorkerSettings, role: str) -> LoadedModel:
     setup_logging(settings.log_level, role, settings.instance_id)
+    if settings.nice:
+        os.nice(settings.nice)
     model_dir = await asyncio.to_thread(ensure_model, settings.model)
     name = settings.served_model_name or model_dir.name
     return await asyncio.to_thread(load_model, model_dir, settings.dtype, settings.device,

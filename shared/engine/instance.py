@@ -36,6 +36,8 @@ class WorkerSettings(BaseSettings):
     dtype: str = Field("bfloat16", description="weights and KV dtype: float32 | bfloat16")
     device: str = Field("cpu", description="torch device: cpu | cuda")
     threads: int = Field(0, ge=0, description="torch threads for this instance (0: torch default)")
+    nice: int = Field(0, ge=0, le=19, description="CPU niceness: on a shared box a niced engine "
+                      "lets the control plane (gateway, conductor) answer at once")
     block_size: int = Field(16, gt=0, le=64, description="KV block size in tokens")
     kv_cache_gb: float = Field(1.0, gt=0, description="KV pool (DRAM tier) size in GiB")
     disk_tier_gb: float = Field(0.0, ge=0, description="KV disk tier size in GiB (0: off)")

@@ -1,7 +1,8 @@
 """KV transfer over TCP: framed, checksummed, with timeouts.
 
     receiver → sender   MAGIC | u16 id_len | transfer id
-    sender → receiver   MAGIC | u8 status | u32 meta_len | u64 payload_len | u64 xxh3 | meta | payload
+    sender → receiver   MAGIC | u8 status | u32 meta_len | u64 payload_len | u64 xxh3 | meta
+                        | zeros up to a multiple of 64 bytes | payload
     receiver → sender   u8 ack (1: verified)
 
 The sender keeps the payload until the receiver acknowledges a verified copy, so a
@@ -36,9 +37,10 @@ STATUS_OK, STATUS_UNKNOWN = 0, 1
 # Receive step: small enough that each piece is hashed while still in cache, large enough
 # that the per-call overhead is noise (64 calls for 64 MiB).
 CHUNK = 1 << 20
-# Loopback moves ~3 GB/s; the default 16-128 KiB buffers wake both processes per few
-# hundred KiB. The kernel caps this at net.core.[rw]mem_max.
-SOCK_BUF = int(__import__('os').environ.get('HMX', 4 << 20))
+# The payload starts at a stream offset that is a multiple of this, so the kernel's copies
+# (sender → socket buffer → receiver) run between equally aligned addresses: a 37-byte
+# header before 64 MiB made loopback take 29 ms instead of 13 here.
+ALIGN = 64
 
 
 class _Offer:
@@ -50,11 +52,19 @@ class _Offer:
 
 
 def tune_socket(sock: socket.socket) -> None:
+    """Non-blocking, no Nagle delay on the small control messages.
+
+    Socket buffer sizes are left to the kernel: fixed 4 MiB buffers made no difference on
+    loopback here, and setting SO_RCVBUF turns off autotuning (up to tcp_rmem's 32 MiB),
+    which a long cross-host link needs.
+    """
     sock.setblocking(False)
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+
+
+def _padding(meta_len: int) -> int:
+    return -(_HDR.size + meta_len) % ALIGN
 
 
 async def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
@@ -82,7 +92,7 @@ async def connect(host: str, port: int) -> socket.socket:
     last: OSError = OSError(f"cannot resolve {host}:{port}")
     for family, type_, proto, _, addr in infos:
         sock = socket.socket(family, type_, proto)
-        tune_socket(sock)  # buffer sizes must be set before connect to take effect on the window
+        tune_socket(sock)
         try:
             await loop.sock_connect(sock, addr)
             return sock
@@ -187,7 +197,7 @@ class TcpKVSender(KVSender):
             return
         await self.states.set(tid, TransferState.TRANSFERRING)
         head = _HDR.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
-        await loop.sock_sendall(conn, head + offer.meta)
+        await loop.sock_sendall(conn, head + offer.meta + bytes(_padding(len(offer.meta))))
         for start in range(0, len(offer.payload), CHUNK):
             await loop.sock_sendall(conn, offer.payload[start:start + CHUNK])
         ack = await recv_exact(conn, 1)
@@ -220,7 +230,7 @@ class TcpKVReceiver(KVReceiver):
             if magic != MAGIC or status != STATUS_OK:
                 raise TransferFailed("unknown or expired transfer id")
             await self.states.set(handle.transfer_id, TransferState.TRANSFERRING)
-            meta = await recv_exact(sock, meta_len)
+            meta = (await recv_exact(sock, meta_len + _padding(meta_len)))[:meta_len]
             payload = bytearray(payload_len)
             hasher = xxhash.xxh3_64()
             await recv_into_exact(sock, memoryview(payload), hasher)

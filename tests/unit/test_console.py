@@ -54,18 +54,31 @@ def _row(rid, status, offset, prefill, decode, prompt, cached, completion, ttft,
 ROWS = [_row(rid, *values) for rid, values in SEED.items()]
 
 
+def _shifted(row: dict) -> dict:
+    """The rows as of now: the app compares with the real clock, and the module may have been
+    imported minutes ago (a long test session) — heartbeats must look fresh."""
+    shift = time.time() - NOW
+    out = dict(row)
+    for key in ("arrival_time", "first_token_time", "finish_time"):
+        if out[key] is not None:
+            out[key] += shift
+    return out
+
+
 async def _seed(url: str) -> None:
     engine = make_engine(url)
     writer = RecordWriter(engine, flush_interval_s=0.0)
     await writer.start()
-    for r in ROWS:
+    now = time.time()
+    rows = [_shifted(r) for r in ROWS]
+    for r in rows:
         writer.request_accepted(id=r["id"], model="m", status="queued",
                                 arrival_time=r["arrival_time"], prompt_tokens=r["prompt_tokens"])
         if r["prefill_instance"]:
             writer.request_update(r["id"], status="running", prefill_instance=r["prefill_instance"],
                                   decode_instance=r["decode_instance"])
     await writer.flush()  # accepted before finished, as the gateway writes them
-    for r in ROWS:
+    for r in rows:
         done = {k: r[k] for k in ("first_token_time", "finish_time", "completion_tokens",
                                   "cached_tokens", "ttft_ms", "e2e_ms")}
         reason = "stop" if r["status"] == "completed" else None
@@ -74,7 +87,7 @@ async def _seed(url: str) -> None:
     for iid, queue, running in [("prefill-0", 2, 1), ("prefill-1", 0, 3), ("decode-0", 0, 4),
                                 ("decode-1", 1, 0), ("conductor-0", 0, 0)]:
         writer.instance_seen(id=iid, role=iid.split("-")[0], host="127.0.0.1", status="ready",
-                             started_at=NOW - 600, last_heartbeat=NOW,
+                             started_at=now - 600, last_heartbeat=now,
                              info={"queue_depth": queue, "running": running,
                                    "kv_tokens_used": 1000 * running})
     await writer.flush()

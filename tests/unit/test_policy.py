@@ -10,7 +10,8 @@ from shared.messages import InstanceInfo, Role
 # Round numbers: prefill = 1 ms per new token; decode step = 10 ms + 1 ms per sequence;
 # a pulled block costs 2 ms (plus 0 latency); 16-token blocks.
 COST = CostModel(prefill_coef=[0.0, 1e-3, 0.0, 0.0], decode_coef=[0.01, 1e-3, 0.0],
-                 transfer_latency_s=0.0, transfer_bytes_per_s=1000.0, block_bytes=2, block_size=16)
+                 transfer_latency_s=0.0, transfer_bytes_per_s=1000.0, block_bytes=2, block_size=16,
+                 overhead_s=0.0)
 
 
 def snap(queues, decodes=(("d0", 0),)):

@@ -32,3 +32,13 @@ def test_bad_value_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         parse_settings(DemoSettings, ["--port", "eighty"], "demo")
     assert "port" in capsys.readouterr().err
+
+
+def test_errors_keep_their_kind_across_the_bus():
+    from shared import bus, errors
+
+    raw = bus.encode_error(errors.Rejected("slo", code="slo_unattainable", retry_after_s=3))
+    with pytest.raises(errors.Rejected) as info:
+        bus.decode_reply(raw, BaseSettings)
+    assert info.value.status == 429 and info.value.code == "slo_unattainable"
+    assert info.value.retry_after_s == 3
