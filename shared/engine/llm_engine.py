@@ -248,7 +248,7 @@ class LLMEngine:
         return [self._emit(item.seq, tok) for item, tok in zip(completing, tokens)]
 
     def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = logits.argmax(dim=-1).tolist()  # one device sync for the whole batch
         out = []
         for row, item in enumerate(items):
             params = item.seq.params

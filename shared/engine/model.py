@@ -129,7 +129,7 @@ class PagedLlama:
         for s in range(q.shape[0]):
             ctx = int(meta.single_ctx[s])
             nblocks = -(-ctx // self.kv.shape.block_size)
-            ids = meta.single_tables[s, :nblocks].long()
+            ids = meta.single_tables[s, :nblocks].long().to(self.kv.k.device)
             chunk = ChunkMeta(0, 1, ctx - 1, ids)
             rows.append(self._chunk(i, q[s:s + 1], chunk))
         return torch.cat(rows)

@@ -21,7 +21,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, step: int) -> int:
         """`logits`: 1-D over the vocabulary; `step`: index of the token being produced."""
         p = self.params
-        logits = logits.float()
+        logits = logits.float().cpu()  # the seeded generator lives on the CPU, whatever the device
         if p.temperature <= 0.0:
             return int(torch.argmax(logits).item())
         logits = logits / p.temperature
