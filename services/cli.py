@@ -73,7 +73,7 @@ def _kv(argv: list[str]) -> int:
 
 BENCHES = {"request": "services.bench.request_latency", "engine": "services.bench.engine_bench",
            "kv": "services.bench.kv_bench", "transfer": "services.bench.transfer_bench",
-           "conductor": "services.bench.conductor_bench"}
+           "conductor": "services.bench.conductor_bench", "serve": "services.bench.serve_bench"}
 
 
 def _bench(argv: list[str]) -> int:
@@ -111,6 +111,7 @@ commands:
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
   bench kv           the KV index's prefix-match latency
   bench conductor    decision latency; with --url, predicted vs measured TTFT
+  bench serve        Halfmoon side by side with transformers serve (or any OpenAI URL)
   bench transfer     KV data plane throughput: TCP and shared memory vs a plain socket
 
 `halfmoon <command> --help` shows each command's flags (every flag has a HALFMOON_ env var).
