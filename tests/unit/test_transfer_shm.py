@@ -84,6 +84,29 @@ async def test_other_hosts_and_plain_tcp_receivers_get_it_over_tcp(sender):
     assert got == payload and await sender.wait("old", 5) == TransferState.DONE
 
 
+async def test_receivers_fill_the_callers_buffer_when_given_an_allocator(sender):
+    payload = os.urandom(2 << 20)
+    mine = bytearray(3 << 20)
+
+    def alloc(n):
+        return memoryview(mine)[:n]
+
+    handle = sender.offer("into-tcp", b"{}", payload, 1, ttl_s=10)
+    _, got = await TcpKVReceiver(allocate=alloc).fetch(handle, timeout_s=10)
+    assert got.obj is mine and mine[:len(payload)] == payload
+
+    mine[:] = bytes(len(mine))
+    handle = sender.offer("into-shm", b"{}", payload, 1, ttl_s=10)
+    _, got = await ShmKVReceiver(copy=True, allocate=alloc).fetch(handle, timeout_s=10)
+    assert got.obj is mine and mine[:len(payload)] == payload
+
+    handle = sender.offer("bad-alloc", b"{}", payload, 1, ttl_s=10)
+    receiver = TcpKVReceiver(allocate=lambda n: bytearray(n + 1))
+    with pytest.raises(TransferFailed, match="allocate"):
+        await receiver.fetch(handle, timeout_s=10)
+    assert await sender.wait("bad-alloc", 5) == TransferState.FAILED
+
+
 async def test_checksum_mismatch_fails_both_sides(sender):
     payload = os.urandom(2 << 20)
     handle = sender.offer("bad", b"{}", payload, 1, ttl_s=10)
@@ -224,7 +247,7 @@ def test_bench_quick_mode_prints_the_figures():
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["mib"] == 4 and doc["rounds"] == 1
-    assert set(doc["results"]) == {"plain", "plain_reused", "tcp", "shm", "shm_copy"}
+    assert set(doc["results"]) == {"plain", "plain_reused", "tcp", "tcp_reused", "shm", "shm_copy"}
     for mode, r in doc["results"].items():
         assert r["fetch_mib_s"]["best"] > 0 and r["fetch_ms"]["median"] > 0, mode
     assert doc["results"]["shm"]["offer_ms"]["best"] > 0  # the segment write is reported
