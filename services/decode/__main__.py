@@ -10,7 +10,7 @@ from typing import Sequence
 from shared import bus, subjects
 from shared.engine.bootstrap import load_for, with_instance_id
 from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
-from shared.transfer.tcp import TcpKVReceiver
+from shared.engine.instance import make_receiver
 from services.decode.args import DecodeSettings, parse_args
 from services.decode.handlers import DecodeInstance
 
@@ -25,7 +25,7 @@ async def serve(settings: DecodeSettings) -> None:
     async with contextlib.AsyncExitStack() as stack:
         nc = await bus.connect(settings, settings.instance_id)
         stack.push_async_callback(bus.close, nc)
-        inst = DecodeInstance(settings, nc, lm, TcpKVReceiver())
+        inst = DecodeInstance(settings, nc, lm, make_receiver(settings))
         stack.callback(inst.close_engine)
         submit = await nc.subscribe(subjects.decode_submit(settings.instance_id), cb=inst.on_submit)
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)

@@ -10,7 +10,8 @@ from typing import Sequence
 from shared import bus, subjects
 from shared.engine.bootstrap import load_for, with_instance_id
 from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
-from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
+from shared.engine.instance import make_receiver, make_sender
+from shared.transfer import KVSender
 from services.prefill.args import PrefillSettings, parse_args
 from services.prefill.handlers import PrefillInstance
 
@@ -25,10 +26,10 @@ async def serve(settings: PrefillSettings) -> None:
     async with contextlib.AsyncExitStack() as stack:
         nc = await bus.connect(settings, settings.instance_id)
         stack.push_async_callback(bus.close, nc)
-        sender = TcpKVSender(settings.kv_host, settings.kv_port, settings.kv_advertise_host)
+        sender = make_sender(settings)
         await sender.start()
         stack.push_async_callback(sender.close)
-        inst = PrefillInstance(settings, nc, lm, sender, TcpKVReceiver())
+        inst = PrefillInstance(settings, nc, lm, sender, make_receiver(settings))
         inst.kv_port = sender.port
         stack.callback(inst.close_engine)
         submit = await nc.subscribe(subjects.prefill_submit(settings.instance_id), cb=inst.on_submit)
@@ -48,7 +49,7 @@ async def serve(settings: PrefillSettings) -> None:
         log.info("prefill %s stopped", settings.instance_id)
 
 
-async def _drain_transfers(sender: TcpKVSender, timeout_s: float) -> None:
+async def _drain_transfers(sender: KVSender, timeout_s: float) -> None:
     deadline = asyncio.get_running_loop().time() + min(timeout_s, 10.0)
     while sender.pending and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)

@@ -13,7 +13,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 from nats.aio.client import Client as NATS
 from pydantic import Field
@@ -24,6 +24,7 @@ from shared.engine.runner import LoadedModel
 from shared.messages import (CancelRequest, ErrorBody, FinishReason, GenerateRequest,
                              InstanceInfo, KVEvent, KVEventKind, Role, TokenEvent, Usage)
 from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, halfmoon_home
+from shared.transfer import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,12 +49,29 @@ class WorkerSettings(BaseSettings):
     kv_advertise_host: str = Field("", description="address peers use to reach the data plane")
     kv_port: int = Field(0, ge=0, description="KV data plane port (0: any free port)")
     transfer_timeout_s: float = Field(30.0, gt=0, description="KV transfer timeout")
+    kv_transport: Literal["auto", "tcp"] = Field(
+        "auto", description="auto: shared memory when both ends are on one host, else TCP")
 
     def engine_config(self) -> EngineConfig:
         disk_dir = self.disk_tier_dir or str(halfmoon_home() / "kvdisk" / self.instance_id)
         return EngineConfig(block_size=self.block_size, kv_cache_bytes=int(self.kv_cache_gb * 2**30),
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.chunk_tokens,
                             disk_tier_bytes=int(self.disk_tier_gb * 2**30), disk_tier_dir=disk_dir)
+
+
+def make_sender(settings: WorkerSettings) -> KVSender:
+    from shared.transfer.shm import ShmKVSender
+    from shared.transfer.tcp import TcpKVSender
+
+    cls = ShmKVSender if settings.kv_transport == "auto" else TcpKVSender
+    return cls(settings.kv_host, settings.kv_port, settings.kv_advertise_host)
+
+
+def make_receiver(settings: WorkerSettings) -> KVReceiver:
+    from shared.transfer.shm import ShmKVReceiver
+    from shared.transfer.tcp import TcpKVReceiver
+
+    return ShmKVReceiver() if settings.kv_transport == "auto" else TcpKVReceiver()
 
 
 class CancelSet:
