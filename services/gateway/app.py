@@ -50,4 +50,5 @@ def make_app(gateway: Gateway, max_body_bytes: int) -> web.Application:
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/admin/state", gateway.admin_state)
     app.router.add_get("/admin/requests/{request_id}", gateway.admin_request)
+    app.router.add_get("/admin/kv", gateway.admin_kv)
     return app

@@ -16,6 +16,7 @@ from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
 from shared.db.schema import DecisionRecord, RequestRecord, RequestStatus
 from shared.db.session import sessionmaker
+from shared.db.stats import kv_hit_rates
 from shared.hashing import block_hashes
 from shared.messages import (CancelRequest, FinishReason, GenerateRequest, InstanceInfo,
                              Placement, TokenEvent, Usage)
@@ -114,6 +115,10 @@ class Gateway:
         if rec is None and dec is None:
             raise errors.HalfmoonError(f"no request {rid}", code="not_found").with_status(404)
         return web.json_response({"request": _row(rec), "decision": _row(dec)})
+
+    async def admin_kv(self, request: web.Request) -> web.Response:
+        """Token-weighted KV hit rates per prefill instance and for the cluster, by window."""
+        return web.json_response(await kv_hit_rates(self.records.engine))
 
     async def on_heartbeat(self, msg: Any) -> None:
         try:

@@ -23,13 +23,21 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] = ()  # kept for verifying a hash hit
+    hits: int = 0  # prefix-cache hits since the block was cached
+    pinned_until: float = 0.0  # soft pin: evicted only when nothing unpinned is left
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, hot_hits: int = 0,
+                 pin_ttl_s: float = 60.0) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive sizes, got {num_blocks} blocks of {block_size}")
         self.block_size = block_size
+        # Hot shared prefixes (system prompts): a block hit this often is soft-pinned for a
+        # while, so a burst of one-off prompts does not evict it. 0 turns pinning off.
+        self.hot_hits = hot_hits
+        self.pin_ttl_s = pin_ttl_s
+        self.now = 0.0  # set by the engine each step: bookkeeping never reads the clock
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[int, int] = {}
@@ -83,6 +91,7 @@ class BlockManager:
             parent = h
         for block_id in matched:
             self._take(block_id)
+            self._hit(self.blocks[block_id])
         seq.block_table = matched
         seq.block_hashes = hashes
         seq.num_computed_tokens = len(matched) * self.block_size
@@ -126,11 +135,53 @@ class BlockManager:
         if need > len(self._free):
             return False
         for _ in range(need):
-            block_id = next(iter(self._free))
+            block_id = self._victim()
             self._evict_hash(block_id)
             self._take(block_id)
             seq.block_table.append(block_id)
         return True
+
+    def pin(self, hashes: list[int], ttl_s: float) -> int:
+        """Soft-pin cached blocks by hash until now + ttl_s; returns how many were found."""
+        n = 0
+        for h in hashes:
+            block_id = self._by_hash.get(h)
+            if block_id is not None:
+                block = self.blocks[block_id]
+                block.pinned_until = max(block.pinned_until, self.now + ttl_s)
+                n += 1
+        return n
+
+    def evict_to_watermark(self, high: float, ratio: float) -> int:
+        """Mooncake Store's policy: once cached data fills more than `high` of the pool,
+        evict least recently used cached blocks (unpinned, unleased: only free ones) down to
+        `high - ratio`. Returns blocks evicted. Optional: allocation also evicts on demand."""
+        held = self.num_blocks - sum(1 for b in self._free if self.blocks[b].block_hash is None)
+        if held <= high * self.num_blocks:
+            return 0
+        target = int((high - ratio) * self.num_blocks)
+        evicted = 0
+        for block_id in list(self._free):
+            if held <= target:
+                break
+            block = self.blocks[block_id]
+            if block.block_hash is not None and block.pinned_until <= self.now:
+                self._evict_hash(block_id)
+                held -= 1
+                evicted += 1
+        return evicted
+
+    def _victim(self) -> int:
+        """Least recently freed block, passing over soft-pinned ones while others exist."""
+        for block_id in self._free:
+            if self.blocks[block_id].pinned_until <= self.now:
+                return block_id
+        return next(iter(self._free))
+
+    def _hit(self, block: Block) -> None:
+        block.hits += 1
+        if self.hot_hits and block.hits >= self.hot_hits:
+            block.pinned_until = self.now + self.pin_ttl_s
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, tail first (so tails are evicted before their parents)."""
@@ -153,6 +204,7 @@ class BlockManager:
     def _evict_hash(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.block_hash is not None:
+            block.hits, block.pinned_until = 0, 0.0
             if self._by_hash.get(block.block_hash) == block_id:
                 del self._by_hash[block.block_hash]
                 self.num_evictions += 1

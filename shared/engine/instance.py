@@ -49,6 +49,12 @@ class WorkerSettings(BaseSettings):
     kv_advertise_host: str = Field("", description="address peers use to reach the data plane")
     kv_port: int = Field(0, ge=0, description="KV data plane port (0: any free port)")
     transfer_timeout_s: float = Field(30.0, gt=0, description="KV transfer timeout")
+    eviction: Literal["lru", "watermark"] = Field(
+        "lru", description="lru: evict on demand; watermark: Mooncake Store's proactive eviction")
+    high_watermark: float = Field(0.90, gt=0, le=1, description="watermark eviction starts above this")
+    evict_ratio: float = Field(0.05, gt=0, lt=1, description="watermark eviction frees this share")
+    hot_hits: int = Field(3, ge=0, description="soft-pin blocks hit this often (0: no pins)")
+    pin_ttl_s: float = Field(60.0, gt=0, description="how long a hot block stays pinned")
     kv_transport: Literal["auto", "tcp"] = Field(
         "auto", description="auto: shared memory when both ends are on one host, else TCP")
 
@@ -56,7 +62,10 @@ class WorkerSettings(BaseSettings):
         disk_dir = self.disk_tier_dir or str(halfmoon_home() / "kvdisk" / self.instance_id)
         return EngineConfig(block_size=self.block_size, kv_cache_bytes=int(self.kv_cache_gb * 2**30),
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.chunk_tokens,
-                            disk_tier_bytes=int(self.disk_tier_gb * 2**30), disk_tier_dir=disk_dir)
+                            disk_tier_bytes=int(self.disk_tier_gb * 2**30), disk_tier_dir=disk_dir,
+                            eviction=self.eviction, high_watermark=self.high_watermark,
+                            evict_ratio=self.evict_ratio, hot_hits=self.hot_hits,
+                            pin_ttl_s=self.pin_ttl_s)
 
 
 def make_sender(settings: WorkerSettings) -> KVSender:

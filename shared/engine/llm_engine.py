@@ -41,6 +41,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # prefill chunk size
     disk_tier_bytes: int = 0  # 0: no disk tier
     disk_tier_dir: str = ""
+    hot_hits: int = 3  # soft-pin blocks hit this often (0: no pins)
+    pin_ttl_s: float = 60.0
+    eviction: Literal["lru", "watermark"] = "lru"  # watermark: Mooncake Store's proactive mode
+    high_watermark: float = 0.90
+    evict_ratio: float = 0.05
 
 
 @dataclass
@@ -84,7 +89,7 @@ class LLMEngine:
         num_blocks = shape.num_blocks_for(config.kv_cache_bytes)
         self.kv = KVCache(shape, num_blocks, lm.device)
         self.model = PagedLlama(lm.model, self.kv)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.hot_hits, config.pin_ttl_s)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
                                                    config.max_num_batched_tokens), self.blocks)
         self.requests: dict[str, _Request] = {}
@@ -177,6 +182,9 @@ class LLMEngine:
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.blocks.now = time.monotonic()
+        if self.config.eviction == "watermark":
+            self.blocks.evict_to_watermark(self.config.high_watermark, self.config.evict_ratio)
         try:
             sched = self.scheduler.schedule()
         except PoolTooSmall as exc:

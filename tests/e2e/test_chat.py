@@ -145,6 +145,28 @@ async def test_repeated_prompt_reuses_the_prefix_cache(stack, reference):
     assert cached == (prompt_tokens - 1) // 16 * 16 > first[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+async def test_admin_shows_hit_rates_and_decisions(stack):
+    prompt = "Name three rivers in Europe and one fact about each. " * 4
+    await stream_chat(stack.url, prompt, 4)
+    _, chunks = await stream_chat(stack.url, prompt, 4)
+    rid = chunks[0]["id"]
+    await asyncio.sleep(0.3)  # batched SQL writes
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{stack.url}/admin/kv") as resp:
+            kv = await resp.json()
+        async with http.get(f"{stack.url}/admin/requests/{rid}") as resp:
+            one = await resp.json()
+        async with http.get(f"{stack.url}/admin/requests/nope") as resp:
+            assert resp.status == 404
+    cluster = kv["60s"]["cluster"]
+    assert cluster["cached_tokens"] > 0 and 0 < cluster["hit_rate"] < 1
+    assert kv["60s"]["instances"]["prefill-0"]["requests"] >= 2
+    decision = one["decision"]
+    assert decision["policy"] == "kvcentric" and decision["prefill_instance"] == "prefill-0"
+    assert decision["candidates"][0]["prefix_blocks"] > 0 and decision["predicted_ttft_ms"] > 0
+    assert one["request"]["status"] == "completed"
+
+
 async def test_seeded_sampling_is_reproducible(stack):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}],
             "max_tokens": 24, "temperature": 0.9, "top_p": 0.9, "seed": 1234}

@@ -96,3 +96,52 @@ def test_misuse_is_a_value_error():
     bm.allocate(s, 4)
     with pytest.raises(ValueError):
         bm.match_prefix(s)
+
+
+def test_hot_blocks_are_soft_pinned_until_their_ttl():
+    bm = BlockManager(4, 4, hot_hits=2, pin_ttl_s=10)
+    bm.now = 100.0
+    a = seq("a", range(9))  # 2 full blocks + 1 partial
+    compute(bm, a)
+    bm.free(a)
+    for rid in ("b", "c"):  # two hits on a's prefix: hot
+        s = seq(rid, range(9))
+        bm.match_prefix(s)
+        bm.free(s)
+    hot = set(bm.cached_chain(block_hashes(list(range(8)), 4)))
+    x = seq("x", [50] * 8)
+    assert bm.allocate(x, 8)  # 2 blocks: the unpinned ones go, the hot prefix stays
+    assert not hot & set(x.block_table) and len(bm.cached_chain(block_hashes(list(range(8)), 4))) == 2
+    bm.free(x)
+    bm.now = 111.0  # pins expired: plain LRU again
+    y = seq("y", [60] * 16)
+    assert bm.allocate(y, 16)
+    assert bm.cached_chain(block_hashes(list(range(8)), 4)) == []
+
+
+def test_a_soft_pin_yields_when_nothing_else_is_free():
+    bm = BlockManager(2, 4)
+    a = seq("a", range(8))
+    compute(bm, a)
+    bm.free(a)
+    bm.now = 0.0
+    assert bm.pin(block_hashes(list(range(8)), 4), ttl_s=100) == 2
+    assert bm.allocate(seq("x", [9] * 8), 8)  # soft: pinned blocks still give way
+
+
+def test_watermark_evicts_down_by_the_ratio_and_spares_leases_and_pins():
+    bm = BlockManager(20, 4)
+    held = []
+    hashes = []
+    for i in range(19):  # 19 of 20 blocks hold cached data: 95% > 90%
+        s = seq(f"s{i}", [i] * 4 + [0])
+        hashes.append(compute(bm, s, 4))
+        held.append(s)
+    for s in held[1:]:
+        bm.free(s)  # held[0] keeps its lease
+    bm.pin(hashes[1], ttl_s=10)
+    evicted = bm.evict_to_watermark(high=0.9, ratio=0.05)
+    assert evicted == 2  # 19 -> 17 = 85% of 20
+    assert bm.cached_chain(hashes[0]) and bm.cached_chain(hashes[1])  # leased, pinned: kept
+    assert not bm.cached_chain(hashes[2]) and not bm.cached_chain(hashes[3])  # oldest went
+    assert bm.evict_to_watermark(high=0.9, ratio=0.05) == 0  # below the mark: nothing
