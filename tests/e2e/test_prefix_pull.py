@@ -77,3 +77,63 @@ async def test_second_turn_on_other_instance_pulls_the_prefix(two_prefill_stack,
         out = lm.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
     cold = lm.tokenizer.decode(out[0][len(ids):], skip_special_tokens=True)
     assert second["choices"][0]["message"]["content"] == cold
+
+
+def instance_pid(stack, instance_id: str) -> int:
+    from pathlib import Path
+
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--instance-id" in args and instance_id.encode() in args:
+            return int(cmdline.parent.name)
+    raise AssertionError(f"no process for {instance_id}")
+
+
+@pytest.fixture
+def kvcentric_stack(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("HALFMOON_TRANSFER_TIMEOUT_S", "3")
+    url, _ = make_database("sqlite", tmp_path)
+    stack = start_stack(tmp_path, model_dir, url, ["--dtype", "float32", "--prefill", "2"])
+    yield stack
+    assert stop_stack(stack) == 0
+
+
+async def test_a_stalled_prefix_holder_means_recompute_not_a_hang(kvcentric_stack, model_dir):
+    """The holder of a prefix stops answering (SIGSTOP) just as another instance needs its
+    blocks: the placement and the pull time out, the request is recomputed elsewhere and
+    completes with the right output, and no block stays held."""
+    import os
+    import signal
+
+    stack = kvcentric_stack
+    turn1 = [{"role": "user", "content": STORY + "What did he write about?"}]
+    first = await chat(stack.url, turn1)
+    holder = await placed_on(stack.database_url, first["id"])
+    await asyncio.sleep(0.5)
+    pid = instance_pid(stack, holder)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And what about the birds?"}]
+        second = await asyncio.wait_for(chat(stack.url, turn2), timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    other = await placed_on(stack.database_url, second["id"])
+    assert other != holder
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] < 64  # recomputed
+    lm = load_model(model_dir, "float32", threads=1)
+    ids = lm.tokenizer.apply_chat_template(turn2, add_generation_prompt=True)["input_ids"]
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    assert second["choices"][0]["message"]["content"] == lm.tokenizer.decode(
+        out[0][len(ids):], skip_special_tokens=True)
+    await asyncio.sleep(1.5)  # a heartbeat after the request
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{stack.url}/admin/state") as resp:
+            state = await resp.json()
+    used = {i["instance_id"]: i["kv_tokens_used"] for i in state["instances"]
+            if i["role"] in ("prefill", "decode")}
+    assert used[other] == 0 and used["decode-0"] == 0, used  # nothing left leased
