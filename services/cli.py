@@ -89,6 +89,12 @@ def _profile(argv: list[str]) -> int:
     return int(profile.main(argv) or 0)
 
 
+def _sim(argv: list[str]) -> int:
+    from services.sim import cli
+
+    return int(cli.main(argv) or 0)
+
+
 def _up(argv: list[str]) -> int:
     from services import up
 
@@ -96,7 +102,7 @@ def _up(argv: list[str]) -> int:
 
 
 COMMANDS = {"up": _up, "serve": _serve, "model": _model, "db": _db, "kv": _kv, "bench": _bench,
-            "profile": _profile}
+            "profile": _profile, "sim": _sim}
 
 USAGE = """usage: halfmoon <command> [args]
 
@@ -106,6 +112,7 @@ commands:
   model pull         provision the default model offline
   db upgrade|downgrade [REV]   apply or roll back migrations
   profile            measure the engine here and fit the conductor's cost model
+  sim                simulate a cluster of any size on a Mooncake trace (same policy code)
   kv replay          replay a Mooncake trace through the KV index and eviction code
   bench request      one request's latency through the stack vs in-process
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory

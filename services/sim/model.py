@@ -1,0 +1,269 @@
+"""Simulated prefill and decode instances: pure bookkeeping, no I/O, no wall clock.
+
+Times are simulated seconds handed in by the event loop (services/sim/run.py). The KV
+cache of a prefill instance is the real eviction code (services/kvmanager/eviction.py);
+the loop mirrors every pool change into the real KVIndex, as the live KV manager does
+from instance events.
+
+Modelling choices (the honest simplifications):
+- A prefill instance runs one prompt at a time, FIFO. What a prompt reuses is decided when
+  it *starts* (its own pool then, plus a pulled prefix if the conductor asked for one and
+  the holder still has it), as a live prefill looks up its cache when it runs the job.
+  Its duration = transfer of the pulled blocks + cost.prefill_s(new, cached).
+- queue_s shown to the policies = exact remaining time of the running prompt + the
+  *predicted* time of the queued ones (their reuse is only known once they start).
+- A decode instance runs continuous batching: every step produces one token for each
+  sequence in the batch and takes cost.decode_step_s(batch, mean context). A sequence that
+  arrives mid-step joins at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from services.conductor.costmodel import CostModel
+from services.conductor.policy import InstanceView
+from services.kvmanager.eviction import BlockPool
+
+
+@dataclass(slots=True)
+class SimRequest:
+    index: int  # position in the trace
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one request; times in simulated seconds."""
+
+    request: SimRequest
+    rejected: str = ""
+    prefill_id: str = ""
+    decode_id: str = ""
+    predicted_ttft_s: float = 0.0
+    reused_blocks: int = 0  # own + pulled, known at prefill start
+    pulled_blocks: int = 0
+    prefill_start_s: float = math.nan
+    prefill_end_s: float = math.nan
+    ttft_s: float = math.nan
+    tbt_s: float = math.nan  # nan when there is no gap (a one-token answer)
+    finish_s: float = math.nan
+
+    def hit_tokens(self, block_tokens: int) -> int:
+        """DESIGN.md's hit: reused leading blocks x block tokens, capped at the input."""
+        return min(self.reused_blocks * block_tokens, self.request.input_length)
+
+
+def slowest_tenth_mean(gaps: list[float]) -> float:
+    """Mooncake's TBT: the mean of the slowest 10% of a request's token gaps (at least one)."""
+    if not gaps:
+        return math.nan
+    k = max(1, math.ceil(len(gaps) / 10))
+    return sum(heapq.nlargest(k, gaps)) / k
+
+
+# ---- prefill ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PrefillJob:
+    outcome: Outcome
+    pull_from: str  # "" = own cache only
+    pull_blocks: int  # prefix length the conductor expects to pull
+    predicted_s: float  # transfer + prefill, as predicted at placement
+
+
+@dataclass
+class PrefillInstance:
+    instance_id: str
+    pool: BlockPool
+    queue: deque[PrefillJob] = field(default_factory=deque)
+    running: PrefillJob | None = None
+    running_end_s: float = 0.0
+    queued_s: float = 0.0  # predicted seconds of the queued (not running) jobs
+
+    def queue_s(self, now: float) -> float:
+        ahead = max(0.0, self.running_end_s - now) if self.running else 0.0
+        return ahead + self.queued_s
+
+    def load(self) -> int:
+        return len(self.queue) + (self.running is not None)
+
+    def view(self, now: float) -> InstanceView:
+        return InstanceView(self.instance_id, queue_s=self.queue_s(now),
+                            running=int(self.running is not None), load=self.load())
+
+    def enqueue(self, job: PrefillJob) -> None:
+        self.queue.append(job)
+        self.queued_s += job.predicted_s
+
+    def start_next(self, now: float, cost: CostModel, block_tokens: int,
+                   source: BlockPool | None) -> PrefillJob | None:
+        """Start the next queued job if idle; returns it (its end is `running_end_s`).
+        `source` is the pool of the job's pull_from instance (None when not pulling)."""
+        if self.running is not None or not self.queue:
+            return None
+        job = self.queue.popleft()
+        self.queued_s = max(0.0, self.queued_s - job.predicted_s)  # float drift stays >= 0
+        req = job.outcome.request
+        own = self.pool.prefix_blocks(req.hash_ids)
+        reuse, xfer_s = own, 0.0
+        if source is not None and job.pull_blocks > own:
+            # The holder may have evicted part of it since placement: pull what is left.
+            held = source.prefix_blocks(req.hash_ids[:job.pull_blocks])
+            if held > own:
+                source.touch(req.hash_ids[:held])  # read for the transfer
+                reuse, xfer_s = held, cost.transfer_s(held - own)
+                job.outcome.pulled_blocks = held - own
+        cached = min(reuse * block_tokens, req.input_length - 1)
+        duration = xfer_s + cost.prefill_s(req.input_length - cached, cached)
+        job.outcome.reused_blocks = reuse
+        job.outcome.prefill_start_s = now
+        self.running, self.running_end_s = job, now + duration
+        return job
+
+    def finish_running(self) -> PrefillJob:
+        job, self.running = self.running, None
+        if job is None:
+            raise RuntimeError(f"{self.instance_id}: completion with no running job")
+        return job
+
+
+# ---- decode -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Seq:
+    outcome: Outcome
+    context: int  # tokens at join: the prompt and the first token
+    join_step: int = 0
+    last_step: int = 0
+    first_gap_s: float = 0.0  # first token (prefill) -> second token (first decode step)
+
+
+class DecodeInstance:
+    """Continuous batching, advanced lazily: the loop calls `advance(t)` before it looks
+    at or changes the instance, so steps cost no heap events (a run has ~10^6 of them)."""
+
+    def __init__(self, instance_id: str, cost: CostModel) -> None:
+        self.instance_id = instance_id
+        self.cost = cost
+        self.durations: list[float] = []  # step i took durations[i] seconds
+        self.busy = False
+        self.step_end_s = 0.0
+        self.running = 0  # sequences in the current step's batch
+        self.sum_context = 0  # their tokens, all together
+        self.waiting: list[_Seq] = []  # ready (KV arrived), join at the next boundary
+        self.fresh: list[_Seq] = []  # joined the step in progress
+        self.leaving: list[tuple[int, int, _Seq]] = []  # (last step, trace index, seq)
+        self.assigned = 0  # placed here, KV not arrived yet (still in prefill or transfer)
+        self.assigned_context = 0
+
+    def view(self) -> InstanceView:
+        """Held or incoming sequences, as the live decode view counts dispatched ones."""
+        n = self.running + len(self.waiting) + self.assigned
+        ctx = self.sum_context + sum(s.context for s in self.waiting) + self.assigned_context
+        return InstanceView(self.instance_id, running=n, mean_context=ctx / n if n else 0.0,
+                            load=n)
+
+    def assign(self, context: int) -> None:
+        self.assigned += 1
+        self.assigned_context += context
+
+    def unassign(self, context: int) -> None:
+        """A placed sequence that will never arrive (its answer was the prefill's token)."""
+        self.assigned -= 1
+        self.assigned_context -= context
+
+    def arrive(self, outcome: Outcome, now: float) -> None:
+        """The sequence's KV is in place at `now` (the loop advanced us to `now`)."""
+        req = outcome.request
+        seq = _Seq(outcome, req.input_length + 1)
+        self.assigned -= 1
+        self.assigned_context -= seq.context
+        self.waiting.append(seq)
+        if not self.busy:
+            self._start_step(now)
+
+    def advance(self, t: float) -> None:
+        """Run every step that ends at or before `t`."""
+        while self.busy and self.step_end_s <= t:
+            self._end_step()
+
+    def _end_step(self) -> None:
+        now, step = self.step_end_s, len(self.durations) - 1
+        self.sum_context += self.running  # one new token per sequence
+        for seq in self.fresh:
+            seq.first_gap_s = now - seq.outcome.prefill_end_s
+        self.fresh = []
+        leaving = self.leaving
+        while leaving and leaving[0][0] == step:
+            self._finish(heapq.heappop(leaving)[2], now)
+        self._start_step(now)
+
+    def _finish(self, seq: _Seq, now: float) -> None:
+        self.running -= 1
+        self.sum_context -= seq.context + seq.last_step - seq.join_step + 1
+        gaps = [seq.first_gap_s, *self.durations[seq.join_step + 1:seq.last_step + 1]]
+        seq.outcome.tbt_s = slowest_tenth_mean(gaps)
+        seq.outcome.finish_s = now
+
+    def _start_step(self, now: float) -> None:
+        step = len(self.durations)
+        for seq in self.waiting:
+            # The prefill made token 1; decode makes the other output_length - 1.
+            seq.join_step, seq.last_step = step, step + seq.outcome.request.output_length - 2
+            self.running += 1
+            self.sum_context += seq.context
+            heapq.heappush(self.leaving, (seq.last_step, seq.outcome.request.index, seq))
+        self.fresh, self.waiting = self.waiting, []
+        if not self.running:
+            self.busy = False
+            return
+        duration = self.cost.decode_step_s(self.running, self.sum_context / self.running)
+        self.durations.append(duration)
+        self.busy, self.step_end_s = True, now + duration
+
+
+# ---- cost presets -------------------------------------------------------------------------
+
+
+def llama3_70b_8xa800() -> CostModel:
+    """An approximation of the paper's setting (LLaMA3-70B-like model, one 8xA800 node per
+    instance), derived from first principles, not measured:
+
+    - prefill, linear: ~140 GFLOP per token (2 x 70e9 params) at ~1.4 PFLOP/s effective
+      (8 x 312 TFLOPS bf16 at ~55% MFU) -> 1.0e-4 s/token.
+    - prefill, attention: ~2.6 MFLOP per (query, key) pair (4 x d_model 8192 x 80 layers);
+      causal, so n^2/2 pairs among new tokens (-> 1e-9 s x n^2) and n x cached pairs
+      against the reused prefix (-> 2e-9 s x n x c). 8k new tokens: ~0.9 s; 16k: ~1.9 s.
+    - decode step: ~25 ms floor (140 GB of weights over 8 x 2 TB/s HBM is ~9 ms, plus
+      tensor-parallel all-reduces and launches), 0.2 ms per sequence, and KV reads of
+      320 KiB per context token (GQA: 80 layers x 8 KV heads x 128 x K,V x bf16) at about
+      half of 16 TB/s -> 4e-8 s per batch x context token. Batch 16 at 12k context: ~36 ms.
+    - transfer: a 512-token block is 160 MiB; 200 Gbps RDMA (25 GB/s) + 1 ms latency, so
+      one block takes ~7 ms and a 24-block prompt ~160 ms.
+    """
+    return CostModel(prefill_coef=[0.02, 1.0e-4, 1.0e-9, 2.0e-9],
+                     decode_coef=[0.025, 2.0e-4, 4.0e-8],
+                     transfer_latency_s=0.001, transfer_bytes_per_s=25e9, overhead_s=0.0,
+                     block_bytes=512 * 327_680, block_size=512,
+                     source="preset llama3-70b-8xa800 (first-principles approximation)")
+
+
+PRESETS = {"llama3-70b-8xa800": llama3_70b_8xa800}
+
+
+def with_block_tokens(cost: CostModel, block_tokens: int) -> CostModel:
+    """The same model with `block_tokens`-token blocks (the trace's hashing unit): bytes
+    per token are kept, so a fitted model's 16-token block becomes a 512-token one."""
+    if cost.block_size == block_tokens:
+        return cost
+    per_token = cost.block_bytes / cost.block_size
+    return replace(cost, block_size=block_tokens, block_bytes=round(per_token * block_tokens))
