@@ -14,7 +14,7 @@ from shared.db.schema import RequestRecord
 from shared.db.session import make_engine, sessionmaker
 from shared.engine.runner import load_model
 from tests.conftest import make_database
-from tests.e2e.conftest import start_stack, stop_stack
+from tests.e2e.conftest import children_of, start_stack, stop_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 MODEL = "SmolLM2-135M-Instruct"
@@ -80,15 +80,16 @@ async def test_second_turn_on_other_instance_pulls_the_prefix(two_prefill_stack,
 
 
 def instance_pid(stack, instance_id: str) -> int:
+    """The pid of this stack's process for `instance_id` (other stacks may run beside it)."""
     from pathlib import Path
 
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for pid in children_of(stack.proc.pid):
         try:
-            args = cmdline.read_bytes().split(b"\0")
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if b"--instance-id" in args and instance_id.encode() in args:
-            return int(cmdline.parent.name)
+            return pid
     raise AssertionError(f"no process for {instance_id}")
 
 
