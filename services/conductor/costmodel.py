@@ -28,10 +28,10 @@ def decode_features(batch: float, context: float) -> list[float]:
 @dataclass
 class CostModel:
     # Defaults: SmolLM2-135M bf16, one thread per instance, fitted on a 2-core dev machine.
-    prefill_coef: list[float] = field(default_factory=lambda: [0.036, 1.39e-3, 5.9e-7, 1.06e-6])
-    decode_coef: list[float] = field(default_factory=lambda: [0.041, 2.7e-8, 7.0e-6])
+    prefill_coef: list[float] = field(default_factory=lambda: [0.017, 1.36e-3, 5.3e-7, 1.02e-6])
+    decode_coef: list[float] = field(default_factory=lambda: [0.022, 1.45e-3, 1.7e-6])
     transfer_latency_s: float = 0.0005
-    transfer_bytes_per_s: float = 1.2e9
+    transfer_bytes_per_s: float = 3.2e9
     # Gateway → conductor → prefill → first token back: bus hops and scheduling, measured
     # on the local stack as the TTFT of fully cached prompts minus their predicted prefill.
     overhead_s: float = 0.04
