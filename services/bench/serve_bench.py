@@ -50,11 +50,18 @@ def make_prompts(model_dir: Path, n: int, tokens: int, seed: int) -> list[str]:
     return out
 
 
-def body(model: str, prompt: str, out_tokens: int) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
-            "generation_config": json.dumps({"max_new_tokens": out_tokens,
-                                             "min_new_tokens": out_tokens, "do_sample": False})}
+def body(model: str, prompt: str, out_tokens: int, eos_style: str) -> dict[str, Any]:
+    """The request; how to ask for exactly `out_tokens` depends on the server: Halfmoon
+    and vLLM take `ignore_eos`, transformers serve a `generation_config` (and refuses
+    fields it does not know)."""
+    b: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                         "max_tokens": out_tokens, "temperature": 0}
+    if eos_style == "ignore_eos":
+        b["ignore_eos"] = True
+    elif eos_style == "generation_config":
+        b["generation_config"] = json.dumps({"max_new_tokens": out_tokens,
+                                             "min_new_tokens": out_tokens, "do_sample": False})
+    return b
 
 
 async def model_id(http: aiohttp.ClientSession, url: str, fallback: str) -> str:
@@ -66,8 +73,8 @@ async def model_id(http: aiohttp.ClientSession, url: str, fallback: str) -> str:
         return fallback
 
 
-async def run_rounds(url: str, model_dir: Path, args: argparse.Namespace, concurrency: int
-                     ) -> dict[str, Any]:
+async def run_rounds(url: str, model_dir: Path, args: argparse.Namespace, concurrency: int,
+                     eos_style: str) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         model = await model_id(http, url, str(model_dir))
@@ -77,8 +84,8 @@ async def run_rounds(url: str, model_dir: Path, args: argparse.Namespace, concur
             seed = 0 if args.prompts == "fixed" else rnd + 1
             prompts = make_prompts(model_dir, concurrency, args.prompt_tokens, seed)
             t0 = time.perf_counter()
-            batch = await asyncio.gather(*(stream_chat(http, url, body(model, p, args.output_tokens))
-                                           for p in prompts))
+            batch = await asyncio.gather(*(stream_chat(
+                http, url, body(model, p, args.output_tokens, eos_style)) for p in prompts))
             if rnd >= args.warmup:
                 wall += time.perf_counter() - t0
                 results.extend(batch)
@@ -114,11 +121,14 @@ def servers_for(names: list[str], model_dir: Path, args: argparse.Namespace) -> 
 
 def measure(server: Server | None, url: str, model_dir: Path, args: argparse.Namespace,
             levels: list[int]) -> dict[str, Any]:
+    eos_style = args.eos_style
     if server is not None:
         server.start()
         url = server.url
+        eos_style = "ignore_eos" if isinstance(server, HalfmoonServer) else "generation_config"
     try:
-        return {str(c): asyncio.run(run_rounds(url, model_dir, args, c)) for c in levels}
+        return {str(c): asyncio.run(run_rounds(url, model_dir, args, c, eos_style))
+                for c in levels}
     finally:
         if server is not None:
             server.stop()
@@ -141,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--prompts", choices=["fixed", "fresh"], default="fixed")
     p.add_argument("--request-timeout-s", type=float, default=600)
+    p.add_argument("--eos-style", choices=["ignore_eos", "generation_config", "none"],
+                   default="ignore_eos", help="how --url servers are asked to ignore end of sequence")
     p.add_argument("--json-out", default="")
     args = p.parse_args(argv)
     model_dir = ensure_model(args.model)

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+from shared.lifecycle import child_preexec
+
 
 
 def free_port() -> int:
@@ -44,8 +46,9 @@ class Server:
     def start(self, timeout_s: float = 300) -> None:
         env = dict(os.environ, HALFMOON_HOME=str(self.tmp / "home"), PYTHONUNBUFFERED="1",
                    HF_HUB_OFFLINE="1")
+        # Its own process group (stopped as a whole), and gone if the bench dies.
         self.proc = subprocess.Popen(self.command(), env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                     stderr=subprocess.STDOUT, text=True, preexec_fn=child_preexec)
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
