@@ -15,7 +15,7 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
         "kvcentric", description="placement policy")
     ttft_slo_ms: float = Field(30_000.0, gt=0, description="default TTFT SLO (requests may set their own)")
     tbt_slo_ms: float = Field(300.0, gt=0, description="default TBT SLO (requests may set their own)")
-    slo_margin: float = Field(0.9, gt=0, le=1, description="admit only requests predicted within "
+    slo_margin: float = Field(0.8, gt=0, le=1, description="admit only requests predicted within "
                               "this share of their SLOs (predictions err)")
     cost_model: str = Field("", description="fitted cost model JSON (empty: HALFMOON_HOME/costmodel.json)")
     balancing_threshold: float = Field(1.5, gt=1, description="kvcentric pulls a prefix when its "
