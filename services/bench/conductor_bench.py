@@ -19,11 +19,10 @@ import time
 from typing import Any, Sequence
 
 import aiohttp
-from sqlalchemy import select
 
 from services.bench.stats import percentile
 from services.conductor import snapshot
-from services.conductor.costmodel import CostModel, load_cost_model
+from services.conductor.costmodel import CostModel
 from services.conductor.policy import make_policy
 from services.conductor.registry import Registry
 from shared.messages import GenerateRequest, InstanceInfo, Role, SamplingParams
