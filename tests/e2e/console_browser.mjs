@@ -86,11 +86,22 @@ async function readHitRate(page, ms) {
 }
 
 async function openTab(page, name) {
-  await page.getByRole('tab', { name, exact: true }).click();
-  await page.waitForFunction((n) => {
-    const tab = [...document.querySelectorAll('[role="tab"]')].find((t) => t.innerText.trim() === n);
-    return tab && tab.getAttribute('aria-selected') === 'true';
-  }, name, { timeout });
+  // The console refreshes itself every few seconds; a click that lands mid-rerun can be
+  // lost, so click again until the tab reports itself selected.
+  const until = Date.now() + timeout;
+  for (;;) {
+    await page.getByRole('tab', { name, exact: true }).click();
+    try {
+      await page.waitForFunction((n) => {
+        const tab = [...document.querySelectorAll('[role="tab"]')]
+          .find((t) => t.innerText.trim() === n);
+        return tab && tab.getAttribute('aria-selected') === 'true';
+      }, name, { timeout: 3000 });
+      break;
+    } catch (err) {
+      if (Date.now() > until) throw err;
+    }
+  }
   await settle(page, PANEL);
 }
 
