@@ -67,11 +67,9 @@ class OutputTracker:
         return ids
 
     def _emit(self, text: str) -> str:
-        if not text.startswith(self.emitted_text):
-            # Detokenization changed earlier text (rare merges): never re-send, only add.
-            delta = text[len(self.emitted_text):] if len(text) > len(self.emitted_text) else ""
-        else:
-            delta = text[len(self.emitted_text):]
+        # Only what lies past the emitted length goes out: if detokenization ever rewrites
+        # earlier text (rare merges), what was streamed stays streamed, never re-sent.
+        delta = text[len(self.emitted_text):]
         self.emitted_text += delta
         return delta
 
