@@ -21,7 +21,7 @@ if _ROOT not in sys.path:
 import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from console import charts, live, queries  # noqa: E402
+from console import charts, history, live, queries  # noqa: E402
 
 SETTINGS = queries.ConsoleSettings.from_env()
 TABLE_ROWS = 1000  # newest rows shown in the Requests table
@@ -51,6 +51,11 @@ def _load_snapshot(window_s: float | None) -> queries.Snapshot | None:
         return None
 
 
+@st.cache_data(ttl=1, show_spinner=False)
+def _decision(url: str, request_id: str) -> dict[str, Any] | None:
+    return queries.load_decision(url, request_id)
+
+
 def _load_cluster() -> dict[str, Any] | None:
     try:
         return live.fetch_state(SETTINGS.gateway_url)
@@ -71,6 +76,11 @@ def _pct(value: float | None) -> str:
 
 def _when(ts: float | None) -> datetime | None:
     return None if ts is None else datetime.fromtimestamp(ts)
+
+
+def _plain(text: str) -> str:
+    """Text shown literally inside markdown (ids and reasons may hold *, _, $ ...)."""
+    return "".join("\\" + c if c in "\\`*_[]<>$~|#" else c for c in text)
 
 
 def _chart(fig: Any, key: str) -> None:
@@ -131,6 +141,11 @@ def _dead_red(row: pd.Series) -> list[str]:
 
 
 def pools_page(view: View) -> None:
+    _pool_tables(view)
+    _pool_history(view)
+
+
+def _pool_tables(view: View) -> None:
     found = _pool_rows(view)
     if found is None:
         st.info("No instance data: neither the gateway nor the database answered.")
@@ -153,10 +168,56 @@ def pools_page(view: View) -> None:
     _chart(charts.pool_load(rows), "pool_load")
 
 
+def _history(view: View) -> tuple[dict[str, dict[str, Any]], float, tuple[float, float]] | None:
+    """Load samples of the window, bucketed: (series, bucket seconds, x range)."""
+    samples = view.snap.samples if view.snap is not None else []
+    if not samples:
+        st.info("No load samples in this time window: the conductor writes one per instance "
+                "every few seconds (load_samples table)." if view.snap is not None else
+                "No load history without the database.")
+        return None
+    now = view.snap.now  # type: ignore[union-attr]
+    bucket = history.bucket_seconds(view.window_s, samples, now)
+    start = now - view.window_s if view.window_s is not None else samples[0]["t"]
+    pad = 0.02 * max(now - start, 1.0)
+    return history.load_series(samples, bucket), bucket, (start - pad, now + pad)
+
+
+def _pool_history(view: View) -> None:
+    st.subheader("Load over time")
+    found = _history(view)
+    if found is None:
+        return
+    series, bucket, span = found
+    st.caption(f"Per instance, mean of the conductor's samples in each {bucket:g} s.")
+    left, right = st.columns(2)
+    with left:
+        _chart(charts.over_time(series, {"queue_depth": "queued"}, "Queue depth over time",
+                                "requests", span), "pool_queue_t")
+    with right:
+        _chart(charts.over_time(series, {"running": "running"}, "Running batch over time",
+                                "sequences", span), "pool_running_t")
+    tiers = [("DRAM", "kv_blocks")]
+    if history.has_disk(series):
+        tiers.append(("disk", "disk_blocks"))
+    for col, (tier, key) in zip(st.columns(len(tiers)), tiers):
+        with col:
+            _chart(charts.over_time(series, {f"{key}_used": "used", f"{key}_free": "free"},
+                                    f"KV blocks over time, {tier} tier", "blocks", span),
+                   f"pool_{key}_t")
+
+
 def kv_page(view: View) -> None:
     if view.snap is None:
         st.info("No KV statistics without the database.")
         return
+    _hit_rates(view)
+    _cache_contents(view)
+    _kv_activity(view)
+
+
+def _hit_rates(view: View) -> None:
+    assert view.snap is not None
     rows = view.snap.requests
     now = view.snap.now
     series = queries.hit_rate_series(rows, queries.bucket_seconds(view.window_s, rows, now))
@@ -171,6 +232,51 @@ def kv_page(view: View) -> None:
         return
     _chart(charts.hit_rate_over_time(series, queries.time_range(view.window_s, rows, now)),
            "kv_hits")
+
+
+def _cache_contents(view: View) -> None:
+    assert view.snap is not None
+    st.subheader("Hottest prefixes")
+    hot = view.snap.hot_blocks
+    if not hot:
+        st.info("The KV manager has recorded no cached blocks (kv_blocks table).")
+        return
+    st.caption("A block's hash names its whole prefix (hashes are chained). Hits: placements "
+               "that reused the block (counted on the instance with the longest match); "
+               "replicas: its (instance, tier) copies.")
+    frame = pd.DataFrame(hot).assign(last_access=[_when(h["last_access"]) for h in hot])
+    st.dataframe(frame, hide_index=True)
+    _chart(charts.kv_blocks_by_tier(view.snap.kv_tiers), "kv_tiers")
+
+
+def _kv_activity(view: View) -> None:
+    st.subheader("Evictions and transfers over time")
+    found = _history(view)
+    if found is None:
+        return
+    series, bucket, span = found
+    totals = history.activity_totals(view.snap.samples)  # type: ignore[union-attr]
+    cols = st.columns(5)
+    cols[0].metric("Blocks stored", f"{totals['blocks_stored']:,}")
+    cols[1].metric("Blocks evicted", f"{totals['blocks_evicted']:,}")
+    cols[2].metric("Transfers in", f"{totals['transfers_in']:,}")
+    cols[3].metric("Transfers out", f"{totals['transfers_out']:,}")
+    cols[4].metric("MiB transferred", f"{(totals['bytes_in']) / 2**20:,.1f}",
+                   help="fetched by instances (in); what they served (out) is the same traffic")
+    churn = {"blocks_stored": "stored", "blocks_evicted": "evicted"}
+    if history.has_disk(series):
+        churn.update({"disk_stored": "to disk", "disk_removed": "off disk"})
+    _chart(charts.over_time(series, churn, f"KV blocks stored and evicted per {bucket:g} s",
+                            "blocks", span), "kv_evictions_t")
+    left, right = st.columns(2)
+    with left:
+        _chart(charts.over_time(series, {"transfers_in": "in", "transfers_out": "out"},
+                                f"KV transfers per {bucket:g} s", "transfers", span),
+               "kv_transfers_t")
+    with right:
+        _chart(charts.over_time(series, {"bytes_in": "in", "bytes_out": "out"},
+                                f"KV MiB transferred per {bucket:g} s", "MiB", span, 1 / 2**20),
+               "kv_bytes_t")
 
 
 def _table(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -203,10 +309,30 @@ def requests_page(view: View) -> None:
     by_id = {r["id"]: r for r in chosen[:TABLE_ROWS]}
     picked = st.selectbox("Request timeline", list(by_id), key="req_id")
     if picked in by_id:
-        row = by_id[picked]
-        _chart(charts.request_timeline(queries.request_timeline(row), picked), "req_timeline")
-        if row.get("error"):
-            st.code(row["error"])
+        _request_detail(by_id[picked])
+
+
+def _request_detail(row: dict[str, Any]) -> None:
+    rid = row["id"]
+    _chart(charts.request_timeline(queries.request_timeline(row), rid), "req_timeline")
+    st.caption("Phase boundaries as the gateway saw them: the placement reply, the first token, "
+               "the first token from the decode instance (so the handoff includes one decode "
+               "step), the last token. Phases not measured for this request are left out.")
+    if row.get("error"):
+        st.code(row["error"])
+    try:
+        decision = _decision(SETTINGS.database_url, rid)
+    except queries.DatabaseUnavailable as exc:
+        st.error(f"Database unreachable: {exc}")
+        return
+    if decision is None:
+        st.info("The conductor recorded no decision for this request.")
+        return
+    st.markdown(f"**Placement.** {_plain(history.decision_summary(decision, row))}")
+    candidates = history.candidates_table(decision)
+    if candidates:
+        st.dataframe(pd.DataFrame(candidates), hide_index=True)
+        _chart(charts.candidate_costs(candidates, rid), "req_candidates_chart")
 
 
 def _report_table(name: str, rows: list[dict[str, Any]]) -> None:

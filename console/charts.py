@@ -10,11 +10,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+import plotly.colors
 import plotly.graph_objects as go
 
 STATUS_COLORS = {"completed": "#2ca02c", "running": "#1f77b4", "queued": "#9ecae1",
                  "failed": "#d62728", "rejected": "#ff7f0e", "cancelled": "#7f7f7f"}
 DEAD_COLOR = "#d62728"
+PALETTE = plotly.colors.qualitative.Plotly
+DASHES = ("solid", "dot", "dash", "dashdot")
 
 
 def _times(ts: list[float]) -> list[datetime]:
@@ -86,6 +89,43 @@ def request_timeline(segments: list[dict[str, Any]], request_id: str) -> go.Figu
                             base=[s["start_ms"]], orientation="h") for s in segments])
     fig.update_yaxes(autorange="reversed")
     return _layout(fig, f"Timeline of {request_id}", "ms since arrival", "")
+
+
+def over_time(series: dict[str, dict[str, Any]], fields: dict[str, str], title: str, y: str,
+              x_range: tuple[float, float] | None = None, scale: float = 1.0) -> go.Figure:
+    """One line per instance and field (console.history.load_series): an instance keeps its
+    colour, the first field is solid, the next dotted. `fields` maps a key to its label."""
+    traces = []
+    for i, (inst, s) in enumerate(series.items()):
+        color = PALETTE[i % len(PALETTE)]
+        for dash, (key, label) in zip(DASHES, fields.items()):
+            traces.append(go.Scatter(
+                name=inst if len(fields) == 1 else f"{inst} {label}", x=_times(s["t"]),
+                y=[None if v is None else v * scale for v in s[key]], mode="lines+markers",
+                line={"color": color, "dash": dash}, marker={"size": 4}))
+    return _layout(go.Figure(traces), title, "time", y, x_range)
+
+
+def kv_blocks_by_tier(rows: list[dict[str, Any]]) -> go.Figure:
+    """Blocks the KV manager knows of, per instance, stacked by tier."""
+    instances = sorted({r["instance"] for r in rows})
+    tiers = sorted({r["tier"] for r in rows})
+    count = {(r["instance"], r["tier"]): r["blocks"] for r in rows}
+    fig = go.Figure([go.Bar(name=tier, x=instances, y=[count.get((i, tier), 0) for i in instances])
+                     for tier in tiers])
+    fig.update_layout(barmode="stack")
+    return _layout(fig, "Cached KV blocks per instance and tier", "instance", "blocks")
+
+
+def candidate_costs(rows: list[dict[str, Any]], request_id: str) -> go.Figure:
+    """The conductor's predicted TTFT per candidate, split into its parts."""
+    names = [str(r.get("instance")) + (" (chosen)" if r.get("chosen") else "") for r in rows]
+    parts = (("transfer_ms", "prefix transfer"), ("queue_ms", "queue"), ("prefill_ms", "prefill"))
+    fig = go.Figure([go.Bar(name=label, y=names, x=[r.get(key) or 0.0 for r in rows],
+                            orientation="h") for key, label in parts])
+    fig.update_layout(barmode="stack", height=max(260, 140 + 40 * len(rows)))
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, f"Predicted TTFT per candidate for {request_id}", "ms", "")
 
 
 def report_bars(rows: list[dict[str, Any]], label_key: str, value_key: str) -> go.Figure:

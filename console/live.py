@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import urllib.error
 import urllib.request
 from typing import Any
@@ -33,8 +34,12 @@ def admin_url(gateway_url: str) -> str:
 
 def fetch_state(gateway_url: str, timeout_s: float = 1.5) -> dict[str, Any]:
     """GET /admin/state; any failure becomes ClusterUnavailable with a short reason."""
+    request = urllib.request.Request(admin_url(gateway_url))
+    admin_key = os.environ.get("HALFMOON_ADMIN_KEY", "")
+    if admin_key:  # the gateway guards /admin/* when API keys are on
+        request.add_header("Authorization", f"Bearer {admin_key}")
     try:
-        with urllib.request.urlopen(admin_url(gateway_url), timeout=timeout_s) as reply:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             state = json.loads(reply.read())
     except urllib.error.URLError as exc:
         raise ClusterUnavailable(str(getattr(exc, "reason", exc))) from exc

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
+from console import history
 from shared.db.schema import InstanceRecord, RequestRecord, RequestStatus
 from shared.db.session import default_url, make_engine, resolve_url
 
@@ -62,6 +63,9 @@ class Snapshot:
     requests: list[dict[str, Any]] = field(default_factory=list)  # newest first
     instances: list[dict[str, Any]] = field(default_factory=list)
     truncated: bool = False  # more than MAX_ROWS requests in the window
+    samples: list[dict[str, Any]] = field(default_factory=list)  # load samples, oldest first
+    kv_tiers: list[dict[str, Any]] = field(default_factory=list)  # blocks per instance, tier
+    hot_blocks: list[dict[str, Any]] = field(default_factory=list)  # most hit first
 
 
 # -- SQL ------------------------------------------------------------------------------
@@ -77,7 +81,9 @@ def _describe(exc: BaseException) -> str:
         return f"no answer within {DB_TIMEOUT_S:.0f} s"
     inner = getattr(exc, "orig", None) or exc
     text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
-    hint = " (have the migrations run? `halfmoon up` runs them)" if "no such table" in text else ""
+    missing = ("no such table", "no such column", "does not exist")
+    hint = (" (have the migrations run? `halfmoon up` runs them)"
+            if any(m in text for m in missing) else "")
     return f"{type(inner).__name__}: {text}"[:300] + hint
 
 
@@ -90,7 +96,7 @@ def _check_sqlite_file(url: str) -> None:
             raise DatabaseUnavailable(f"no SQLite database at {path}")
 
 
-async def _read(url: str, since: float | None) -> tuple[list[dict], list[dict], bool]:
+async def _read(url: str, since: float | None, now: float) -> Snapshot:
     engine = make_engine(url)
     try:
         async with engine.connect() as conn:
@@ -101,9 +107,22 @@ async def _read(url: str, since: float | None) -> tuple[list[dict], list[dict], 
             requests = [dict(r._mapping) for r in await conn.execute(query)]
             instances = [dict(r._mapping)
                          for r in await conn.execute(select(InstanceRecord.__table__))]
+            samples = await history.read_samples(conn, since)
+            kv_tiers, hot_blocks = await history.read_kv(conn)
     finally:
         await engine.dispose()
-    return requests[:MAX_ROWS], instances, len(requests) > MAX_ROWS
+    return Snapshot(now=now, requests=requests[:MAX_ROWS], instances=instances,
+                    truncated=len(requests) > MAX_ROWS, samples=samples, kv_tiers=kv_tiers,
+                    hot_blocks=hot_blocks)
+
+
+async def _read_decision(url: str, request_id: str) -> dict[str, Any] | None:
+    engine = make_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return await history.read_decision(conn, request_id)
+    finally:
+        await engine.dispose()
 
 
 def _run_sync(coro_factory) -> Any:  # type: ignore[no-untyped-def]
@@ -116,20 +135,29 @@ def _run_sync(coro_factory) -> Any:  # type: ignore[no-untyped-def]
         return pool.submit(lambda: asyncio.run(coro_factory())).result()
 
 
-def load_snapshot(url: str, window_s: float | None, now: float | None = None) -> Snapshot:
-    """Requests that arrived in the window (newest first) and every instance row."""
-    now = time.time() if now is None else now
-    since = None if window_s is None else now - window_s
+def _guarded(url: str, read) -> Any:  # type: ignore[no-untyped-def]
+    """read(resolved url) -> coroutine, run with a deadline; any failure is one clear message."""
     try:
         url = resolve_url(url)
         _check_sqlite_file(url)
-        requests, instances, truncated = _run_sync(
-            lambda: asyncio.wait_for(_read(url, since), DB_TIMEOUT_S))
+        return _run_sync(lambda: asyncio.wait_for(read(url), DB_TIMEOUT_S))
     except DatabaseUnavailable:
         raise
     except Exception as exc:  # noqa: BLE001 - any driver error becomes one clear message
         raise DatabaseUnavailable(f"{safe_url(url)}: {_describe(exc)}") from exc
-    return Snapshot(now=now, requests=requests, instances=instances, truncated=truncated)
+
+
+def load_snapshot(url: str, window_s: float | None, now: float | None = None) -> Snapshot:
+    """Requests that arrived in the window (newest first), every instance row, the load
+    samples of the window and what the KV cache holds."""
+    now = time.time() if now is None else now
+    since = None if window_s is None else now - window_s
+    return _guarded(url, lambda u: _read(u, since, now))
+
+
+def load_decision(url: str, request_id: str) -> dict[str, Any] | None:
+    """The conductor's recorded reasons for one request (None: nothing recorded)."""
+    return _guarded(url, lambda u: _read_decision(u, request_id))
 
 
 # -- derived metrics --------------------------------------------------------------------
@@ -258,16 +286,29 @@ def filter_requests(rows: list[dict[str, Any]], statuses: Iterable[str] | None =
 
 
 def request_timeline(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """A request's phases as (label, start_ms, end_ms) from its arrival."""
+    """A request's phases as (label, start_ms, end_ms) from its arrival: only the boundaries
+    the gateway measured (placement reply, first token, first decode-side token, finish)."""
     arrival, first = row["arrival_time"], row.get("first_token_time")
-    finish = row.get("finish_time")
+    finish, dispatch = row.get("finish_time"), row.get("dispatch_time")
+    handoff = row.get("decode_first_token_time")
     ms = lambda t: 1000.0 * (t - arrival)  # noqa: E731
+    phases = []
+    if dispatch is not None:
+        phases.append({"phase": "placement (conductor)", "start_ms": 0.0, "end_ms": ms(dispatch)})
     if first is None:
-        end = finish if finish is not None else arrival
-        return [{"phase": f"arrival → {row['status']}", "start_ms": 0.0, "end_ms": ms(end)}]
-    phases = [{"phase": "queue + prefill (TTFT)", "start_ms": 0.0, "end_ms": ms(first)}]
+        start, end = dispatch or arrival, finish if finish is not None else dispatch or arrival
+        label = "prefill queue → " if dispatch is not None else "arrival → "
+        return phases + [{"phase": label + row["status"], "start_ms": ms(start), "end_ms": ms(end)}]
+    if dispatch is not None:
+        phases.append({"phase": "prefill queue + prefill", "start_ms": ms(dispatch),
+                       "end_ms": ms(first)})
+    else:
+        phases.append({"phase": "queue + prefill (TTFT)", "start_ms": 0.0, "end_ms": ms(first)})
+    if handoff is not None:
+        phases.append({"phase": "KV transfer + decode admission", "start_ms": ms(first),
+                       "end_ms": ms(handoff)})
     if finish is not None:
-        phases.append({"phase": "decode", "start_ms": ms(first), "end_ms": ms(finish)})
+        phases.append({"phase": "decode", "start_ms": ms(handoff or first), "end_ms": ms(finish)})
     return phases
 
 

@@ -1,4 +1,5 @@
-"""Write paths: request records and instance rows, batched and off the request path.
+"""Write paths: request records, instance rows and load samples, batched and off the
+request path.
 
 Callers enqueue plain dict updates; one task writes them in small transactions. A
 request row is inserted once and then only updated, and a terminal status is written
@@ -14,18 +15,24 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.db.schema import TERMINAL_STATUSES, DecisionRecord, InstanceRecord, RequestRecord
+from shared.db.load_samples import LoadSampler
+from shared.db.schema import (TERMINAL_STATUSES, DecisionRecord, InstanceRecord, LoadSample,
+                              RequestRecord)
 from shared.db.session import sessionmaker
+from shared.messages import InstanceInfo
 
 log = logging.getLogger(__name__)
+PRUNE_EVERY_S = 60.0  # old load samples are deleted at most this often
 
 
 @dataclass
 class _Op:
-    kind: str  # insert | update | terminal | instance
+    kind: str  # insert | update | terminal | instance | decision | load | prune
     values: dict[str, Any]
     done: asyncio.Future | None = field(default=None)
 
@@ -41,6 +48,8 @@ class RecordWriter:
         self._interval = flush_interval_s
         self._task: asyncio.Task | None = None
         self.failures = 0
+        self._sampler = LoadSampler()
+        self._pruned_at = float("-inf")
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="record-writer")
@@ -76,6 +85,19 @@ class RecordWriter:
     # -- instances ------------------------------------------------------------------
     def instance_seen(self, **values: Any) -> None:
         self._queue.put_nowait(_Op("instance", values))
+
+    # -- load samples ---------------------------------------------------------------
+    def load_sample(self, info: InstanceInfo, now: float, interval_s: float,
+                    retention_s: float) -> None:
+        """Call on every heartbeat: one row per instance per interval is kept, and rows
+        older than retention_s are deleted now and then so the table stays bounded."""
+        row = self._sampler.sample(info, now, interval_s)
+        if row is None:
+            return
+        self._queue.put_nowait(_Op("load", row))
+        if now - self._pruned_at >= min(PRUNE_EVERY_S, retention_s):
+            self._pruned_at = now
+            self._queue.put_nowait(_Op("prune", {"before": now - retention_s}))
 
     async def _run(self) -> None:
         while True:
@@ -121,6 +143,12 @@ class RecordWriter:
             await _upsert_instance(session, op.values)
         elif op.kind == "decision":
             await session.execute(insert(DecisionRecord).values(**op.values))
+        elif op.kind == "load":
+            dialect = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
+            # Another conductor may have sampled the same interval: keep the first row.
+            await session.execute(dialect(LoadSample).values(**op.values).on_conflict_do_nothing())
+        elif op.kind == "prune":
+            await session.execute(delete(LoadSample).where(LoadSample.t < op.values["before"]))
 
 
 async def _upsert_instance(session, values: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]

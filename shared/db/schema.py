@@ -48,6 +48,11 @@ class RequestRecord(Base):
     e2e_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Phase boundaries the gateway measures (its clock): the placement reply (the job is on
+    # a prefill queue), and the first token from a decode instance other than the prefill
+    # one (the KV handoff is done). NULL where not measured: older rows, colocated decode.
+    dispatch_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    decode_first_token_time: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class InstanceRecord(Base):
@@ -92,6 +97,53 @@ class DecisionRecord(Base):
     predicted_tbt_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     rejected: Mapped[str | None] = mapped_column(Text, nullable=True)
     candidates: Mapped[list] = mapped_column(JSON, default=list)
+
+
+class LoadSample(Base):
+    """One prefill/decode instance's load, sampled by the conductor from its heartbeats:
+    at most one row per instance per sampling interval (`t` is the interval's start, so
+    conductors that sample the same heartbeats write the same key). Activity columns count
+    what happened since the previous sample (NULL: unknown, e.g. after a conductor restart).
+    """
+
+    __tablename__ = "load_samples"
+
+    instance_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    t: Mapped[float] = mapped_column(Float, primary_key=True, index=True)  # unix seconds
+    role: Mapped[str] = mapped_column(String(16))
+    interval_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # since the last one
+    queue_depth: Mapped[int] = mapped_column(Integer, default=0)
+    running: Mapped[int] = mapped_column(Integer, default=0)
+    kv_blocks_used: Mapped[int] = mapped_column(Integer, default=0)  # DRAM tier, in sequences
+    kv_blocks_free: Mapped[int] = mapped_column(Integer, default=0)  # (free may still cache)
+    kv_blocks_cached: Mapped[int] = mapped_column(Integer, default=0)
+    disk_blocks_used: Mapped[int] = mapped_column(Integer, default=0)
+    disk_blocks_free: Mapped[int] = mapped_column(Integer, default=0)
+    blocks_stored: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    blocks_evicted: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    disk_stored: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    disk_removed: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    transfers_in: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    transfers_out: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    bytes_in: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    bytes_out: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class ApiKeyRecord(Base):
+    """An API key for the gateway. Only the SHA-256 of the secret is kept: the plaintext is
+    shown once, when the key is created, and a leaked table gives no usable key."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # public: list, revoke
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the secret
+    prefix: Mapped[str] = mapped_column(String(16))  # the secret's first characters, to spot it
+    name: Mapped[str] = mapped_column(String(200), default="")
+    tenant: Mapped[str] = mapped_column(String(200), index=True)  # also the prefix-cache salt
+    admin: Mapped[bool] = mapped_column(default=False)  # reaches /admin/*, not /v1/*
+    rate_limit: Mapped[str] = mapped_column(String(100), default="")  # `limits` syntax; "": none
+    created: Mapped[float] = mapped_column(Float)
+    revoked: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 Index("ix_requests_status_arrival", RequestRecord.status, RequestRecord.arrival_time)

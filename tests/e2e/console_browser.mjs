@@ -3,8 +3,9 @@
 //   node tests/e2e/console_browser.mjs --url http://127.0.0.1:8501 --out reports/console
 //
 // Opens the console, waits for its plotly charts and for no stale element, reads the KV hit
-// rate metrics, opens the Pools tab and collects the instance ids it shows, opens the KV cache
-// tab, and saves a full-page screenshot of each. The caller (test_console_browser.py) asserts
+// rate metrics, opens the Pools tab and collects the instance ids and chart titles it shows,
+// opens the KV cache tab (hit rate, KV activity), then the Requests tab (the newest request's
+// timeline and placement), and saves a full-page screenshot of each. The caller (test_console_browser.py) asserts
 // on the summary. playwright-core is resolved from <repo>/.cache/node (scripts/install-browser.sh
 // puts it there) or HALFMOON_NODE_PREFIX; the browser is Debian's /usr/bin/chromium
 // (HALFMOON_CHROMIUM), never one downloaded by playwright.
@@ -71,6 +72,30 @@ async function metrics(page) {
 function hitRate(found) {
   const entry = Object.entries(found).find(([label]) => /hit/i.test(label));
   return entry ? { label: entry[0], text: entry[1], percent: parseFloat(entry[1]) } : null;
+}
+
+// The shown tab's text, headers and chart text (titles, legends, axis labels).
+async function panelText(page) {
+  return page.evaluate((panel) => {
+    const root = document.querySelector(panel);
+    return {
+      text: root.innerText,
+      headers: [...root.querySelectorAll('h1, h2, h3')].map((h) => h.innerText.trim()),
+      chart_titles: [...root.querySelectorAll('svg .gtitle')].map((t) => t.textContent.trim()),
+      chart_text: [...root.querySelectorAll('svg text')].map((t) => t.textContent).join('\n'),
+    };
+  }, PANEL);
+}
+
+// Poll a metric of the shown tab until it parses to a number above zero, or the time is up.
+async function readPositive(page, label, ms) {
+  const until = Date.now() + ms;
+  for (;;) {
+    const text = (await metrics(page))[label];
+    const value = text === undefined ? null : parseFloat(text.replace(/,/g, ''));
+    if ((value !== null && value > 0) || Date.now() > until) return value;
+    await page.waitForTimeout(500);
+  }
 }
 
 // Poll the shown tab's hit-rate metric until it is a number above zero (the console refreshes
@@ -147,13 +172,27 @@ async function main() {
     summary.pool_headers = pools.headers;
     summary.pool_captions = pools.captions;
     summary.pool_alerts = pools.alerts;
+    summary.pool_chart_titles = (await panelText(page)).chart_titles;
     await shoot(page, 'pools');
 
     // KV cache: the cluster hit rate and its chart.
     await openTab(page, 'KV cache');
     summary.kv_hit_rate = await readHitRate(page, 10000);
+    // The conductor samples heartbeats every few seconds: wait for one with the handoffs.
+    summary.kv_transfers_in = await readPositive(page, 'Transfers in', 15000);
     summary.kv_metrics = await metrics(page);
+    const kv = await panelText(page);
+    summary.kv_headers = kv.headers;
+    summary.kv_chart_titles = kv.chart_titles;
     await shoot(page, 'kv');
+
+    // Requests: the newest request is picked; its timeline and the conductor's reasons.
+    await openTab(page, 'Requests');
+    const req = await panelText(page);
+    summary.request_chart_titles = req.chart_titles;
+    summary.request_chart_text = req.chart_text;
+    summary.request_placement = req.text.split('\n').filter((l) => l.startsWith('Placement.'));
+    await shoot(page, 'requests');
   } finally {
     await browser.close();
   }

@@ -3,9 +3,11 @@
 `halfmoon up` with the console, four chat requests (two share a long prefix, so the second
 one is served partly from the prefix cache), then headless Chromium (Debian's, driven by npm
 playwright-core from tests/e2e/console_browser.mjs) opens the console, waits for its charts,
-and reports what it shows: the Pools tab must list the live prefill-0 and decode-0, and the KV
-hit rate must be above zero. Screenshots go to $HALFMOON_SCREENSHOT_DIR (default
-reports/console/ in the repository).
+and reports what it shows: the Pools tab must list the live prefill-0 and decode-0 and chart
+their load over time, the KV hit rate must be above zero, the KV cache tab must count the
+prefill → decode KV transfers the conductor sampled from heartbeats, and the Requests tab must
+draw the newest request's measured phases and the conductor's placement. Screenshots go to
+$HALFMOON_SCREENSHOT_DIR (default reports/console/ in the repository).
 
 Needs /usr/bin/chromium, node and playwright-core in .cache/node: `bash scripts/install-browser.sh`
 installs them. Without them the test skips, or fails when CI is set.
@@ -102,7 +104,7 @@ def test_console_in_browser(request: pytest.FixtureRequest, tmp_path: Path,
         run = subprocess.run(
             [node, str(SCRIPT), "--url", f"http://127.0.0.1:{console_port}",
              "--out", str(shots)],
-            capture_output=True, text=True, timeout=150, cwd=REPO)
+            capture_output=True, text=True, timeout=300, cwd=REPO)
         lines = run.stdout.strip().splitlines()
         assert lines, f"no output from the browser script (rc {run.returncode}):\n{run.stderr}"
         summary = json.loads(lines[-1])
@@ -120,7 +122,21 @@ def test_console_in_browser(request: pytest.FixtureRequest, tmp_path: Path,
             rate = summary[key]
             assert rate is not None and rate["text"].endswith("%"), (key, summary)
             assert rate["percent"] > 0, (key, summary)
-        for name in ("overview", "pools", "kv"):
+        # History through the real write path: heartbeats → conductor → load_samples.
+        assert {"Queue depth over time", "Running batch over time",
+                "KV blocks over time, DRAM tier"} <= set(summary["pool_chart_titles"]), summary
+        assert {"Hottest prefixes", "Evictions and transfers over time"} <= set(
+            summary["kv_headers"]), summary
+        assert summary["kv_transfers_in"] and summary["kv_transfers_in"] >= 1, summary
+        assert any(t.startswith("KV transfers per") for t in summary["kv_chart_titles"]), summary
+        # The newest request: phases the gateway measured, and why it went where it went.
+        assert any(t.startswith("Timeline of chatcmpl-") for t in summary["request_chart_titles"])
+        for phase in ("placement (conductor)", "prefill queue + prefill"):
+            assert phase in summary["request_chart_text"], summary
+        if usages[-1]["completion_tokens"] >= 2:  # a token from decode: the handoff is measured
+            assert "KV transfer + decode admission" in summary["request_chart_text"], summary
+        assert summary["request_placement"] and "prefill-0" in summary["request_placement"][0]
+        for name in ("overview", "pools", "kv", "requests"):
             assert Path(summary["screenshots"][name]).stat().st_size > 10_000, summary
     finally:
         rc = stop_stack(stack)

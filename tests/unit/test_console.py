@@ -1,5 +1,7 @@
 """Console: pure queries and charts, then the app through Streamlit's AppTest over a SQLite
-database seeded by the real write path (Alembic + RecordWriter), then `serve` for real."""
+database seeded by the real write paths (Alembic; RecordWriter for requests; the conductor's
+heartbeat hook for instance rows, load samples and decisions; the KV manager's handlers for
+kv_blocks), then `serve` for real."""
 
 from __future__ import annotations
 
@@ -19,9 +21,17 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from console import charts, live, queries, serve
+from console import charts, history, live, queries, serve
+from services.conductor.args import ConductorSettings
+from services.conductor.handlers import Conductor
+from services.conductor.policy import Candidate, Decision
+from services.kvmanager.handlers import KVManager
+from shared.db.kv_records import KVBlockWriter
+from shared.db.load_samples import LoadSampler
 from shared.db.records import RecordWriter
 from shared.db.session import make_engine, upgrade
+from shared.messages import (GenerateRequest, InstanceInfo, KVActivity, KVEvent, KVEventKind,
+                             KVMatchReply, KVMatchRequest, Role, SamplingParams)
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +48,29 @@ SEED = {
     "old": ("completed", -7200, "prefill-0", "decode-0", 100, 100, 2, 50.0, 80.0),
 }
 ERRORS = {"failed": "decode-1 stopped", "rejected": "TTFT SLO cannot be met"}  # error column
+# Phase boundaries the gateway measured for r3 (s after arrival): placement reply, first
+# decode-side token. Its first token is at 2.5 s and it finished at 2.9 s.
+PHASES = {"r3": {"dispatch_time": 0.2, "decode_first_token_time": 2.6}}
+MIB = 2**20
+# Heartbeats every 5 s from -60 s to -10 s (11 samples). Gauges are constant per instance,
+# so a bucket's mean is that constant whatever the bucket size; counters grow by `step`
+# per heartbeat. prefill-0 and decode-0 started long ago, so their first sample's activity is
+# unknown (NULL) and 10 deltas count; prefill-1 started 2 s before its first heartbeat, so
+# all its counters count. (queue, running, blocks total, free, disk used, disk free)
+HEARTBEATS = {
+    "prefill-0": (-600, range(-60, -5, 5), (2, 1, 100, 60, 0, 0),
+                  {"blocks_stored": 10, "blocks_evicted": 2, "transfers_out": 1,
+                   "bytes_out": MIB}),
+    "decode-0": (-600, range(-60, -5, 5), (0, 4, 200, 50, 0, 0),
+                 {"transfers_in": 1, "bytes_in": MIB}),
+    "prefill-1": (-32, range(-30, -5, 5), (0, 3, 100, 90, 3, 97),
+                  {"blocks_stored": 2, "disk_stored": 1}),
+}
+# Expected totals over the window: prefill-0 10 x 10 stored, 2 x 10 evicted, 10 transfers
+# out; decode-0 10 transfers in (10 MiB); prefill-1 5 heartbeats x 2 stored, 5 to disk.
+TOTALS = {"blocks_stored": 100 + 10, "blocks_evicted": 20, "transfers_in": 10,
+          "transfers_out": 10, "bytes_in": 10 * MIB, "disk_stored": 5}
+H1, H2, H3, H4 = 0xA1, 0xB2, 0xC3, 0xD4  # block hashes (chained in real life)
 HOUR_HIT = (512 + 1536) / (1000 + 1000 + 2048)  # completed requests of the last hour
 ALL_HIT = (512 + 1536 + 100) / (1000 + 1000 + 2048 + 100)
 
@@ -82,8 +115,11 @@ async def _seed(url: str) -> None:
         done = {k: r[k] for k in ("first_token_time", "finish_time", "completion_tokens",
                                   "cached_tokens", "ttft_ms", "e2e_ms")}
         reason = "stop" if r["status"] == "completed" else None
+        phases = {k: r["arrival_time"] + v for k, v in PHASES.get(r["id"], {}).items()}
         writer.request_finished(r["id"], r["status"], error=ERRORS.get(r["status"]),
-                                finish_reason=reason, **done)
+                                finish_reason=reason, **done, **phases)
+    await _heartbeats(writer, now)
+    await _kv_blocks(engine, now)
     for iid, queue, running in [("prefill-0", 2, 1), ("prefill-1", 0, 3), ("decode-0", 0, 4),
                                 ("decode-1", 1, 0), ("conductor-0", 0, 0)]:
         writer.instance_seen(id=iid, role=iid.split("-")[0], host="127.0.0.1", status="ready",
@@ -94,6 +130,74 @@ async def _seed(url: str) -> None:
     writer.instance_seen(id="decode-1", status="dead")  # as the conductor's sweep writes it
     await writer.close()
     await engine.dispose()
+
+
+def _conductor(writer: RecordWriter) -> Conductor:
+    return Conductor(ConductorSettings(), nc=None, records=writer)  # type: ignore[arg-type]
+
+
+async def _heartbeats(writer: RecordWriter, now: float) -> None:
+    """Load samples and decisions as the conductor writes them, at chosen clock readings."""
+    conductor = _conductor(writer)
+    old = InstanceInfo(instance_id="prefill-gone", role=Role.PREFILL, started_at=now - 200_000)
+    writer.load_sample(old, now - 30 * 3600, 5.0, 24 * 3600.0)  # pruned: retention is 24 h
+    for iid, (started, offsets, gauges, step) in HEARTBEATS.items():
+        queue, running, total, free, disk_used, disk_free = gauges
+        for k, offset in enumerate(offsets, start=1):
+            activity = KVActivity(**{key: k * n for key, n in step.items()})
+            info = InstanceInfo(instance_id=iid, role=iid.split("-")[0], started_at=now + started,
+                                queue_depth=queue, running=running, kv_blocks_total=total,
+                                kv_blocks_free=free, disk_blocks_used=disk_used,
+                                disk_blocks_free=disk_free, kv_activity=activity)
+            conductor._record_instance(info, now + offset, "ready")
+            conductor._record_instance(info, now + offset, "ready")  # same interval: no row
+    r3, r5 = (_shifted(r) for r in ROWS if r["id"] in ("r3", "r5"))
+    busy = Candidate("prefill-0", 0, "", 0.0, 1.5, 1.8)
+    cached = Candidate("prefill-1", 96, "", 0.0, 0.4, 2.0)
+    conductor._record(_request("r3", r3), Decision("kvcentric", cached, "decode-0", 0.02,
+                                                   [busy, cached]), r3["arrival_time"])
+    conductor._record(_request("r5", r5), Decision("kvcentric", cached, "decode-0", 0.02,
+                                                   [busy, cached], ERRORS["rejected"]),
+                      r5["arrival_time"])
+    await writer.flush()
+
+
+def _request(rid: str, row: dict) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, model="m", prompt_token_ids=[1] * row["prompt_tokens"],
+                           sampling=SamplingParams(), arrival_time=row["arrival_time"])
+
+
+class _MatchMsg:
+    """What the KV manager's match handler needs of a NATS message."""
+
+    reply = "inbox"
+
+    def __init__(self, hashes: list[int]) -> None:
+        self.data = KVMatchRequest(block_hashes=hashes).encode()
+        self.answer: KVMatchReply | None = None
+
+    async def respond(self, data: bytes) -> None:
+        self.answer = KVMatchReply.model_validate_json(data)
+
+
+async def _kv_blocks(engine, now: float) -> None:
+    """kv_blocks as the KV manager writes them: events from the instances, then matches."""
+    manager = KVManager(KVBlockWriter(engine))
+    for kind, iid, tier, hashes in [
+            (KVEventKind.STORED, "prefill-0", "dram", [H1, H2, H3]),
+            (KVEventKind.STORED, "prefill-1", "dram", [H1, H4]),
+            (KVEventKind.STORED, "prefill-1", "disk", [H1]),
+            (KVEventKind.STORED, "decode-0", "dram", [H1, H2]),
+            (KVEventKind.REMOVED, "prefill-1", "dram", [H4])]:
+        manager.apply(KVEvent(kind=kind, instance_id=iid, tier=tier, block_hashes=hashes,
+                              block_nbytes=4096), now)
+    # [H1, H2, H3]: prefill-0 holds all three (twice); [H1, H2]: a tie that decode-0 wins
+    # (same length, same DRAM length, smaller id). So H1 and H2 have 3 hits, H3 has 2.
+    for hashes in ([H1, H2, H3], [H1, H2, H3], [H1, H2]):
+        msg = _MatchMsg(hashes)
+        await manager.on_match(msg)  # type: ignore[arg-type]
+        assert msg.answer is not None and msg.answer.matches["prefill-0"] == len(hashes)
+    await manager.records.flush()  # type: ignore[union-attr]
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +226,17 @@ def _metrics(block) -> dict[str, str]:
 
 def _figure(block, index: int = 0) -> dict:
     return json.loads(block.get("plotly_chart")[index].proto.spec)
+
+
+def _figures(block) -> dict[str, dict]:
+    """Every chart of a block by its title."""
+    figs = [json.loads(c.proto.spec) for c in block.get("plotly_chart")]
+    return {f["layout"]["title"]["text"]: f for f in figs}
+
+
+def _traces(fig: dict) -> dict[str, list]:
+    """Trace name -> its measured values (gaps left out)."""
+    return {d["name"]: [y for y in d["y"] if y is not None] for d in fig["data"]}
 
 
 def _tab(at: AppTest, label: str):
@@ -174,6 +289,76 @@ def test_filter_and_timeline():
     assert [p["phase"] for p in phases] == ["queue + prefill (TTFT)", "decode"]
     assert [p["end_ms"] for p in phases] == [pytest.approx(100.0), pytest.approx(600.0)]
     assert queries.request_timeline(ROWS[4])[0]["phase"] == "arrival → rejected"
+    r3 = dict(ROWS[2], **{k: ROWS[2]["arrival_time"] + v for k, v in PHASES["r3"].items()})
+    assert [(p["phase"], round(p["start_ms"]), round(p["end_ms"]))
+            for p in queries.request_timeline(r3)] == [
+        ("placement (conductor)", 0, 200), ("prefill queue + prefill", 200, 2500),
+        ("KV transfer + decode admission", 2500, 2600), ("decode", 2600, 2900)]
+    # Colocated (no decode-side token): decode starts at the first token; no handoff phase.
+    colocated = dict(r3, decode_first_token_time=None)
+    assert [p["phase"] for p in queries.request_timeline(colocated)][-1:] == ["decode"]
+    assert queries.request_timeline(colocated)[-1]["start_ms"] == pytest.approx(2500.0)
+    failed = dict(ROWS[3], dispatch_time=ROWS[3]["arrival_time"] + 0.1)  # no token at all
+    assert [p["phase"] for p in queries.request_timeline(failed)] == [
+        "placement (conductor)", "prefill queue → failed"]
+
+
+def _info(iid: str, started_at: float, **activity: int) -> InstanceInfo:
+    return InstanceInfo(instance_id=iid, role=Role.DECODE, started_at=started_at, running=2,
+                        kv_blocks_total=10, kv_blocks_free=4, kv_activity=KVActivity(**activity))
+
+
+def test_load_sampler_one_row_per_interval_with_deltas():
+    sampler = LoadSampler()
+    first = sampler.sample(_info("d", 0.0, transfers_in=5), 1000.0, 5.0)
+    assert first["t"] == 1000.0 and first["interval_s"] is None  # old instance: since when?
+    assert first["transfers_in"] is None and (first["running"], first["kv_blocks_used"]) == (2, 6)
+    assert sampler.sample(_info("d", 0.0, transfers_in=6), 1004.9, 5.0) is None  # same interval
+    row = sampler.sample(_info("d", 0.0, transfers_in=9, bytes_in=100), 1006.0, 5.0)
+    assert (row["t"], row["interval_s"], row["transfers_in"], row["bytes_in"]) == (
+        1005.0, 6.0, 4, 100)
+    # A restart resets the counters: what it reports is all since its start.
+    assert sampler.sample(_info("d", 1008.0, transfers_in=2), 1009.0, 5.0) is None
+    row = sampler.sample(_info("d", 1008.0, transfers_in=3), 1011.0, 5.0)
+    assert (row["t"], row["transfers_in"], row["interval_s"]) == (1010.0, 3, 3.0)
+    # A fresh instance's first sample counts from its start, too.
+    row = sampler.sample(_info("new", 1010.0, blocks_stored=7), 1012.0, 5.0)
+    assert (row["blocks_stored"], row["interval_s"]) == (7, 2.0)
+
+
+def test_load_series_buckets_gauges_and_counts():
+    samples = [{"instance_id": i, "role": role, "t": t, "interval_s": 5.0, **dict.fromkeys(
+        history.GAUGES, 0), **dict.fromkeys(("blocks_stored", "blocks_evicted", "disk_stored",
+                                             "disk_removed", "transfers_out", "bytes_in",
+                                             "bytes_out"), 0), "queue_depth": q,
+        "transfers_in": n} for i, role, t, q, n in [
+            ("d0", "decode", 100.0, 1, None), ("d0", "decode", 105.0, 3, 2),
+            ("d0", "decode", 110.0, 5, 4), ("p0", "prefill", 100.0, 7, 0)]]
+    series = history.load_series(samples, 10.0)
+    assert list(series) == ["p0", "d0"]  # prefill first
+    assert series["d0"]["t"] == [100.0, 110.0]
+    assert series["d0"]["queue_depth"] == [2.0, 5.0]  # mean of 1 and 3, then 5
+    assert series["d0"]["transfers_in"] == [2, 4]  # the unknown first count is left out
+    assert history.activity_totals(samples)["transfers_in"] == 6
+    assert not history.has_disk(series)
+    assert history.bucket_seconds(300.0, samples, 200.0) == 5.0
+    assert history.bucket_seconds(86400.0, samples, 200.0) == 1800.0
+
+
+def test_placement_reasons():
+    decision = {"policy": "kvcentric", "prefill_instance": "p1", "decode_instance": "d0",
+                "predicted_ttft_ms": 2400.0, "predicted_tbt_ms": 20.0, "rejected": None,
+                "candidates": [{"instance": "p0", "ttft_ms": 3300.0},
+                               {"instance": "p2", "ttft_ms": 1000.0},
+                               {"instance": "p1", "ttft_ms": 2400.0}, "junk"]}
+    rows = history.candidates_table(decision)
+    assert [(r["instance"], r["chosen"]) for r in rows] == [
+        ("p1", True), ("p2", False), ("p0", False)]
+    assert history.decision_summary(decision, {"ttft_ms": 2500.0}) == (
+        "Placed by policy kvcentric on prefill p1, decode d0; predicted TTFT 2,400 ms, "
+        "measured 2,500 ms; predicted TBT 20.0 ms")
+    assert history.decision_summary({"policy": "x", "rejected": "too slow"}, {}) == (
+        "Rejected by policy x: too slow")
 
 
 def test_report_sections_are_defensive(tmp_path):
@@ -201,6 +386,34 @@ def test_snapshot_reads_the_window_or_says_why_not(seeded_url, tmp_path):
     assert not (tmp_path / "missing.db").exists()  # reading never creates a database
     with pytest.raises(queries.DatabaseUnavailable, match=r"\*\*\*"):  # password hidden
         queries.load_snapshot("postgresql+asyncpg://nobody:secret@127.0.0.1:1/none", None)
+    old = f"sqlite+aiosqlite:///{tmp_path / 'old.db'}"
+    upgrade(old, "0003")  # a database the migrations have not reached: say so, no traceback
+    with pytest.raises(queries.DatabaseUnavailable, match="have the migrations run"):
+        queries.load_snapshot(old, None)
+
+
+def test_snapshot_reads_load_history_and_cache_contents(seeded_url):
+    snap = queries.load_snapshot(seeded_url, None)
+    per = {i: [s for s in snap.samples if s["instance_id"] == i] for i in HEARTBEATS}
+    assert {i: len(v) for i, v in per.items()} == {"prefill-0": 11, "decode-0": 11, "prefill-1": 5}
+    assert {s["instance_id"] for s in snap.samples} == set(HEARTBEATS)  # 30 h old: pruned
+    assert [s["t"] for s in snap.samples] == sorted(s["t"] for s in snap.samples)
+    assert per["prefill-0"][0]["blocks_stored"] is None  # the first: since when is unknown
+    assert {s["blocks_stored"] for s in per["prefill-0"][1:]} == {10}
+    assert {s["kv_blocks_used"] for s in per["decode-0"]} == {150}
+    totals = history.activity_totals(snap.samples)
+    assert {k: totals[k] for k in TOTALS} == TOTALS
+    hot = [(b["block"], b["hits"], b["replicas"], b["instances"]) for b in snap.hot_blocks]
+    assert hot == [(f"{H1:016x}", 3, 4, 3), (f"{H2:016x}", 3, 2, 2), (f"{H3:016x}", 2, 1, 1)]
+    assert snap.hot_blocks[0]["holders"] == (
+        "decode-0/dram, prefill-0/dram, prefill-1/disk, prefill-1/dram")
+    assert {(r["instance"], r["tier"]): r["blocks"] for r in snap.kv_tiers} == {
+        ("decode-0", "dram"): 2, ("prefill-0", "dram"): 3, ("prefill-1", "dram"): 1,
+        ("prefill-1", "disk"): 1}  # H4 was removed
+    decision = queries.load_decision(seeded_url, "r3")
+    assert (decision["prefill_instance"], decision["predicted_ttft_ms"]) == ("prefill-1", 2400.0)
+    assert [c["instance"] for c in decision["candidates"]] == ["prefill-0", "prefill-1"]
+    assert queries.load_decision(seeded_url, "r1") is None
 
 
 def test_pool_rows_from_live_and_sql():
@@ -278,14 +491,61 @@ def test_app_pools_mark_the_dead_instance(app_env):
     assert queue["y"] == [2, 0, 0, 1] and running["y"] == [1, 3, 4, 0]
 
 
+def test_app_pools_load_history(app_env):
+    at = _run_app()
+    figs = _figures(_tab(at, "Pools"))
+    assert set(figs) == {"Load per instance", "Queue depth over time", "Running batch over time",
+                         "KV blocks over time, DRAM tier", "KV blocks over time, disk tier"}
+    queue = _traces(figs["Queue depth over time"])
+    assert list(queue) == ["prefill-0", "prefill-1", "decode-0"]  # prefill first, by name
+    assert {i: set(v) for i, v in queue.items()} == {
+        "prefill-0": {2}, "prefill-1": {0}, "decode-0": {0}}  # bucket means of constants
+    running = _traces(figs["Running batch over time"])
+    assert {i: set(v) for i, v in running.items()} == {
+        "prefill-0": {1}, "prefill-1": {3}, "decode-0": {4}}
+    dram = _traces(figs["KV blocks over time, DRAM tier"])
+    assert (set(dram["decode-0 used"]), set(dram["decode-0 free"])) == ({150}, {50})
+    assert (set(dram["prefill-0 used"]), set(dram["prefill-1 used"])) == ({40}, {10})
+    disk = _traces(figs["KV blocks over time, disk tier"])
+    assert (set(disk["prefill-1 used"]), set(disk["prefill-1 free"])) == ({3}, {97})
+    # Five minutes: 5 s buckets, so every sample is a point of its own.
+    at.sidebar.selectbox(key="window").select("last 5 min").run()
+    queue = _traces(_figures(_tab(at, "Pools"))["Queue depth over time"])
+    assert {i: len(v) for i, v in queue.items()} == {"prefill-0": 11, "prefill-1": 5,
+                                                     "decode-0": 11}
+
+
 def test_app_kv_cache_page(app_env):
     kv = _tab(_run_app(), "KV cache")
-    assert _metrics(kv) == {"Cluster hit rate": f"{100 * HOUR_HIT:.1f}%",
-                            "prefill-0 hit rate": f"{100 * 512 / 2000:.1f}%",
-                            "prefill-1 hit rate": f"{100 * 1536 / 2048:.1f}%"}
+    m = _metrics(kv)
+    assert {k: v for k, v in m.items() if "hit rate" in k} == {
+        "Cluster hit rate": f"{100 * HOUR_HIT:.1f}%",
+        "prefill-0 hit rate": f"{100 * 512 / 2000:.1f}%",
+        "prefill-1 hit rate": f"{100 * 1536 / 2048:.1f}%"}
     lines = {d["name"]: [y for y in d["y"] if y is not None] for d in _figure(kv)["data"]}
     assert set(lines) == {"cluster", "prefill-0", "prefill-1"}  # token-weighted, in percent
     assert sum(lines["prefill-1"]) / len(lines["prefill-1"]) == pytest.approx(75.0)
+    # Hottest prefixes, with where their copies are.
+    hot = kv.dataframe[0].value
+    assert list(hot["block"]) == [f"{H1:016x}", f"{H2:016x}", f"{H3:016x}"]
+    assert (list(hot["hits"]), list(hot["replicas"]), list(hot["instances"])) == (
+        [3, 3, 2], [4, 2, 1], [3, 2, 1])
+    figs = _figures(kv)
+    tiers = figs["Cached KV blocks per instance and tier"]["data"]
+    assert {d["name"]: dict(zip(d["x"], d["y"])) for d in tiers} == {
+        "disk": {"decode-0": 0, "prefill-0": 0, "prefill-1": 1},
+        "dram": {"decode-0": 2, "prefill-0": 3, "prefill-1": 1}}
+    # Evictions and transfers over the window, as the heartbeats counted them.
+    assert (m["Blocks stored"], m["Blocks evicted"], m["Transfers in"], m["Transfers out"],
+            m["MiB transferred"]) == ("110", "20", "10", "10", "10.0")
+    churn = _traces(figs["KV blocks stored and evicted per 60 s"])
+    assert (sum(churn["prefill-0 stored"]), sum(churn["prefill-0 evicted"])) == (100, 20)
+    assert (sum(churn["prefill-1 stored"]), sum(churn["prefill-1 to disk"])) == (10, 5)
+    transfers = _traces(figs["KV transfers per 60 s"])
+    assert (sum(transfers["decode-0 in"]), sum(transfers["prefill-0 out"])) == (10, 10)
+    assert sum(transfers["prefill-0 in"]) == 0
+    mib = _traces(figs["KV MiB transferred per 60 s"])
+    assert sum(mib["decode-0 in"]) == pytest.approx(10.0)
 
 
 def test_app_requests_filter_and_timeline(app_env):
@@ -296,10 +556,35 @@ def test_app_requests_filter_and_timeline(app_env):
     at.selectbox(key="req_instance").select("prefill-1")
     at.run()
     assert list(_tab(at, "Requests").dataframe[0].value["id"]) == ["r4", "r3"]
+    at.selectbox(key="req_id").select("r4").run()
+    assert any(i.value == "The conductor recorded no decision for this request."
+               for i in _tab(at, "Requests").info)
     at.selectbox(key="req_id").select("r3").run()
-    bars = _figure(_tab(at, "Requests"))["data"]
-    assert [(b["name"], b["base"][0], round(b["x"][0])) for b in bars] == [
-        ("queue + prefill (TTFT)", 0.0, 2500), ("decode", pytest.approx(2500.0), 400)]
+    req = _tab(at, "Requests")
+    bars = _figures(req)["Timeline of r3"]["data"]
+    assert [(b["name"], round(b["base"][0]), round(b["x"][0])) for b in bars] == [
+        ("placement (conductor)", 0, 200), ("prefill queue + prefill", 200, 2300),
+        ("KV transfer + decode admission", 2500, 100), ("decode", 2600, 300)]
+    assert [m.value for m in req.markdown if m.value.startswith("**Placement.**")] == [
+        "**Placement.** Placed by policy kvcentric on prefill prefill-1, decode decode-0; "
+        "predicted TTFT 2,400 ms, measured 2,500 ms; predicted TBT 20.0 ms"]
+    candidates = req.dataframe[1].value
+    assert list(candidates["instance"]) == ["prefill-1", "prefill-0"]
+    assert list(candidates["chosen"]) == [True, False]
+    assert list(candidates["prefix_blocks"]) == [96, 0]
+    costs = _figures(req)["Predicted TTFT per candidate for r3"]["data"]
+    assert {d["name"]: d["x"] for d in costs} == {"prefix transfer": [0.0, 0.0],
+                                                  "queue": [400.0, 1500.0],
+                                                  "prefill": [2000.0, 1800.0]}
+
+
+def test_app_requests_rejection_reason(app_env):
+    at = _run_app()
+    at.selectbox(key="req_id").select("r5").run()
+    req = _tab(at, "Requests")
+    assert [m.value for m in req.markdown if m.value.startswith("**Placement.**")] == [
+        "**Placement.** Rejected by policy kvcentric: TTFT SLO cannot be met"]
+    assert [b["name"] for b in _figures(req)["Timeline of r5"]["data"]] == ["arrival → rejected"]
 
 
 def test_app_benchmarks_page(app_env, tmp_path):
@@ -327,7 +612,10 @@ def test_app_database_unreachable(monkeypatch):
     assert len(at.error) == 1 and at.error[0].value.startswith("Database unreachable: ")
     assert "127.0.0.1:1" in at.error[0].value
     assert any("neither the gateway nor the database" in i.value for i in _tab(at, "Pools").info)
+    assert any(i.value == "No load history without the database." for i in _tab(at, "Pools").info)
+    assert any("No KV statistics" in i.value for i in _tab(at, "KV cache").info)
     assert not _tab(at, "Overview").metric
+    assert not at.get("plotly_chart")
 
 
 class _Admin(BaseHTTPRequestHandler):
