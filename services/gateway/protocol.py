@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from shared import errors
 from shared.messages import SamplingParams, Usage
@@ -35,6 +36,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "n", "seed")
+
+
+def _stop_schema(schema: dict[str, Any]) -> None:
+    """Show in the JSON schema what `_stop` checks: at most 4 strings, none empty."""
+    for branch in schema.get("anyOf", []):
+        if branch.get("type") == "string":
+            branch["minLength"] = 1
+        elif branch.get("type") == "array":
+            branch.update(maxItems=4, items={"type": "string", "minLength": 1})
+
+
 class ChatCompletionRequest(BaseModel):
     # strict: "5" is not a number here, as with OpenAI. Unknown fields are ignored.
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -49,12 +62,24 @@ class ChatCompletionRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # extension, as in vLLM
     n: int = Field(1, ge=1, le=1)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, json_schema_extra=_stop_schema)
     seed: int | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension: benchmarks need fixed output lengths
     ttft_slo_ms: float | None = Field(None, gt=0)  # extension: this request's SLOs
     tbt_slo_ms: float | None = Field(None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        # JSON has one number type: 8.0 is the integer 8 (JSON Schema agrees), but strict
+        # mode would refuse it. Strings stay refused.
+        if isinstance(data, dict):
+            fixed = {k: int(v) for k in _INT_FIELDS
+                     if isinstance(v := data.get(k), float) and v.is_integer()}
+            if fixed:
+                data = {**data, **fixed}
+        return data
 
     @field_validator("stop")
     @classmethod

@@ -6,6 +6,10 @@ import torch
 
 from shared.messages import SamplingParams
 
+# Below this temperature sampling is greedy (as in vLLM): logits / 1e-38 overflow to inf,
+# softmax turns them into NaN, and one such request would fail its whole engine step.
+GREEDY_BELOW = 1e-5
+
 
 class Sampler:
     """Holds one request's RNG so a seeded request is reproducible wherever it runs.
@@ -22,7 +26,7 @@ class Sampler:
         """`logits`: 1-D over the vocabulary; `step`: index of the token being produced."""
         p = self.params
         logits = logits.float().cpu()  # the seeded generator lives on the CPU, whatever the device
-        if p.temperature <= 0.0:
+        if p.temperature < GREEDY_BELOW:
             return int(torch.argmax(logits).item())
         logits = logits / p.temperature
         if p.top_k > 0 and p.top_k < logits.numel():

@@ -1,0 +1,67 @@
+"""The gateway's input limits, with the real tokenizer and chat template."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from shared import errors
+from services.gateway.prompt import PromptBuilder
+from services.gateway.protocol import parse_request
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def builder(model_dir: Path) -> PromptBuilder:
+    return PromptBuilder(model_dir, "m", 8, max_messages=4, max_prompt_tokens=64,
+                         max_output_tokens=16)
+
+
+def chat(*contents: str, **extra):
+    return parse_request({"model": "m", "messages": [{"role": "user", "content": c}
+                                                     for c in contents], **extra})
+
+
+def refused(builder: PromptBuilder, request) -> errors.HalfmoonError:
+    with pytest.raises(errors.InvalidRequest) as info:
+        builder.build(request)
+    return info.value
+
+
+def test_requests_within_the_limits_pass(builder):
+    ids, max_tokens = builder.build(chat("a", "b", "c", "hello there", max_tokens=16))
+    assert 0 < len(ids) <= 64 and max_tokens == 16
+    assert builder.build(chat("hi"))[1] == 8  # the default
+
+
+def test_each_limit_has_its_code_and_param(builder):
+    err = refused(builder, chat("a", "b", "c", "d", "e"))
+    assert (err.code, err.param) == ("array_above_max_length", "messages")
+    err = refused(builder, chat("hi", max_tokens=17))
+    assert (err.code, err.param) == ("integer_above_max_value", "max_tokens")
+    err = refused(builder, chat("hi", max_completion_tokens=17))
+    assert err.code == "integer_above_max_value"
+    err = refused(builder, chat("word " * 80))
+    assert (err.code, err.param) == ("context_length_exceeded", "messages")
+    assert "64" in err.message
+
+
+def test_huge_text_is_refused_without_tokenizing_it(builder):
+    # ~4 s to tokenize on this machine; the length check alone is instant.
+    request = chat("word " * 800_000)
+    t0 = time.perf_counter()
+    err = refused(builder, request)
+    assert time.perf_counter() - t0 < 0.5
+    assert err.code == "context_length_exceeded"
+
+
+def test_the_length_check_never_refuses_what_would_fit(builder):
+    # The densest text for this tokenizer: its longest token (a newline and 80 spaces),
+    # repeated. It fits in 64 tokens; a chars-per-token guess (say 4) would refuse it.
+    longest = max(builder.tokenizer.get_vocab(), key=len)
+    text = "x" + builder.tokenizer.convert_tokens_to_string([longest]) * 20 + "x"
+    ids, _ = builder.build(chat(text))
+    assert len(ids) <= 64 and len(text) > 64 * 4
