@@ -36,6 +36,11 @@ class BaseSettings(BaseModel):
     nats_password: str = Field("", description="NATS password")
     log_level: str = Field("INFO", description="logging level")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
+    # Prometheus /metrics for services without an HTTP API; the gateway always serves it on
+    # its own port too. A port already taken is logged and the service runs on unobserved.
+    metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus GET /metrics "
+                              "on this port (0: off)")
+    metrics_host: str = Field("127.0.0.1", description="address the /metrics server binds")
 
 
 class DatabaseSettings(BaseModel):

@@ -11,6 +11,8 @@ from shared import bus, subjects
 from shared.engine.bootstrap import load_for, with_instance_id
 from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
 from shared.engine.instance import make_receiver
+from shared.engine.metrics import EngineMetrics
+from shared.metrics import serve_metrics
 from services.decode.args import DecodeSettings, parse_args
 from services.decode.handlers import DecodeInstance
 
@@ -27,6 +29,8 @@ async def serve(settings: DecodeSettings) -> None:
         stack.push_async_callback(bus.close, nc)
         inst = DecodeInstance(settings, nc, lm, make_receiver(settings))
         stack.callback(inst.close_engine)
+        await serve_metrics(stack, EngineMetrics(inst).registry, settings.metrics_host,
+                            settings.metrics_port)
         submit = await nc.subscribe(subjects.decode_submit(settings.instance_id), cb=inst.on_submit)
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
         await inst.publish_cleared()  # a previous incarnation's blocks are gone

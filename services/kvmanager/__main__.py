@@ -17,6 +17,8 @@ from shared.db.kv_records import KVBlockWriter, load_blocks
 from shared.db.session import make_engine
 from services.kvmanager.args import KVManagerSettings, parse_args
 from services.kvmanager.handlers import KVManager
+from services.kvmanager.metrics import KVManagerMetrics
+from shared.metrics import serve_metrics
 from services.kvmanager.stream import ensure_stream, replay_and_follow
 
 log = logging.getLogger("services.kvmanager")
@@ -39,6 +41,8 @@ async def serve(settings: KVManagerSettings) -> None:
             log.warning("cache metadata not loaded from SQL: %s", exc)
         await records.start()
         stack.push_async_callback(records.close)
+        await serve_metrics(stack, KVManagerMetrics(manager).registry, settings.metrics_host,
+                            settings.metrics_port)
         nc = await bus.connect(settings, instance_id)
         stack.push_async_callback(bus.close, nc)
         await ensure_stream(nc, settings.stream_max_age_s, settings.stream_max_bytes)

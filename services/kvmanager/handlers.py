@@ -21,6 +21,9 @@ class KVManager:
         self.records = records
         self.events_applied = 0
         self.match_queries = 0
+        # Hit ratio inputs: blocks asked about, and blocks the best holder had cached.
+        self.match_blocks = 0
+        self.match_hit_blocks = 0
 
     def restore(self, rows: list[tuple[int, str, str, int, float]]) -> None:
         """Seed the index from SQL before the stream replay (events are idempotent)."""
@@ -61,6 +64,8 @@ class KVManager:
         match = self.index.match(req.block_hashes)
         self.match_queries += 1
         best, n = match.best()
+        self.match_blocks += len(req.block_hashes)
+        self.match_hit_blocks += n
         if best is not None and n:
             now = time.time()
             self.index.touch(req.block_hashes[:n], now)

@@ -11,6 +11,8 @@ from shared import bus, subjects
 from shared.engine.bootstrap import load_for, with_instance_id
 from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
 from shared.engine.instance import make_receiver, make_sender
+from shared.engine.metrics import EngineMetrics
+from shared.metrics import serve_metrics
 from shared.transfer import KVSender
 from services.prefill.args import PrefillSettings, parse_args
 from services.prefill.handlers import PrefillInstance
@@ -32,6 +34,8 @@ async def serve(settings: PrefillSettings) -> None:
         inst = PrefillInstance(settings, nc, lm, sender, make_receiver(settings))
         inst.kv_port = sender.port
         stack.callback(inst.close_engine)
+        await serve_metrics(stack, EngineMetrics(inst).registry, settings.metrics_host,
+                            settings.metrics_port)
         submit = await nc.subscribe(subjects.prefill_submit(settings.instance_id), cb=inst.on_submit)
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
         await nc.subscribe(subjects.kv_export(settings.instance_id), cb=inst.on_export)

@@ -34,6 +34,10 @@ class DiskTier:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._files
 
+    def __len__(self) -> int:
+        """Blocks on disk."""
+        return len(self._files)
+
     def _path(self, block_hash: int) -> Path:
         return self.dir / f"{block_hash:016x}.kvb"
 
