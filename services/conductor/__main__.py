@@ -7,7 +7,10 @@ import contextlib
 import logging
 import os
 import time
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
+
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 
 from shared import bus, subjects
 from shared.db.records import RecordWriter
@@ -15,8 +18,10 @@ from shared.db.session import make_engine
 from shared.lifecycle import (heartbeat_loop, install_stop_signals, new_instance_id, run_main,
                               setup_logging)
 from shared.messages import InstanceInfo, Role
+from shared.metrics import serve_metrics
 from services.conductor.args import ConductorSettings, parse_args
 from services.conductor.handlers import Conductor
+from services.conductor.leader import Election
 
 log = logging.getLogger("services.conductor")
 
@@ -26,6 +31,61 @@ async def _sweep(conductor: Conductor, stop: asyncio.Event, interval_s: float) -
         conductor.sweep()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
+
+
+class Intake:
+    """The CONDUCTOR_SCHEDULE subscription, held only while this conductor may place."""
+
+    def __init__(self, nc: NATS, conductor: Conductor) -> None:
+        self.nc = nc
+        self.conductor = conductor
+        self._sub: Subscription | None = None
+
+    async def open(self) -> None:
+        if self._sub is None:
+            self._sub = await self.nc.subscribe(subjects.CONDUCTOR_SCHEDULE,
+                                                queue=subjects.CONDUCTOR_QUEUE,
+                                                cb=self.conductor.on_schedule)
+            await self.nc.flush()  # the server routes requests here from now on
+
+    async def close(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):  # a closed connection unsubscribed already
+                await sub.unsubscribe()
+
+
+def make_election(settings: ConductorSettings, nc: NATS, instance_id: str, intake: Intake,
+                  announce: Callable[[], Awaitable[None]]) -> Election | None:
+    if not settings.election:
+        return None
+
+    async def elected() -> None:
+        await intake.open()
+        await announce()
+
+    async def deposed() -> None:
+        await intake.close()
+        await announce()
+
+    return Election(nc, instance_id, settings.lease_ttl_s, settings.lease_renew_s,
+                    on_elected=elected, on_deposed=deposed, replicas=settings.lease_replicas)
+
+
+async def _beat_now(nc: NATS, info: Callable[[], InstanceInfo]) -> None:
+    """One heartbeat out of turn: a change of leader is news at once, not at the next beat."""
+    msg = info()
+    msg.sent_at = time.time()
+    with contextlib.suppress(Exception):  # the regular beat follows anyway
+        await nc.publish(subjects.heartbeat(msg.role.value, msg.instance_id), msg.encode())
+
+
+async def _campaign(election: Election, stop: asyncio.Event, settings: ConductorSettings) -> None:
+    # One heartbeat period first, so that a fresh conductor knows the instances before it can
+    # lead (and a warm standby wins against it when a leader dies).
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), settings.heartbeat_interval_s)
+    await election.run(stop)
 
 
 async def serve(settings: ConductorSettings) -> None:
@@ -43,16 +103,28 @@ async def serve(settings: ConductorSettings) -> None:
         nc = await bus.connect(settings, instance_id)
         stack.push_async_callback(bus.close, nc)
         conductor = Conductor(settings, nc, records)
+        await serve_metrics(stack, conductor.metrics.registry, settings.metrics_host,
+                            settings.metrics_port)
+        # Every conductor tracks heartbeats, standbys too, so a new leader starts warm.
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat)
-        await nc.subscribe(subjects.CONDUCTOR_SCHEDULE, queue=subjects.CONDUCTOR_QUEUE,
-                           cb=conductor.on_schedule)
-        info = lambda: InstanceInfo(instance_id=instance_id, role=Role.CONDUCTOR,  # noqa: E731
-                                    pid=os.getpid(), started_at=started)
+        intake = Intake(nc, conductor)
+        info = lambda: InstanceInfo(  # noqa: E731
+            instance_id=instance_id, role=Role.CONDUCTOR, pid=os.getpid(), started_at=started,
+            leader=conductor.leading(), term=election.term if election else 0)
+        election = make_election(settings, nc, instance_id, intake, lambda: _beat_now(nc, info))
+        conductor.leading = lambda: election is None or election.is_leader
         tasks = [asyncio.create_task(heartbeat_loop(nc, info, settings.heartbeat_interval_s, stop)),
                  asyncio.create_task(_sweep(conductor, stop, settings.heartbeat_expiry_s / 3))]
-        log.info("conductor %s ready (policy %s)", instance_id, settings.policy)
+        if election is None:
+            await intake.open()
+        else:
+            tasks.append(asyncio.create_task(_campaign(election, stop, settings)))
+        log.info("conductor %s ready (policy %s, %s)", instance_id, settings.policy,
+                 "active/standby" if election else "no election: placing")
         await stop.wait()
+        # Intake first (the election resigns and unsubscribes), then the rest.
         await asyncio.gather(*tasks, return_exceptions=True)
+        await intake.close()
         log.info("conductor %s stopped", instance_id)
 
 

@@ -1,0 +1,105 @@
+"""The gateway's placement call over a real nats-server while the conductor fails over.
+
+Asking again is safe only when nobody took the request (no responders, or a deposed
+leader's "not_leader"); a timeout may mean it was dispatched, so it is not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import types
+
+import nats
+import pytest
+
+from services.gateway.args import GatewaySettings
+from services.gateway.handlers import Gateway
+from shared import bus, errors, subjects
+from shared.messages import GenerateRequest, Placement, SamplingParams
+
+
+def request(rid: str) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, model="m", prompt_token_ids=[1, 2, 3],
+                           sampling=SamplingParams(max_tokens=4), arrival_time=time.time())
+
+
+@pytest.fixture
+async def client(nats_url):
+    nc = await nats.connect(nats_url)
+    yield nc
+    await nc.close()
+
+
+def gateway(nc, retry_s: float, timeout_s: float = 2.0) -> Gateway:
+    settings = GatewaySettings(schedule_retry_s=retry_s, schedule_timeout_s=timeout_s)
+    # No SQL or model: the placement call touches neither.
+    return Gateway(settings, nc, None, types.SimpleNamespace(model_name="m"), "gw-test")
+
+
+async def conductor(nc, replies: list, seen: list[str]):
+    """A stand-in conductor answering with `replies` in turn (None: never answers)."""
+
+    async def on_schedule(msg):
+        seen.append(GenerateRequest.model_validate_json(msg.data).request_id)
+        reply = replies.pop(0) if replies else None
+        if reply is not None:
+            await bus.respond(msg, reply)
+
+    sub = await nc.subscribe(subjects.CONDUCTOR_SCHEDULE, cb=on_schedule)
+    await nc.flush()
+    return sub
+
+
+async def test_no_conductor_fails_with_503_after_the_retry_window(client):
+    gw = gateway(client, retry_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(errors.Unavailable) as exc:
+        await gw._ask_conductor(request("r-none"))
+    took = time.monotonic() - t0
+    assert exc.value.status == 503 and exc.value.code == "no_conductor"
+    assert "no conductor is placing requests" in exc.value.message
+    assert 0.5 <= took <= 2.0, took
+
+
+async def test_a_conductor_that_appears_meanwhile_gets_the_request(client):
+    gw = gateway(client, retry_s=5.0)
+    seen: list[str] = []
+    placement = Placement(request_id="r-late", prefill_id="p0", decode_id="d0")
+
+    async def late_leader():
+        await asyncio.sleep(0.8)  # the standby takes over
+        return await conductor(client, [placement], seen)
+
+    t0 = time.monotonic()
+    leader, got = await asyncio.gather(late_leader(), gw._ask_conductor(request("r-late")))
+    assert got.prefill_id == "p0" and seen == ["r-late"]
+    assert 0.8 <= time.monotonic() - t0 <= 2.0
+    await leader.unsubscribe()
+
+
+async def test_a_deposed_leaders_refusal_is_asked_again(client):
+    gw = gateway(client, retry_s=5.0)
+    seen: list[str] = []
+    sub = await conductor(client, [
+        errors.Unavailable("this conductor lost the leader lease", code="not_leader"),
+        Placement(request_id="r-dep", prefill_id="p1", decode_id="d1")], seen)
+    got = await gw._ask_conductor(request("r-dep"))
+    assert got.prefill_id == "p1" and seen == ["r-dep", "r-dep"]
+    await sub.unsubscribe()
+
+
+async def test_other_refusals_and_timeouts_are_not_retried(client):
+    gw = gateway(client, retry_s=5.0, timeout_s=0.5)
+    seen: list[str] = []
+    sub = await conductor(client, [errors.Unavailable("no live prefill and decode instances"),
+                                   None], seen)
+    with pytest.raises(errors.Unavailable) as exc:
+        await gw._ask_conductor(request("r-busy"))
+    assert exc.value.code == "unavailable" and seen == ["r-busy"]
+    # It may have been dispatched before the conductor went quiet: never placed twice.
+    with pytest.raises(errors.Timeout):
+        await gw._ask_conductor(request("r-quiet"))
+    await asyncio.sleep(0.3)
+    assert seen == ["r-busy", "r-quiet"]
+    await sub.unsubscribe()
