@@ -61,6 +61,20 @@ class Ack(Message):
     ok: bool = True
 
 
+class KVActivity(BaseModel):
+    """An instance's KV traffic since it started (cumulative; the conductor's load samples
+    turn it into counts per interval, so a lost heartbeat loses nothing)."""
+
+    blocks_stored: int = 0  # DRAM tier: blocks registered in the prefix cache
+    blocks_evicted: int = 0
+    disk_stored: int = 0
+    disk_removed: int = 0
+    transfers_in: int = 0  # KV fetched from another instance (handoffs, prefix pulls)
+    transfers_out: int = 0  # KV another instance fetched from this one
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
 class InstanceInfo(Message):
     """What a heartbeat says about its sender."""
 
@@ -79,6 +93,19 @@ class InstanceInfo(Message):
     queue_prompts: list[int] = Field(default_factory=list)  # tokens left per queued prompt
     mean_context: float = 0.0  # tokens per running sequence (decode step cost)
     model: str = ""
+    kv_blocks_total: int = 0  # DRAM tier; free blocks may still hold cached prefixes
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    # Blocks' worth of KV held outside the pool for a request: offered for a transfer and not
+    # fetched yet (prefill), or fetched and waiting for room (decode). Back to 0 when idle.
+    kv_blocks_leased: int = 0
+    disk_blocks_used: int = 0  # disk tier (0 and 0 without one)
+    disk_blocks_free: int = 0
+    kv_activity: KVActivity = Field(default_factory=KVActivity)
+    # Conductors: whether this one holds the lease and places requests (others are standbys),
+    # and the lease's term (grows with each new leader; 0 when not leading).
+    leader: bool = False
+    term: int = 0
 
 
 class GenerateRequest(Message):
@@ -129,7 +156,9 @@ class KVHandle(BaseModel):
 class DecodeJob(Message):
     request: GenerateRequest
     prefill_id: str
-    kv: KVHandle
+    # None: recompute prompt + output_token_ids here (the gateway re-placing a request whose
+    # decode instance died, or whose events were lost), with no KV to fetch.
+    kv: KVHandle | None
     output_token_ids: list[int]  # tokens already produced (the first one, by prefill)
     emitted_text: str = ""  # text already streamed, so decode continues the same detokenization
     events_sent: int = 0  # next TokenEvent index

@@ -32,6 +32,7 @@ class DecodeInstance(EngineInstance):
         self.receiver = receiver
         self.pending: deque[tuple[DecodeJob, KVExport]] = deque()  # fetched, waiting for room
         self._fetches: set[asyncio.Task] = set()
+        self._admitting: set[str] = set()  # request ids whose KV is being fetched
 
     async def on_submit(self, msg: Msg) -> None:
         try:
@@ -45,44 +46,84 @@ class DecodeInstance(EngineInstance):
         await bus.respond(msg, Ack())
 
     async def admit(self, job: DecodeJob) -> None:
-        """Pull the KV from prefill (data plane), then join the batch when there is room."""
+        """Pull the KV from prefill (data plane), then join the batch when there is room.
+        With no KV to pull (a re-placed request), or a pull that failed, recompute it here."""
         req = job.request
-        stream = Stream(req, job.events_sent, job.cached_tokens)
+        rid = req.request_id
+        # A job delivered twice (a publish buffered across a NATS restart can be) runs once.
+        if (rid in self.cancelled or rid in self.finished or rid in self.streams
+                or rid in self._admitting):
+            return
+        self._admitting.add(rid)
+        try:
+            export = await self._fetch(job) if job.kv is not None else None
+        finally:
+            self._admitting.discard(rid)
+        if rid in self.cancelled:
+            return
+        self.streams[rid] = Stream(req, job.events_sent, job.cached_tokens)
+        if export is None:
+            await self._recompute(job)
+            return
+        self.pending.append((job, export))
+        self.wake()  # the engine loop admits it between steps (one admitter, no races)
+
+    async def _fetch(self, job: DecodeJob) -> KVExport | None:
+        """The prefilled KV, or None if the transfer failed or timed out."""
+        assert job.kv is not None
         try:
             meta_bytes, payload = await self.receiver.fetch(job.kv, self.settings.transfer_timeout_s)
             export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
         except (TransferFailed, ValueError) as exc:
-            await self.finish_with_error(req.request_id, "kv_transfer_failed", str(exc), stream)
+            log.warning("request %s: KV transfer from %s failed (%s); recomputing",
+                        job.request.request_id, job.prefill_id, exc)
+            return None
+        self.count_transfer(True, len(payload))
+        return export
+
+    async def _recompute(self, job: DecodeJob) -> None:
+        """Prompt + tokens so far through this engine: slower than a transfer, never lost."""
+        req = job.request
+        try:
+            await self.run_engine(self.engine.add_recompute, req.request_id, req.prompt_token_ids,
+                                  job.output_token_ids, req.sampling, job.emitted_text, req.tenant)
+        except ValueError as exc:
+            await self.finish_with_error(req.request_id, "invalid_request", str(exc))
             return
-        if req.request_id in self.cancelled:
-            return
-        self.streams[req.request_id] = stream
-        self.pending.append((job, export))
-        self.wake()  # the engine loop admits it between steps (one admitter, no races)
+        self._stats = self.engine.stats()
+        self.wake()
 
     async def after_step(self) -> None:
         while self.pending:
-            job, export = self.pending[0]
+            # Off the queue while the engine adds it: a cancel meanwhile (release) rebuilds
+            # the queue and must not see, or shift, the one in flight.
+            job, export = self.pending.popleft()
             req = job.request
             if req.request_id not in self.streams:  # cancelled while waiting
-                self.pending.popleft()
                 continue
             try:
                 ok = await self.run_engine(self.engine.add_prefilled, req.request_id,
                                            req.prompt_token_ids, job.output_token_ids,
                                            req.sampling, export, job.emitted_text, req.tenant)
             except ValueError as exc:
-                self.pending.popleft()
                 await self.finish_with_error(req.request_id, "kv_transfer_failed", str(exc))
                 continue
             if not ok:
+                self.pending.appendleft((job, export))
                 return  # the pool is full: try again after the next step
-            self.pending.popleft()
             self._stats = self.engine.stats()
             self.wake()
 
     async def on_output(self, out: RequestOutput) -> None:
         await self.publish_output(out)
+
+    async def release(self, request_id: str) -> bool:
+        before = len(self.pending)
+        self.pending = deque((j, e) for j, e in self.pending if j.request.request_id != request_id)
+        return len(self.pending) < before
+
+    def leased_blocks(self) -> int:
+        return sum(export.meta.num_blocks for _, export in self.pending)
 
     async def fail_running(self, why: str) -> None:
         self.pending.clear()

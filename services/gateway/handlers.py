@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -21,10 +22,11 @@ from shared.hashing import block_hashes
 from shared.messages import (CancelRequest, FinishReason, GenerateRequest, InstanceInfo,
                              Placement, TokenEvent, Usage)
 from services.gateway.args import GatewaySettings
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompt import PromptBuilder
 from services.gateway.protocol import (ChatCompletionRequest, chunk_body, completion_body,
                                        models_body, now_s, parse_request)
-from services.gateway.streams import TokenStream
+from services.gateway.streams import Follower, Liveness, TokenStream
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,28 @@ class RequestLife:
     error: str | None = None
     usage: Usage | None = None
     text_parts: list[str] = field(default_factory=list)
+    # Phase boundaries for the console's timeline: the placement reply, and the first token
+    # from an instance other than the one that sent the first (the decode side of a handoff).
+    dispatch_time: float | None = None
+    decode_first_token_time: float | None = None
+    first_instance: str = ""
+    metrics: GatewayMetrics | None = None
+    last_token_time: float | None = None
+    num_tokens: int = 0
 
     def on_event(self, event: TokenEvent) -> None:
+        if event.token_ids:
+            now = time.time()
+            if self.metrics is not None:
+                self.metrics.token_event(self.arrival, self.last_token_time, now)
+            self.last_token_time = now
+            self.num_tokens += len(event.token_ids)
         if self.first_token_time is None and event.token_ids:
             self.first_token_time = time.time()
+            self.first_instance = event.instance_id
+        elif (self.decode_first_token_time is None and event.token_ids and event.instance_id
+              and event.instance_id != self.first_instance):
+            self.decode_first_token_time = time.time()
         if event.text:
             self.text_parts.append(event.text)
         if event.usage is not None:
@@ -61,6 +81,9 @@ class RequestLife:
         if self.first_token_time is not None:
             values["first_token_time"] = self.first_token_time
             values["ttft_ms"] = (self.first_token_time - self.arrival) * 1e3
+        for key in ("dispatch_time", "decode_first_token_time"):
+            if getattr(self, key) is not None:
+                values[key] = getattr(self, key)
         if self.usage is not None:
             values["completion_tokens"] = self.usage.completion_tokens
             values["cached_tokens"] = self.usage.cached_tokens
@@ -88,7 +111,9 @@ class Gateway:
         self.instance_id = instance_id
         self.started_at = time.time()
         self.instances: dict[str, InstanceInfo] = {}
+        self.liveness = Liveness(settings.instance_expiry_s)  # who can still serve a stream
         self.in_flight = 0
+        self.metrics = GatewayMetrics(lambda: self.in_flight)
 
     # -- small endpoints ----------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -126,44 +151,60 @@ class Gateway:
         except ValueError:
             return
         self.instances[info.instance_id] = info
+        self.liveness.beat(info, time.monotonic())
 
     # -- chat completions ---------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = request.get("request_id") or f"chatcmpl-{uuid.uuid4().hex}"
         request["request_id"] = request_id
+        # The tenant comes from the API key (auth.py); "" without keys. It salts the prefix
+        # hashes, so no tenant can hit (or time) another's cached blocks.
+        tenant = request.get("tenant", "")
         arrival = time.time()
         body = await _read_json(request)
         chat = parse_request(body)
         prompt_ids, max_tokens = self.prompts.build(chat)
         gen = GenerateRequest(
             request_id=request_id, model=self.prompts.model_name, prompt_token_ids=prompt_ids,
-            block_hashes=block_hashes(prompt_ids, self.settings.block_size),
+            block_hashes=block_hashes(prompt_ids, self.settings.block_size, salt=tenant),
+            tenant=tenant,
             sampling=chat.sampling(max_tokens), arrival_time=arrival,
             ttft_slo_ms=chat.ttft_slo_ms, tbt_slo_ms=chat.tbt_slo_ms)
         self.records.request_accepted(
-            id=request_id, model=gen.model, status=RequestStatus.QUEUED.value, arrival_time=arrival,
+            id=request_id, model=gen.model, tenant=tenant, status=RequestStatus.QUEUED.value,
+            arrival_time=arrival,
             prompt_tokens=len(prompt_ids), max_tokens=max_tokens, stream=chat.stream)
-        life = RequestLife(request_id, arrival)
+        life = RequestLife(request_id, arrival, metrics=self.metrics)
         self.in_flight += 1
-        stream = await TokenStream(self.nc, request_id).open()
+        stream = await TokenStream(self.nc, request_id, self.settings.gap_timeout_s).open()
+        follow = Follower(self.nc, self.settings, self.liveness, stream, gen,
+                          lambda g: self._place(g, life), lambda p, d: self._placed_again(
+                              request_id, p, d))
         try:
             placement = await self._place(gen, life)
+            follow.placed(placement)
             self.records.request_update(request_id, status=RequestStatus.RUNNING.value,
                                         prefill_instance=placement.prefill_id,
-                                        decode_instance=placement.decode_id)
+                                        # colocated: the prefill instance decodes too
+                                        decode_instance=placement.decode_id or placement.prefill_id)
             if chat.stream:
-                return await self._stream(request, chat, stream, life)
-            return await self._collect(chat, stream, life)
+                return await self._stream(request, chat, follow, life)
+            return await self._collect(chat, follow, life)
         finally:
             self.in_flight -= 1
+            if follow.attempt is not None and life.status != RequestStatus.COMPLETED:
+                await follow.cancel("request ended")  # whatever is left of it, anywhere
             await stream.close()
             self.records.request_finished(request_id, life.status.value, **life.terminal_values())
+            self.metrics.finished(life, len(prompt_ids))
 
     async def _place(self, gen: GenerateRequest, life: RequestLife) -> Placement:
         try:
-            return await bus.request(self.nc, subjects.CONDUCTOR_SCHEDULE, gen, Placement,
-                                     timeout_s=self.settings.schedule_timeout_s)
+            placement = await self._ask_conductor(gen)
+            life.dispatch_time = time.time()  # the prefill instance has acknowledged the job
+            return placement
         except errors.HalfmoonError as exc:
+            self.metrics.rejected(exc)
             life.status = RequestStatus.REJECTED if exc.status == 429 else RequestStatus.FAILED
             life.error = f"{exc.code}: {exc.message}"
             if isinstance(exc, errors.Timeout):
@@ -171,26 +212,56 @@ class Gateway:
                 await self._cancel(gen.request_id, "placement timed out")
             raise
 
-    async def _collect(self, chat: ChatCompletionRequest, stream: TokenStream,
+    async def _ask_conductor(self, gen: GenerateRequest) -> Placement:
+        """The conductor's placement. While no conductor leads (the leader died and a standby
+        has not taken over yet: no responders, or a deposed leader's "not_leader"), nobody
+        dispatched the request, so asking again is safe: retry with backoff until
+        schedule_retry_s, then fail with 503. A timeout is not retried: the conductor that
+        timed out may have dispatched it (the caller cancels it instead)."""
+        deadline = time.monotonic() + self.settings.schedule_retry_s
+        pause = first_pause = 0.05
+        while True:
+            try:
+                return await bus.request(self.nc, subjects.CONDUCTOR_SCHEDULE, gen, Placement,
+                                         timeout_s=self.settings.schedule_timeout_s)
+            except errors.Unavailable as exc:
+                if exc.code not in ("no_responders", "not_leader"):
+                    raise
+                if time.monotonic() + pause > deadline:
+                    raise errors.Unavailable(
+                        f"no conductor is placing requests (asked for "
+                        f"{self.settings.schedule_retry_s:.0f}s): {exc.message}",
+                        code="no_conductor", retry_after_s=2.0) from exc
+                # Once per request at INFO: during a failover every request passes here.
+                log.log(logging.INFO if pause == first_pause else logging.DEBUG,
+                        "request %s: %s; asking again for up to %.1fs", gen.request_id,
+                        exc.message, deadline - time.monotonic())
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+    def _placed_again(self, request_id: str, prefill_id: str, decode_id: str) -> None:
+        values = {"prefill_instance": prefill_id} if prefill_id else {}
+        self.records.request_update(request_id, decode_instance=decode_id or prefill_id, **values)
+
+    async def _collect(self, chat: ChatCompletionRequest, follow: Follower,
                        life: RequestLife) -> web.Response:
         try:
-            async for event in stream.events(self.settings.first_token_timeout_s,
-                                             self.settings.token_timeout_s):
+            async for event in follow.events():
                 if event.error is not None:
                     life.error = f"{event.error.code}: {event.error.message}"
                     raise errors.from_code(event.error.code, event.error.message,
                                             status=event.error.status)
                 life.on_event(event)
-        except errors.Timeout as exc:
-            life.error = f"timeout: {exc.message}"
-            await self._cancel(life.request_id, "timed out")
+        except errors.HalfmoonError as exc:
+            life.error = life.error or f"{exc.code}: {exc.message}"
+            await follow.cancel(exc.code)
             raise
         body = completion_body(life.request_id, self.prompts.model_name, int(life.arrival),
                                "".join(life.text_parts), life.finish_reason, life.usage)
         return web.json_response(body, headers={"X-Request-Id": life.request_id})
 
     async def _stream(self, request: web.Request, chat: ChatCompletionRequest,
-                      stream: TokenStream, life: RequestLife) -> web.StreamResponse:
+                      follow: Follower, life: RequestLife) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Request-Id": life.request_id})
@@ -198,8 +269,7 @@ class Gateway:
         model, created, rid = self.prompts.model_name, now_s(), life.request_id
         try:
             await resp.write(sse(chunk_body(rid, model, created, {"role": "assistant", "content": ""})))
-            async for event in stream.events(self.settings.first_token_timeout_s,
-                                             self.settings.token_timeout_s):
+            async for event in follow.events():
                 if event.error is not None:
                     life.error = f"{event.error.code}: {event.error.message}"
                     await resp.write(sse(errors.from_code(event.error.code, event.error.message,
@@ -208,15 +278,17 @@ class Gateway:
                 life.on_event(event)
                 await self._write_event(resp, chat, event, rid, model, created)
             await resp.write(sse("[DONE]"))
-        except errors.Timeout as exc:
-            life.error = f"timeout: {exc.message}"
-            await self._cancel(rid, "timed out")
+        except errors.HalfmoonError as exc:
+            # Timed out, or the request could not be placed again after a fault: a clear
+            # error event, then the end of the stream.
+            life.error = life.error or f"{exc.code}: {exc.message}"
+            await follow.cancel(exc.code)
             await _write_quietly(resp, sse(exc.body()) + sse("[DONE]"))
         except (ConnectionResetError, ConnectionError) as exc:
             life.status, life.error = RequestStatus.CANCELLED, f"client disconnected: {exc}"
             life.finish_reason = FinishReason.CANCELLED.value
             log.info("request %s: client went away, cancelling", rid)
-            await self._cancel(rid, "client disconnected")
+            await follow.cancel("client disconnected")
         return resp
 
     async def _write_event(self, resp: web.StreamResponse, chat: ChatCompletionRequest,

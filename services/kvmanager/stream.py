@@ -43,5 +43,9 @@ async def replay_and_follow(nc: NATS, cb) -> object:  # type: ignore[no-untyped-
     js = nc.jetstream()
     info = await js.stream_info(STREAM)
     log.info("replaying %d KV events from stream %s", info.state.messages, STREAM)
+    # The idle heartbeat is how an ordered consumer notices that its server went away (a
+    # NATS restart) and re-creates itself from the last event it saw: 1 s resumes the
+    # follow ~2 s after a restart (the default 5 s took ~20 s here). Nothing is lost meanwhile:
+    # the stream keeps the events.
     return await js.subscribe(subjects.KV_EVENTS, stream=STREAM, cb=cb, ordered_consumer=True,
-                              deliver_policy=DeliverPolicy.ALL)
+                              deliver_policy=DeliverPolicy.ALL, idle_heartbeat=1.0)

@@ -22,7 +22,8 @@ from shared import subjects
 from shared.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from shared.engine.runner import LoadedModel
 from shared.messages import (CancelRequest, ErrorBody, FinishReason, GenerateRequest,
-                             InstanceInfo, KVEvent, KVEventKind, Role, TokenEvent, Usage)
+                             InstanceInfo, KVActivity, KVEvent, KVEventKind, Role, TokenEvent,
+                             Usage)
 from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, halfmoon_home
 from shared.transfer import KVReceiver, KVSender
 
@@ -84,7 +85,8 @@ def make_receiver(settings: WorkerSettings) -> KVReceiver:
 
 
 class CancelSet:
-    """Request ids cancelled recently; old entries age out so the set stays small."""
+    """Request ids seen recently (cancelled, or ended); old entries age out so the set stays
+    small."""
 
     def __init__(self, ttl_s: float = 600.0) -> None:
         self._ids: dict[str, float] = {}
@@ -119,12 +121,15 @@ class EngineInstance:
         self.instance_id = settings.instance_id
         self.started_at = time.time()
         self.cancelled = CancelSet()
+        # Ended here (finished, failed or handed on): a job for one again is a duplicate.
+        self.finished = CancelSet()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine = LLMEngine(lm, settings.engine_config())
         self.streams: dict[str, Stream] = {}
         self.kv_port = 0
         self._wake = asyncio.Event()
         self._stats = self.engine.stats()
+        self.kv_activity = KVActivity()  # cumulative, sent with every heartbeat
 
     async def run_engine(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
@@ -143,7 +148,35 @@ class EngineInstance:
             started_at=self.started_at, kv_host=self.settings.kv_advertise_host or
             self.settings.kv_host, kv_port=self.kv_port, queue_depth=int(s["waiting"]),
             running=int(s["running"]), kv_tokens_used=used * self.settings.block_size, model=self.lm.name,
-            queue_prompts=s["queue_prompts"][:256], mean_context=s["mean_context"])
+            queue_prompts=s["queue_prompts"][:256], mean_context=s["mean_context"],
+            kv_blocks_total=int(s["kv_blocks_total"]), kv_blocks_free=int(s["kv_blocks_free"]),
+            kv_blocks_cached=int(s["kv_blocks_cached"]), **self._disk_blocks(),
+            kv_activity=self.kv_activity, kv_blocks_leased=self.leased_blocks())
+
+    def leased_blocks(self) -> int:
+        """Blocks' worth of KV held outside the pool for requests (subclasses that hold any)."""
+        return 0
+
+    def _disk_blocks(self) -> dict[str, int]:
+        disk = self.engine.disk
+        if disk is None:
+            return {}
+        # The tier starts empty and reports every block in and out as KV events.
+        used = max(self.kv_activity.disk_stored - self.kv_activity.disk_removed, 0)
+        # Block files are all about one size: free room in blocks of the size seen so far.
+        size = disk.nbytes / used if used else self.engine.kv.shape.block_nbytes
+        return {"disk_blocks_used": used,
+                "disk_blocks_free": int(max(disk.capacity_bytes - disk.nbytes, 0) // max(size, 1))}
+
+    def count_transfer(self, incoming: bool, nbytes: int) -> None:
+        """One KV transfer done, fetched by this instance (incoming) or from it."""
+        a = self.kv_activity
+        if incoming:
+            a.transfers_in += 1
+            a.bytes_in += nbytes
+        else:
+            a.transfers_out += 1
+            a.bytes_out += nbytes
 
     # -- the engine loop ----------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> None:
@@ -176,17 +209,36 @@ class EngineInstance:
 
     async def fail_all(self, why: str) -> None:
         for rid in list(self.streams):
-            await self.run_engine(self.engine.abort, rid)
+            await self.abort(rid)
             await self.finish_with_error(rid, "internal_error", why)
 
     # -- cancellation ---------------------------------------------------------------------
     async def on_cancel(self, msg: Any) -> None:
-        req = CancelRequest.model_validate_json(msg.data)
+        try:
+            req = CancelRequest.model_validate_json(msg.data)
+        except ValueError:
+            log.warning("malformed cancel dropped")
+            return
         self.cancelled.add(req.request_id)
-        if req.request_id in self.streams:
-            self.streams.pop(req.request_id)
-            await self.run_engine(self.engine.abort, req.request_id)
+        held = self.streams.pop(req.request_id, None) is not None
+        if held:
+            await self.abort(req.request_id)
+        if await self.release(req.request_id) or held:
             log.info("request %s cancelled (%s)", req.request_id, req.reason)
+
+    async def abort(self, request_id: str) -> None:
+        """Drop a request from the engine (its blocks go back to the pool) and refresh the
+        stats heartbeats carry: with no work left, no step would refresh them."""
+        def run() -> dict[str, Any]:
+            self.engine.abort(request_id)
+            return self.engine.stats()
+
+        self._stats = await self.run_engine(run)
+
+    async def release(self, request_id: str) -> bool:
+        """Free what this instance holds for a cancelled request outside the engine (transfer
+        offers, jobs waiting for room); True if it held something. Subclasses extend it."""
+        return False
 
     # -- publishing -----------------------------------------------------------------------
     async def publish_output(self, out: RequestOutput) -> None:
@@ -202,6 +254,7 @@ class EngineInstance:
                           completion_tokens=out.num_output_tokens,
                           cached_tokens=max(stream.cached_tokens, out.num_cached_tokens))
             self.streams.pop(out.request_id)
+            self.finished.add(out.request_id)
         event = TokenEvent(request_id=out.request_id, index=stream.next_index,
                            token_ids=out.new_token_ids, text=out.text,
                            finish_reason=out.finish_reason, usage=usage,
@@ -215,6 +268,7 @@ class EngineInstance:
         if stream is None:
             return
         self.streams.pop(request_id, None)
+        self.finished.add(request_id)
         log.error("request %s failed: %s", request_id, message)
         event = TokenEvent(request_id=request_id, index=stream.next_index,
                            finish_reason=FinishReason.ERROR, instance_id=self.instance_id,
@@ -223,6 +277,11 @@ class EngineInstance:
 
     async def publish_kv_events(self) -> None:
         step = self.engine.last_step
+        a = self.kv_activity
+        a.blocks_stored += len(step.kv_stored)
+        a.blocks_evicted += len(step.kv_evicted)
+        a.disk_stored += len(step.disk_stored)
+        a.disk_removed += len(step.disk_removed)
         for kind, tier, hashes in ((KVEventKind.STORED, "dram", step.kv_stored),
                                    (KVEventKind.REMOVED, "dram", step.kv_evicted),
                                    (KVEventKind.STORED, "disk", step.disk_stored),

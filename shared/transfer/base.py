@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import time
 from enum import StrEnum
+from typing import Callable
 
 from shared.messages import KVHandle
 
@@ -37,6 +39,18 @@ class _States:
     def __init__(self) -> None:
         self._states: dict[str, TransferState] = {}
         self._changed = asyncio.Condition()
+        self._began: dict[str, float] = {}
+        # Called once per transfer as it ends: (id, DONE | FAILED, seconds since its first
+        # state). Metrics hook in here, whatever the transport.
+        self.on_end: Callable[[str, TransferState, float], None] | None = None
+
+    def _timed(self, transfer_id: str, state: TransferState) -> None:
+        if state not in TERMINAL:
+            self._began.setdefault(transfer_id, time.monotonic())
+            return
+        began = self._began.pop(transfer_id, None)
+        if began is not None and self.on_end is not None:
+            self.on_end(transfer_id, state, time.monotonic() - began)
 
     def get(self, transfer_id: str) -> TransferState | None:
         return self._states.get(transfer_id)
@@ -44,11 +58,13 @@ class _States:
     async def set(self, transfer_id: str, state: TransferState) -> None:
         async with self._changed:
             self._states[transfer_id] = state
+            self._timed(transfer_id, state)
             self._changed.notify_all()
 
     def set_initial(self, transfer_id: str, state: TransferState) -> None:
         """Record a first, non-terminal state without waking waiters (no loop needed)."""
         self._states[transfer_id] = state
+        self._timed(transfer_id, state)
 
     async def wait_terminal(self, transfer_id: str, timeout_s: float) -> TransferState:
         async def _wait() -> TransferState:
@@ -60,6 +76,7 @@ class _States:
 
     def forget(self, transfer_id: str) -> None:
         self._states.pop(transfer_id, None)
+        self._began.pop(transfer_id, None)
 
 
 class KVSender(abc.ABC):
@@ -78,6 +95,11 @@ class KVSender(abc.ABC):
     def offer(self, transfer_id: str, meta: bytes, payload: memoryview | bytes,
               num_tokens: int, ttl_s: float) -> KVHandle:
         """Make `payload` fetchable; it is dropped (FAILED) if not fetched within ttl_s."""
+
+    @abc.abstractmethod
+    async def withdraw(self, transfer_id: str) -> None:
+        """Drop an offer now (FAILED) rather than at its TTL: its request was cancelled or
+        its receiver is gone. Unknown or finished transfers are ignored."""
 
     def state(self, transfer_id: str) -> TransferState | None:
         return self.states.get(transfer_id)

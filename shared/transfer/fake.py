@@ -32,6 +32,14 @@ class FakeKVSender(KVSender):
         return KVHandle(transfer_id=transfer_id, host="fake", port=0, nbytes=len(payload),
                         num_tokens=num_tokens)
 
+    async def withdraw(self, transfer_id: str) -> None:
+        if self.offers.pop(transfer_id, None) is not None:
+            await self.states.set(transfer_id, TransferState.FAILED)
+
+    @property
+    def pending(self) -> int:
+        return len(self.offers)
+
 
 class FakeKVReceiver(KVReceiver):
     def __init__(self, sender: FakeKVSender, fail: bool = False, delay_s: float = 0.0) -> None:

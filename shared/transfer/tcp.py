@@ -152,6 +152,9 @@ class TcpKVSender(KVSender):
         return KVHandle(transfer_id=transfer_id, host=self.advertise_host, port=self.port,
                         nbytes=len(view), num_tokens=num_tokens)
 
+    async def withdraw(self, transfer_id: str) -> None:
+        await self._drop(transfer_id, TransferState.FAILED)
+
     async def _drop(self, transfer_id: str, state: TransferState) -> None:
         offer = self._offers.pop(transfer_id, None)
         if offer is not None:

@@ -32,8 +32,11 @@ def start_stack(tmp: Path, model_dir: Path, database_url: str, extra: list[str] 
                 timeout_s: float = 240.0) -> Stack:
     port = free_port()
     env = dict(os.environ, HALFMOON_HOME=str(tmp / "home"), PYTHONUNBUFFERED="1")
+    extra = list(extra or [])
+    if "--metrics-base-port" not in extra:  # no fixed ports: stacks may run side by side
+        extra += ["--metrics-base-port", "0"]
     cmd = [sys.executable, "-m", "services.cli", "up", "--no-console", "--port", str(port),
-           "--model", str(model_dir), "--database-url", database_url, *(extra or [])]
+           "--model", str(model_dir), "--database-url", database_url, *extra]
     log_path = tmp / "stack.log"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

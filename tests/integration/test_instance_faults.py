@@ -1,0 +1,186 @@
+"""Prefill and decode instances under faults, on a random-weight model with real NATS and
+real TCP transfers: a failed KV transfer falls back to recomputing, a cancel frees the
+engine's blocks and the KV held for a transfer at once (and the heartbeat says so without
+waiting for a step), and a job delivered twice runs once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import nats
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from services.decode.args import DecodeSettings
+from services.decode.handlers import DecodeInstance
+from services.prefill.args import PrefillSettings
+from services.prefill.handlers import PrefillInstance
+from shared import bus, subjects
+from shared.engine.llm_engine import EngineConfig, LLMEngine
+from shared.engine.runner import LoadedModel
+from shared.messages import (Ack, CancelRequest, DecodeJob, GenerateRequest, KVHandle,
+                             PrefillJob, SamplingParams, TokenEvent)
+from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
+from tests.conftest import free_port
+
+PROMPT = list(range(1, 41))  # 40 tokens: 2 full blocks of 16 and a partial one
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=512)
+    return LoadedModel("tiny", LlamaForCausalLM(cfg).eval(), None, torch.float32, "cpu", 512,
+                       frozenset())
+
+
+def params() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+
+
+def gen(rid: str) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, model="tiny", prompt_token_ids=PROMPT,
+                           sampling=params(), arrival_time=time.time())
+
+
+def reference(tiny) -> list[int]:
+    engine = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20))
+    engine._decode_text = lambda ids: ""
+    engine.add_request("ref", PROMPT, params())
+    out: list[int] = []
+    while engine.has_work():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    return out
+
+
+class Events:
+    """A request's token events, as the gateway would receive them."""
+
+    def __init__(self) -> None:
+        self.got: list[TokenEvent] = []
+        self.finished = asyncio.Event()
+
+    async def on_msg(self, msg) -> None:  # type: ignore[no-untyped-def]
+        event = TokenEvent.model_validate_json(msg.data)
+        self.got.append(event)
+        if event.finish_reason is not None:
+            self.finished.set()
+
+
+@contextlib.asynccontextmanager
+async def running(inst):  # type: ignore[no-untyped-def]
+    inst.engine._decode_text = lambda ids: ""  # no tokenizer for a random model
+    stop = asyncio.Event()
+    task = asyncio.create_task(inst.serve(stop))
+    await inst.nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
+    try:
+        yield inst
+    finally:
+        stop.set()
+        await task
+        inst.close_engine()
+
+
+@pytest.fixture
+async def nc(nats_url):
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+def decode_instance(nc, tiny, iid: str) -> DecodeInstance:
+    return DecodeInstance(DecodeSettings(instance_id=iid, kv_cache_gb=4 / 1024,
+                                         transfer_timeout_s=2.0), nc, tiny, TcpKVReceiver())
+
+
+async def test_a_failed_kv_transfer_is_recomputed_and_the_stream_goes_on(nc, tiny):
+    ref = reference(tiny)
+    events = Events()
+    await nc.subscribe(subjects.tokens("r1"), cb=events.on_msg)
+    async with running(decode_instance(nc, tiny, "decode-a")) as dec:
+        gone = KVHandle(transfer_id="r1.x", host="127.0.0.1", port=free_port(), nbytes=64,
+                        num_tokens=len(PROMPT))  # its prefill died: nobody listens there
+        job = DecodeJob(request=gen("r1"), prefill_id="prefill-gone", kv=gone,
+                        output_token_ids=ref[:1], events_sent=1)
+        await dec.admit(job)
+        await asyncio.wait_for(events.finished.wait(), 30)
+    assert [e.index for e in events.got] == list(range(1, TOKENS))
+    assert [t for e in events.got for t in e.token_ids] == ref[1:]
+    assert events.got[-1].usage is not None and events.got[-1].usage.completion_tokens == TOKENS
+
+
+async def test_a_job_delivered_twice_runs_once(nc, tiny):
+    ref = reference(tiny)
+    events = Events()
+    await nc.subscribe(subjects.tokens("r2"), cb=events.on_msg)
+    async with running(decode_instance(nc, tiny, "decode-b")) as dec:
+        job = DecodeJob(request=gen("r2"), prefill_id="", kv=None, output_token_ids=ref[:3],
+                        events_sent=3)
+        await asyncio.gather(dec.admit(job), dec.admit(job))
+        await asyncio.wait_for(events.finished.wait(), 30)
+        await dec.admit(job)  # still running or not: never a second copy
+        await asyncio.sleep(0.5)
+    assert [e.index for e in events.got] == list(range(3, TOKENS))
+    assert [t for e in events.got for t in e.token_ids] == ref[3:]
+
+
+async def test_cancel_frees_blocks_and_the_heartbeat_says_so_at_once(nc, tiny):
+    async with running(decode_instance(nc, tiny, "decode-c")) as dec:
+        long = GenerateRequest(request_id="r3", model="tiny", prompt_token_ids=PROMPT,
+                               sampling=SamplingParams(temperature=0, max_tokens=400,
+                                                       ignore_eos=True), arrival_time=time.time())
+        await dec.admit(DecodeJob(request=long, prefill_id="", kv=None, output_token_ids=[5],
+                                  events_sent=1))
+        for _ in range(200):
+            if dec.info().running == 1:
+                break
+            await asyncio.sleep(0.02)
+        busy = dec.info()
+        assert busy.running == 1 and busy.kv_blocks_free < busy.kv_blocks_total
+        await nc.publish(subjects.CANCEL, CancelRequest(request_id="r3").encode())
+        for _ in range(200):
+            if not dec.streams and dec.info().running == 0:
+                break
+            await asyncio.sleep(0.02)
+        idle = dec.info()  # no step ran since: the cancel itself refreshed these
+        assert idle.running == 0 and idle.kv_blocks_free == idle.kv_blocks_total
+        assert not dec.engine.has_work() and "r3" not in dec.engine.requests
+
+
+async def test_cancel_withdraws_a_handoff_nobody_fetched(nc, tiny):
+    sender = TcpKVSender()
+    await sender.start()
+    taken: list[DecodeJob] = []
+
+    async def lazy_decode(msg) -> None:  # type: ignore[no-untyped-def]
+        taken.append(DecodeJob.model_validate_json(msg.data))
+        await bus.respond(msg, Ack())  # takes the job, never fetches the KV
+
+    await nc.subscribe(subjects.decode_submit("decode-lazy"), cb=lazy_decode)
+    settings = PrefillSettings(instance_id="prefill-d", kv_cache_gb=4 / 1024,
+                               transfer_timeout_s=60.0)
+    inst = PrefillInstance(settings, nc, tiny, sender, TcpKVReceiver())
+    async with running(inst) as pre:
+        await nc.subscribe(subjects.prefill_submit("prefill-d"), cb=pre.on_submit)
+        job = PrefillJob(request=gen("r4"), decode_id="decode-lazy")
+        await bus.request(nc, subjects.prefill_submit("prefill-d"), job, Ack, 5.0)
+        for _ in range(300):
+            if taken:
+                break
+            await asyncio.sleep(0.02)
+        assert taken and taken[0].kv is not None
+        leased = pre.info().kv_blocks_leased
+        assert leased == 3 and sender.pending == 1  # 40 tokens: 3 blocks offered
+        await nc.publish(subjects.CANCEL, CancelRequest(request_id="r4").encode())
+        for _ in range(200):
+            if sender.pending == 0 and pre.info().kv_blocks_leased == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert sender.pending == 0 and pre.info().kv_blocks_leased == 0  # not at its 60 s TTL
+    await sender.close()
