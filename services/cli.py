@@ -73,7 +73,8 @@ def _kv(argv: list[str]) -> int:
 
 BENCHES = {"request": "services.bench.request_latency", "engine": "services.bench.engine_bench",
            "kv": "services.bench.kv_bench", "transfer": "services.bench.transfer_bench",
-           "conductor": "services.bench.conductor_bench", "serve": "services.bench.serve_bench"}
+           "conductor": "services.bench.conductor_bench", "serve": "services.bench.serve_bench",
+           "replay": "services.bench.replay.cli"}
 
 
 def _bench(argv: list[str]) -> int:
@@ -95,6 +96,18 @@ def _sim(argv: list[str]) -> int:
     return int(cli.main(argv) or 0)
 
 
+def _keys(argv: list[str]) -> int:
+    from services.gateway import keys_cli
+
+    return int(keys_cli.main(argv) or 0)
+
+
+def _chaos(argv: list[str]) -> int:
+    from services.chaos import run
+
+    return run.main(argv)
+
+
 def _up(argv: list[str]) -> int:
     from services import up
 
@@ -102,7 +115,7 @@ def _up(argv: list[str]) -> int:
 
 
 COMMANDS = {"up": _up, "serve": _serve, "model": _model, "db": _db, "kv": _kv, "bench": _bench,
-            "profile": _profile, "sim": _sim}
+            "profile": _profile, "sim": _sim, "keys": _keys, "chaos": _chaos}
 
 USAGE = """usage: halfmoon <command> [args]
 
@@ -111,7 +124,9 @@ commands:
   serve <service>    run one service: gateway, conductor, kvmanager, prefill, decode, console
   model pull         provision the default model offline
   db upgrade|downgrade [REV]   apply or roll back migrations
+  keys create|list|revoke      API keys for the gateway (hashed in SQL; shown once)
   profile            measure the engine here and fit the conductor's cost model
+  chaos              kill services and NATS under load: 0 hung requests, 0 lost records
   sim                simulate a cluster of any size on a Mooncake trace (same policy code)
   kv replay          replay a Mooncake trace through the KV index and eviction code
   bench request      one request's latency through the stack vs in-process
@@ -120,6 +135,7 @@ commands:
   bench conductor    decision latency; with --url, predicted vs measured TTFT
   bench serve        Halfmoon side by side with transformers serve (or any OpenAI URL)
   bench transfer     KV data plane throughput: TCP and shared memory vs a plain socket
+  bench replay       a Mooncake trace against the live stack; --compare layouts or policies
 
 `halfmoon <command> --help` shows each command's flags (every flag has a HALFMOON_ env var).
 """

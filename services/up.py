@@ -4,6 +4,10 @@ Starts an embedded nats-server (unless HALFMOON_NATS_URL is given), applies migr
 SQLite (unless HALFMOON_DATABASE_URL is given), then each service as its own process. It
 waits until every service reports ready, prints the URLs, and on Ctrl-C / SIGTERM stops
 them in order: intake first (gateway), then scheduling, workers, the rest, NATS last.
+
+It supervises: a service (or the embedded nats-server) that dies is started again, with a
+backoff that doubles while it keeps dying young, so a local cluster survives a crash
+(`--no-restart`: a death stops the cluster instead).
 """
 
 from __future__ import annotations
@@ -16,13 +20,13 @@ import signal
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import aiohttp
 import nats
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from shared import subjects
 from shared.db import session as db
@@ -43,6 +47,21 @@ class UpSettings(BaseModel):
     console_port: int = Field(8501, ge=1, le=65535, description="console HTTP port")
     prefill: int = Field(1, ge=1, description="prefill instances")
     decode: int = Field(1, ge=1, description="decode instances")
+    conductors: int = Field(1, ge=1, description="conductors: one leads (places requests), the "
+                            "others are warm standbys that take over within ~4 s")
+    colocated: int = Field(0, ge=0, description="colocated instances that prefill and decode "
+                           "alike (the usual single-process layout, for comparison); when set, "
+                           "--prefill/--decode are ignored")
+    policy: str = Field("kvcentric", description="the conductor's placement policy")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from services.conductor.policy import POLICIES
+
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; choose from {sorted(POLICIES)}")
+        return v
     model: str = Field(DEFAULT_MODEL_NAME, description="model folder or name in HALFMOON_HOME/models")
     dtype: str = Field("bfloat16", description="float32 | bfloat16")
     threads: int = Field(0, ge=0, description="torch threads per engine instance (0: cores / instances)")
@@ -52,6 +71,18 @@ class UpSettings(BaseModel):
     database_url: str = Field("", description="SQLAlchemy URL (empty: SQLite in HALFMOON_HOME)")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready by then")
     log_level: str = Field("INFO", description="logging level for every service")
+    restart: bool = Field(True, description="start a service that dies again (off: stop the "
+                          "cluster when one dies)")
+    restart_backoff_s: float = Field(1.0, gt=0, description="first restart delay; it doubles "
+                                     "each time the same service dies young, up to the max")
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="longest restart delay")
+    metrics_base_port: int = Field(9100, ge=0, le=65535, description="Prometheus /metrics: "
+                                   "conductor, kvmanager and each engine get one port each from "
+                                   "here up, in start order (listed in the banner); 0: off. "
+                                   "The gateway serves /metrics on its API port")
+
+
+STABLE_S = 30.0  # a child that ran this long before dying starts its backoff afresh
 
 
 @dataclass
@@ -59,6 +90,17 @@ class Child:
     name: str
     role: str
     proc: asyncio.subprocess.Process
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    streak: int = 0  # deaths in a row, each soon after its start
+    restart_at: float | None = None  # dead, and due to start again then
+
+
+def restart_delay(streak: int, base_s: float, max_s: float) -> float:
+    """Backoff before the next start of a child that died `streak` times in a row young."""
+    return min(max_s, base_s * 2 ** max(0, streak - 1))
 
 
 class Cluster:
@@ -69,10 +111,18 @@ class Cluster:
         self.nats: EmbeddedNats | None = None
         self.nats_url = settings.nats_url
         self.database_url = settings.database_url
+        self.metrics_ports: dict[str, int] = {}  # child name -> its /metrics port
 
     def expected(self) -> Counter:
-        return Counter({"gateway": 1, "conductor": 1, "kvmanager": 1,
-                        "prefill": self.s.prefill, "decode": self.s.decode})
+        prefill, decode = self.engines()
+        return Counter({"gateway": 1, "conductor": self.s.conductors, "kvmanager": 1,
+                        "prefill": prefill, "decode": decode})
+
+    def engines(self) -> tuple[int, int]:
+        """(prefill, decode) engine processes; colocated ones register as prefill."""
+        if self.s.colocated:
+            return self.s.colocated, 0
+        return self.s.prefill, self.s.decode
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -83,23 +133,51 @@ class Cluster:
 
     async def _spawn(self, name: str, role: str, args: list[str],
                      env: dict[str, str] | None = None) -> None:
-        proc = await asyncio.create_subprocess_exec(sys.executable, *args,
-                                                    env={**self._env(), **(env or {})},
+        proc = await self._exec(name, role, args, env or {})
+        self.children.append(Child(name, role, proc, args, env or {}))
+
+    async def _exec(self, name: str, role: str, args: list[str],
+                    env: dict[str, str]) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(sys.executable, *args,
+                                                    env={**self._env(),
+                                                         **self._metrics_env(name, role), **env},
                                                     preexec_fn=child_preexec)
-        self.children.append(Child(name, role, proc))
+
+    def _metrics_env(self, name: str, role: str) -> dict[str, str]:
+        """A distinct /metrics port per child, kept across restarts of the same child."""
+        if role == "console":
+            return {}
+        port = 0
+        if role != "gateway" and self.s.metrics_base_port:  # the gateway uses its API port
+            port = self.metrics_ports.get(name) or (self.s.metrics_base_port
+                                                    + len(self.metrics_ports))
+            if port > 65535:
+                log.warning("%s: no port left for /metrics above %d", name,
+                            self.s.metrics_base_port)
+                port = 0
+            else:
+                self.metrics_ports[name] = port
+        return {"HALFMOON_METRICS_HOST": self.s.host, "HALFMOON_METRICS_PORT": str(port)}
 
     async def start(self, model_dir: Path) -> None:
-        engines = self.s.prefill + self.s.decode
+        n_prefill, n_decode = self.engines()
+        engines = n_prefill + n_decode
         threads = self.s.threads or max(1, (os.cpu_count() or 1) // engines)
         common = ["--model", str(model_dir)]
         engine = [*common, "--dtype", self.s.dtype, "--threads", str(threads), "--nice",
                   str(self.s.engine_nice)]
-        await self._spawn("conductor", "conductor", ["-m", "services.conductor"])
+        layout = "colocated" if self.s.colocated else "disaggregated"
+        conductor = ["--policy", self.s.policy, "--layout", layout]
+        for i in range(self.s.conductors):
+            named = ["--instance-id", f"conductor-{i}"] if self.s.conductors > 1 else []
+            await self._spawn(f"conductor-{i}" if named else "conductor", "conductor",
+                              ["-m", "services.conductor", *named, *conductor])
         await self._spawn("kvmanager", "kvmanager", ["-m", "services.kvmanager"])
-        for i in range(self.s.prefill):
-            await self._spawn(f"prefill-{i}", "prefill", [
-                "-m", "services.prefill", "--instance-id", f"prefill-{i}", *engine])
-        for i in range(self.s.decode):
+        name = "colocated" if self.s.colocated else "prefill"
+        for i in range(n_prefill):
+            await self._spawn(f"{name}-{i}", "prefill", [
+                "-m", "services.prefill", "--instance-id", f"{name}-{i}", *engine])
+        for i in range(n_decode):
             await self._spawn(f"decode-{i}", "decode", [
                 "-m", "services.decode", "--instance-id", f"decode-{i}", *engine])
         await self._spawn("gateway", "gateway", ["-m", "services.gateway", "--host", self.s.host,
@@ -151,17 +229,63 @@ class Cluster:
     def _dead_child(self) -> Child | None:
         return next((c for c in self.children if c.proc.returncode is not None), None)
 
+    def _fatal_child(self) -> Child | None:
+        """A dead child that ends the cluster. A dead conductor does not while another one
+        lives: a standby takes over."""
+        conductors = [c for c in self.children if c.role == "conductor"]
+        standby = any(c.proc.returncode is None for c in conductors)
+        return next((c for c in self.children if c.proc.returncode is not None
+                     and not (c.role == "conductor" and standby)), None)
+
     async def watch(self, stop: asyncio.Event) -> int:
-        """Run until a signal (rc 0) or a child's unexpected exit (rc 1)."""
+        """Run until a signal (rc 0); a child that dies is started again (with --no-restart,
+        its unexpected exit ends the run: rc 1)."""
         while not stop.is_set():
-            dead = self._dead_child()
-            if dead is not None:
-                log.error("%s exited with code %s; stopping the cluster", dead.name,
-                          dead.proc.returncode)
-                return 1
+            if self.s.restart:
+                await self.supervise(time.monotonic())
+            else:
+                dead = self._fatal_child()
+                if dead is not None:
+                    log.error("%s exited with code %s; stopping the cluster", dead.name,
+                              dead.proc.returncode)
+                    return 1
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
         return 0
+
+    async def supervise(self, now: float) -> None:
+        """One pass: note new deaths (and when each restarts), start those that are due."""
+        for child in self.children:
+            if child.proc.returncode is None:
+                continue
+            if child.restart_at is None:
+                ran = now - child.started
+                child.streak = 1 if ran >= STABLE_S else child.streak + 1
+                delay = restart_delay(child.streak, self.s.restart_backoff_s,
+                                      self.s.restart_backoff_max_s)
+                child.restart_at = now + delay
+                log.error("%s (pid %d) exited with code %s after %.1fs; restarting it in %.1fs",
+                          child.name, child.proc.pid, child.proc.returncode, ran, delay)
+            elif now >= child.restart_at:
+                child.proc = await self._exec(child.name, child.role, child.args, child.env)
+                child.started, child.restart_at = now, None
+                child.restarts += 1
+                log.warning("%s restarted (pid %d, restart %d)", child.name, child.proc.pid,
+                            child.restarts)
+        await self._supervise_nats()
+
+    async def _supervise_nats(self) -> None:
+        """The embedded nats-server comes back on the same port and JetStream store, so
+        every service reconnects to the URL it has and the KV event stream survives."""
+        if self.nats is None or self.nats.proc is None or self.nats.proc.poll() is None:
+            return
+        log.error("nats-server (pid %d) exited with code %s; restarting it on %s",
+                  self.nats.proc.pid, self.nats.proc.returncode, self.nats_url)
+        self.nats.port = int(self.nats_url.rsplit(":", 1)[1])
+        try:
+            await asyncio.to_thread(self.nats.start)
+        except (RuntimeError, TimeoutError, OSError) as exc:  # e.g. the port not free yet
+            log.warning("nats-server did not start again (%s); trying again", exc)
 
     async def stop(self) -> None:
         for role in STOP_ORDER:
@@ -184,10 +308,25 @@ def _banner(s: UpSettings, cluster: Cluster) -> str:
              f"  API      http://{s.host}:{s.port}/v1   (OpenAI-compatible; model: see /v1/models)"]
     if s.console:
         lines.append(f"  console  http://{s.host}:{s.console_port}")
+    lines += _metrics_lines(s, cluster)
     lines += [f"  NATS     {cluster.nats_url}",
               f"  SQL      {db.resolve_url(cluster.database_url).split('@')[-1]}",
-              f"  workers  {s.prefill} prefill, {s.decode} decode", "Ctrl-C stops everything.", ""]
+              f"  workers  {_workers(s)}", "Ctrl-C stops everything.", ""]
     return "\n".join(lines)
+
+
+def _metrics_lines(s: UpSettings, cluster: Cluster) -> list[str]:
+    urls = [(f"http://{s.host}:{s.port}/metrics", "gateway")]
+    urls += [(f"http://{s.host}:{port}/metrics", name)
+             for name, port in cluster.metrics_ports.items()]
+    return [f"  {'metrics' if i == 0 else '':8} {url} ({name})"
+            for i, (url, name) in enumerate(urls)]
+
+
+def _workers(s: UpSettings) -> str:
+    if s.colocated:
+        return f"{s.colocated} colocated (prefill + decode each), policy {s.policy}"
+    return f"{s.prefill} prefill, {s.decode} decode, policy {s.policy}"
 
 
 async def run(s: UpSettings) -> int:

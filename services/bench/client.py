@@ -23,9 +23,16 @@ class Result:
     ttft_s: float | None = None
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
+    prompt_tokens: int = 0
     cached_tokens: int = 0
     end_s: float = 0.0
     error: str = ""
+    request_id: str = ""  # the gateway's X-Request-Id
+    # The stream ended as the API says it must: [DONE], an error event, or an error reply.
+    # False after a broken connection (or while a caller's deadline cut it short).
+    terminal: bool = False
+    finish_reason: str = ""
+    text: str = ""
 
     @property
     def gaps_s(self) -> list[float]:
@@ -48,8 +55,10 @@ async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any
     try:
         async with http.post(f"{url.rstrip('/')}/v1/chat/completions", json=body) as resp:
             res.status = resp.status
+            res.request_id = resp.headers.get("X-Request-Id", "")
             if resp.status != 200:
                 res.error = (await resp.text())[:300]
+                res.terminal = True
                 return res
             await _read_stream(resp, res)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -67,16 +76,21 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:
             continue
         data = line[5:].strip()
         if data == "[DONE]":
+            res.terminal = True
             break
         obj = json.loads(data)
         if "error" in obj:
             res.error = str(obj["error"])[:300]
+            res.terminal = True
             return
         if obj.get("usage"):
             res.completion_tokens = obj["usage"].get("completion_tokens", 0)
+            res.prompt_tokens = obj["usage"].get("prompt_tokens", 0)
             details = obj["usage"].get("prompt_tokens_details") or {}
             res.cached_tokens = details.get("cached_tokens") or 0
         for choice in obj.get("choices") or []:
+            res.finish_reason = choice.get("finish_reason") or res.finish_reason
+            res.text += (choice.get("delta") or {}).get("content") or ""
             if (choice.get("delta") or {}).get("content"):
                 now = time.perf_counter() - res.start
                 res.ttft_s = now if res.ttft_s is None else res.ttft_s

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Sequence
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.settings import BaseSettings, DatabaseSettings, parse_settings
 
@@ -22,12 +22,32 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
                                        "holder has this many times more blocks")
     pull_prefixes: bool = Field(True, description="pull a longer prefix from another prefill "
                                 "instance whatever the policy")
+    layout: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="colocated: the (prefill) instance chosen for a request "
+        "decodes it too, and there are no decode instances")
     heartbeat_expiry_s: float = Field(3.0, gt=0, description="an instance silent this long is dead")
     dispatch_timeout_s: float = Field(5.0, gt=0, description="wait for a prefill instance to take a job")
     kv_match_timeout_s: float = Field(0.2, gt=0, description="wait for the KV manager's prefix match")
     min_pull_blocks: int = Field(2, ge=1, description="pull a prefix from another instance when it "
                                  "holds at least this many more blocks")
-    instance_record_interval_s: float = Field(5.0, gt=0, description="SQL refresh of instance rows")
+    instance_record_interval_s: float = Field(5.0, gt=0, description="SQL refresh of instance rows "
+                                              "and of load samples (one per instance per interval)")
+    load_retention_s: float = Field(24 * 3600.0, gt=0, description="load samples older than this "
+                                    "are deleted")
+    election: bool = Field(True, description="run active/standby: only the holder of a NATS KV "
+                           "lease places requests (off: every conductor places, as a queue group)")
+    lease_ttl_s: float = Field(3.0, gt=0, description="leader lease TTL: a dead leader is replaced "
+                               "within about this plus half the renewal interval")
+    lease_renew_s: float = Field(1.0, gt=0, description="leader lease renewal interval (at most "
+                                 "half the TTL)")
+    lease_replicas: int = Field(1, ge=1, le=5, description="JetStream replicas of the lease bucket "
+                                "(3 on a NATS cluster, so losing one server keeps the election)")
+
+    @model_validator(mode="after")
+    def _renew_within_ttl(self) -> "ConductorSettings":
+        if 2 * self.lease_renew_s > self.lease_ttl_s:
+            raise ValueError("lease_renew_s must be at most half of lease_ttl_s")
+        return self
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ConductorSettings:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -16,6 +17,7 @@ from shared.messages import (Ack, GenerateRequest, InstanceInfo, KVMatchReply, K
 from services.conductor.args import ConductorSettings
 from services.conductor import snapshot
 from services.conductor.costmodel import load_cost_model
+from services.conductor.metrics import ConductorMetrics
 from services.conductor.policy import Candidate, Decision, make_policy
 from services.conductor.registry import Registry
 
@@ -28,10 +30,13 @@ class Conductor:
         self.nc = nc
         self.records = records
         self.registry = Registry(settings.heartbeat_expiry_s)
+        self.metrics = ConductorMetrics(self.registry)
         self.policy = make_policy(settings.policy)
         self.cost = load_cost_model(settings.cost_model)
         self._recorded_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
+        # Active/standby: whether this conductor still holds the leader lease (see leader.py).
+        self.leading: Callable[[], bool] = lambda: True
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -45,6 +50,9 @@ class Conductor:
         self._record_instance(info, now, info.status)
 
     def _record_instance(self, info: InstanceInfo, now: float, status: str) -> None:
+        if self.records is not None and info.role in (Role.PREFILL, Role.DECODE):
+            self.records.load_sample(info, now, self.settings.instance_record_interval_s,
+                                     self.settings.load_retention_s)
         last = self._recorded_at.get(info.instance_id)
         if self.records is None or (last is not None and status != "dead"
                                     and now - last < self.settings.instance_record_interval_s):
@@ -76,18 +84,22 @@ class Conductor:
         except ValueError as exc:
             await bus.respond(msg, errors.InvalidRequest(f"bad schedule request: {exc}"))
             return
+        t0 = time.perf_counter()
         try:
             placement = await self.place(req)
         except errors.HalfmoonError as exc:
             log.warning("request %s not placed: %s", req.request_id, exc.message)
+            self.metrics.rejected(exc.code, time.perf_counter() - t0)
             await bus.respond(msg, exc)
             return
+        self.metrics.placed(placement.policy, time.perf_counter() - t0)
         await bus.respond(msg, placement)
 
     async def place(self, req: GenerateRequest) -> Placement:
         now = time.time()
         prefills = self.registry.alive(Role.PREFILL, now)
-        decodes = self.registry.alive(Role.DECODE, now)
+        colocated = self.settings.layout == "colocated"
+        decodes = prefills if colocated else self.registry.alive(Role.DECODE, now)
         if not decodes or not prefills:
             raise errors.Unavailable("no live prefill and decode instances", retry_after_s=2.0)
         live = {p.info.instance_id for p in prefills}
@@ -95,9 +107,12 @@ class Conductor:
         view = snapshot.request_view(req, matches, self.settings.ttft_slo_ms / 1e3,
                                      self.settings.tbt_slo_ms / 1e3)
         while True:
-            snap = snapshot.build(prefills, decodes, self.cost, self.settings.balancing_threshold,
-                                  self.settings.slo_margin)
+            snap = snapshot.build(prefills, decodes, self.cost,
+                                  self.settings.balancing_threshold, self.settings.slo_margin,
+                                  colocated)
+            t_decide = time.perf_counter()
             decision = self.policy.decide(snap, view)
+            self.metrics.decision_seconds.observe(time.perf_counter() - t_decide)
             if decision.rejected:
                 self._record(req, decision, now)
                 retry = max(1.0, decision.ttft_s - view.ttft_slo_s)
@@ -105,6 +120,11 @@ class Conductor:
                                       retry_after_s=retry)
             assert decision.prefill is not None
             self._add_pull(decision.prefill, matches)
+            if not self.leading():
+                # Deposed while deciding: another conductor may be placing by now. Nothing
+                # was dispatched, so the gateway can safely ask the new leader.
+                raise errors.Unavailable("this conductor lost the leader lease",
+                                         code="not_leader", retry_after_s=1.0)
             try:
                 await self._dispatch(req, decision)
                 break
@@ -165,11 +185,14 @@ class Conductor:
                          prefix_blocks=d.prefill.prefix_blocks if d.prefill.pull_from else 0)
         # Count the work before awaiting the ack, so decisions made meanwhile see it.
         self.registry.dispatched(d.prefill.instance_id, d.prefill.prefill_s)
-        self.registry.dispatched(d.decode_id, tokens=len(req.prompt_token_ids))
+        decode_id = d.decode_id or d.prefill.instance_id  # colocated: the same instance
+        self.registry.dispatched(decode_id, tokens=len(req.prompt_token_ids),
+                                 count=1 if d.decode_id else 0)
         try:
             await bus.request(self.nc, subjects.prefill_submit(d.prefill.instance_id), job, Ack,
                               timeout_s=self.settings.dispatch_timeout_s)
         except errors.HalfmoonError:
             self.registry.dispatched(d.prefill.instance_id, -d.prefill.prefill_s, count=-1)
-            self.registry.dispatched(d.decode_id, tokens=-len(req.prompt_token_ids), count=-1)
+            self.registry.dispatched(decode_id, tokens=-len(req.prompt_token_ids),
+                                     count=-1 if d.decode_id else 0)
             raise

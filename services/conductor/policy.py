@@ -70,6 +70,7 @@ class Snapshot:
     cost: CostModel
     balancing_threshold: float = 1.5  # pull when the best holder has this many times more
     slo_margin: float = 1.0  # admit only predictions within this share of the SLO
+    colocated: bool = False  # each instance decodes what it prefills (decodes == prefills)
 
 
 def best_holder(req: RequestView) -> tuple[str, int]:
@@ -94,23 +95,37 @@ def candidate(snap: Snapshot, req: RequestView, inst: InstanceView, pull: bool,
                      snap.cost.overhead_s)
 
 
+def joined_tbt(snap: Snapshot, req: RequestView, d: InstanceView) -> float:
+    """Predicted time between tokens on `d` once this request joins its batch."""
+    ctx = (d.mean_context * d.running + req.prompt_tokens) / (d.running + 1)
+    return snap.cost.decode_step_s(d.running + 1, ctx)
+
+
 def select_decode(snap: Snapshot, req: RequestView) -> tuple[str, float]:
     """The decode instance with the lowest predicted time between tokens once it joins."""
     best_id, best_tbt = "", float("inf")
     for d in sorted(snap.decodes, key=lambda x: x.instance_id):
-        ctx = (d.mean_context * d.running + req.prompt_tokens) / (d.running + 1)
-        tbt = snap.cost.decode_step_s(d.running + 1, ctx)
+        tbt = joined_tbt(snap, req, d)
         if tbt < best_tbt:
             best_id, best_tbt = d.instance_id, tbt
     return best_id, best_tbt
 
 
+def colocated_decode(snap: Snapshot, req: RequestView, chosen: Candidate) -> tuple[str, float]:
+    """Colocated: the chosen instance decodes too, so its own batch sets the TBT; no decode
+    instance is named (the job's empty decode id tells the instance to keep the request)."""
+    own = next((d for d in snap.decodes if d.instance_id == chosen.instance_id),
+               InstanceView(chosen.instance_id))
+    return "", joined_tbt(snap, req, own)
+
+
 def finish(policy: str, snap: Snapshot, req: RequestView, chosen: Candidate,
            candidates: list[Candidate]) -> Decision:
     """Pick decode, then apply the SLOs: early rejection shared by every policy."""
-    decode_id, tbt = select_decode(snap, req)
+    decode_id, tbt = (colocated_decode(snap, req, chosen) if snap.colocated
+                      else select_decode(snap, req))
     d = Decision(policy, chosen, decode_id, tbt, candidates)
-    if not decode_id:
+    if not decode_id and not snap.colocated:
         d.rejected = "no decode instance"
     elif chosen.ttft_s > req.ttft_slo_s * snap.slo_margin:
         d.rejected = (f"predicted TTFT {chosen.ttft_s:.2f}s exceeds {_share(snap)}the SLO of "

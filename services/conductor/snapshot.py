@@ -24,9 +24,9 @@ def decode_view(state: InstanceState) -> InstanceView:
 
 
 def build(prefills: list[InstanceState], decodes: list[InstanceState], cost: CostModel,
-          threshold: float, slo_margin: float = 1.0) -> Snapshot:
+          threshold: float, slo_margin: float = 1.0, colocated: bool = False) -> Snapshot:
     return Snapshot([prefill_view(p, cost) for p in prefills], [decode_view(d) for d in decodes],
-                    cost, threshold, slo_margin)
+                    cost, threshold, slo_margin, colocated)
 
 
 def request_view(req: GenerateRequest, matches: dict[str, int], ttft_slo_s: float,

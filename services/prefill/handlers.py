@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -37,6 +38,11 @@ class PrefillInstance(EngineInstance):
         self.receiver = receiver
         self.decode_for: dict[str, str] = {}
         self._transfers: set[asyncio.Task] = set()
+        self._exporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-export")
+        # KV offered and not fetched yet: transfer id -> blocks, and the handoff of each
+        # request, so a cancel withdraws it at once instead of at its TTL.
+        self._leases: dict[str, int] = {}
+        self._handoffs: dict[str, str] = {}
 
     async def on_submit(self, msg: Msg) -> None:
         try:
@@ -45,6 +51,12 @@ class PrefillInstance(EngineInstance):
             await bus.respond(msg, errors.InvalidRequest(f"bad prefill job: {exc}"))
             return
         req = job.request
+        rid = req.request_id
+        if rid in self.cancelled or rid in self.finished or rid in self.streams:
+            # The client left before the job got here, or the job came twice (a publish
+            # buffered across a NATS restart can): nothing (more) to do.
+            await bus.respond(msg, Ack())
+            return
         if self._stats["waiting"] >= self.settings.max_queue:
             await bus.respond(msg, errors.Rejected("prefill queue is full", retry_after_s=1.0))
             return
@@ -83,6 +95,7 @@ class PrefillInstance(EngineInstance):
             meta_bytes, payload = await self.receiver.fetch(reply.handle,
                                                             self.settings.transfer_timeout_s)
             export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
+            self.count_transfer(True, len(payload))
             n = await self.run_engine(self.engine.import_prefix, req.prompt_token_ids, export,
                                       req.tenant)
             log.info("request %s: pulled %d prefix tokens from %s", req.request_id, n,
@@ -96,7 +109,10 @@ class PrefillInstance(EngineInstance):
         """Another instance wants our cached blocks of a prefix: offer them for a pull."""
         try:
             req = KVExportRequest.model_validate_json(msg.data)
-            export = await self.run_engine(self.engine.export_prefix, req.block_hashes)
+            # Not on the engine thread: an export must not wait behind a prefill chunk
+            # (the engine locks only its bookkeeping, not the forward pass).
+            export = await asyncio.get_running_loop().run_in_executor(
+                self._exporter, self.engine.export_prefix, req.block_hashes)
         except ValueError as exc:
             await bus.respond(msg, errors.InvalidRequest(f"bad export request: {exc}"))
             return
@@ -107,7 +123,7 @@ class PrefillInstance(EngineInstance):
         tid = f"export.{uuid.uuid4().hex[:12]}"
         handle = self.sender.offer(tid, export.meta.model_dump_json().encode(), export.payload(),
                                    export.meta.num_tokens, ttl_s=self.settings.transfer_timeout_s)
-        self._watch(tid)
+        self._watch(tid, handle.nbytes, export.meta.num_blocks)
         await bus.respond(msg, KVExportReply(handle=handle, num_blocks=export.meta.num_blocks))
 
     async def on_output(self, out: RequestOutput) -> None:
@@ -120,6 +136,7 @@ class PrefillInstance(EngineInstance):
             return
         self.streams.pop(out.request_id, None)
         self.decode_for.pop(out.request_id, None)
+        self.finished.add(out.request_id)
         await self._hand_off(out, stream, decode_id)
 
     async def _hand_off(self, out: RequestOutput, stream: Stream, decode_id: str) -> None:
@@ -130,7 +147,7 @@ class PrefillInstance(EngineInstance):
         handle = self.sender.offer(tid, out.handoff.meta.model_dump_json().encode(),
                                    out.handoff.payload(), out.handoff.meta.num_tokens,
                                    ttl_s=self.settings.transfer_timeout_s)
-        self._watch(tid)
+        self._watch(tid, handle.nbytes, out.handoff.meta.num_blocks, req.request_id)
         job = DecodeJob(request=req, prefill_id=self.instance_id, kv=handle,
                         output_token_ids=out.new_token_ids, emitted_text=out.text,
                         events_sent=stream.next_index, cached_tokens=out.num_cached_tokens,
@@ -138,18 +155,29 @@ class PrefillInstance(EngineInstance):
         try:
             await bus.request(self.nc, subjects.decode_submit(decode_id), job, Ack, timeout_s=5.0)
         except errors.HalfmoonError as exc:
+            await self.sender.withdraw(tid)  # nobody will fetch it
             await self.finish_with_error(req.request_id, exc.code,
                                          f"decode {decode_id} did not take the request: {exc.message}",
                                          stream)
 
-    def _watch(self, transfer_id: str) -> None:
+    def _watch(self, transfer_id: str, nbytes: int, num_blocks: int = 0,
+               request_id: str = "") -> None:
+        self._leases[transfer_id] = num_blocks
+        if request_id:
+            self._handoffs[request_id] = transfer_id
+
         async def watch() -> None:
             try:
                 state = await self.sender.wait(transfer_id, self.settings.transfer_timeout_s + 5)
             except asyncio.TimeoutError:
                 state = TransferState.FAILED
             self.sender.states.forget(transfer_id)
-            if state != TransferState.DONE:
+            self._leases.pop(transfer_id, None)
+            if self._handoffs.get(request_id) == transfer_id:
+                del self._handoffs[request_id]
+            if state == TransferState.DONE:
+                self.count_transfer(False, nbytes)
+            else:
                 log.warning("KV transfer %s ended %s", transfer_id, state)
 
         task = asyncio.create_task(watch())
@@ -159,5 +187,16 @@ class PrefillInstance(EngineInstance):
     async def fail_waiting(self, why: str) -> None:
         """On shutdown, requests not yet handed off end with a clear error."""
         for rid in list(self.streams):
-            await self.run_engine(self.engine.abort, rid)
+            await self.abort(rid)
             await self.finish_with_error(rid, "unavailable", why)
+
+    async def release(self, request_id: str) -> bool:
+        self.decode_for.pop(request_id, None)
+        tid = self._handoffs.pop(request_id, None)
+        if tid is None:
+            return False
+        await self.sender.withdraw(tid)
+        return True
+
+    def leased_blocks(self) -> int:
+        return sum(self._leases.values())

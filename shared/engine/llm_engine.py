@@ -7,10 +7,11 @@ which also serializes additions and aborts with steps.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -94,8 +95,16 @@ class LLMEngine:
                                                    config.max_num_batched_tokens), self.blocks)
         self.requests: dict[str, _Request] = {}
         self.last_step = StepStats()
+        self._book = threading.Lock()  # block bookkeeping: steps vs. exports (export_prefix)
         self.disk: DiskTier | None = None
         self._disk_stored: list[int] = []
+        # Running totals for metrics: prompt tokens served from the prefix cache (any tier,
+        # pulled ones too) or computed, counted once per prompt; sequences preempted.
+        self.num_prefix_hit_tokens = 0
+        self.num_prefix_miss_tokens = 0
+        self.num_preemptions = 0
+        # Called with each step's stats on the engine thread (metrics histograms lock).
+        self.on_step: Callable[[StepStats], None] | None = None
         if config.disk_tier_bytes > 0:
             self.disk = DiskTier(Path(config.disk_tier_dir), config.disk_tier_bytes)
             self.blocks.keep_spills = True
@@ -128,9 +137,27 @@ class LLMEngine:
         self.scheduler.add_running(seq)
         return True
 
+    def add_recompute(self, request_id: str, prompt_token_ids: list[int],
+                      output_token_ids: list[int], params: SamplingParams,
+                      emitted_text: str = "", salt: str = "") -> None:
+        """Continue a request whose KV is out of reach (its transfer failed, or the instance
+        that held it died): prompt + tokens so far are computed again here, as a preempted
+        sequence is, and the stream goes on after the text already emitted."""
+        self._check_fits(len(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
+                       len(prompt_token_ids), params, salt)
+        req = self._register(seq)
+        req.tracker.token_ids = list(output_token_ids)
+        req.tracker.emitted_text = emitted_text
+        self._load_from_disk(seq)
+        self.scheduler.add(seq)
+
     def export_prefix(self, hashes: list[int]) -> KVExport | None:
-        """Cached blocks of a prefix, for an instance that wants to reuse them."""
-        return export_cached(self.kv, self.blocks, hashes, self.lm.name)
+        """Cached blocks of a prefix, for an instance that wants to reuse them. Safe from any
+        thread: it copies under the bookkeeping lock, which a step holds only between
+        forward passes."""
+        with self._book:
+            return export_cached(self.kv, self.blocks, hashes, self.lm.name)
 
     def import_prefix(self, token_ids: list[int], export: KVExport, salt: str = "") -> int:
         """Add pulled prefix blocks to this pool's prefix cache; returns the tokens they cover.
@@ -181,6 +208,12 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        # Bookkeeping is locked; the forward pass is not (see _run), so that an export of
+        # cached blocks from another thread never waits for a long prefill chunk.
+        with self._book:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.blocks.now = time.monotonic()
         if self.config.eviction == "watermark":
@@ -196,9 +229,12 @@ class LLMEngine:
         stored, evicted = self.blocks.drain_events()
         disk_stored, self._disk_stored = self._disk_stored, []
         disk_removed = self.disk.drain_removed() if self.disk else []
+        self.num_preemptions += len(sched.preempted)
         self.last_step = StepStats(sched.num_tokens, len(sched.scheduled),
                                    time.perf_counter() - t0, len(sched.preempted), stored, evicted,
                                    disk_stored, disk_removed)
+        if self.on_step is not None:
+            self.on_step(self.last_step)
         return outputs
 
     # -- disk tier ------------------------------------------------------------------------
@@ -248,7 +284,14 @@ class LLMEngine:
 
     def _run(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         batch, order = build_batch(scheduled, self.config.block_size, self.lm.device)
-        logits = self.model.forward(batch)
+        # Unlocked: the forward only writes this step's freshly allocated blocks, and every
+        # block with a hash (what exports read) is complete and cannot be reallocated until
+        # the next schedule, which takes the lock again.
+        self._book.release()
+        try:
+            logits = self.model.forward(batch)
+        finally:
+            self._book.acquire()
         completing = [item for item in order if item.completes]
         tokens = self._sample(completing, logits)
         for item in order:
@@ -271,6 +314,9 @@ class LLMEngine:
         req = self.requests[seq.request_id]
         seq.token_ids.append(token)
         step = req.tracker.append(token)
+        if seq.num_output_tokens == 1:  # its prompt is done (never true for an import)
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+            self.num_prefix_miss_tokens += seq.num_prompt_tokens - seq.num_cached_tokens
         out = RequestOutput(seq.request_id, [token], step.text, step.finish_reason,
                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
         if step.finish_reason is not None:

@@ -202,3 +202,45 @@ def test_disk_tier_brings_evicted_prefix_back(lm, prompts, reference, tmp_path):
     tokens, outs = drain(engine)
     assert tokens["a2"] == reference[13]
     assert outs["a2"].num_cached_tokens == (len(first) - 1) // 16 * 16  # all of it, via disk
+
+
+def test_export_from_another_thread_does_not_wait_for_the_forward_pass(lm, prompts):
+    """A holder exports cached blocks while its engine is inside a forward pass (the lock
+    covers bookkeeping only), and what it exports is the finished prefix's KV."""
+    import threading
+
+    from shared.hashing import block_hashes
+
+    engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=128 << 20))
+    prompt = prompts[13]
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=2))
+    while engine.has_work():
+        engine.step()
+    hashes = block_hashes(prompt, engine.config.block_size)
+    reference = engine.export_prefix(hashes)
+    assert reference is not None and reference.meta.num_blocks > 0
+
+    entered, release = threading.Event(), threading.Event()
+    real_forward = engine.model.forward
+
+    def forward(batch):  # the real forward, held open until the export is done
+        entered.set()
+        release.wait(10)
+        return real_forward(batch)
+
+    engine.model.forward = forward
+    engine.add_request("b", prompts[14], SamplingParams(temperature=0, max_tokens=1))
+    stepper = threading.Thread(target=engine.step)
+    stepper.start()
+    assert entered.wait(30)
+    got: list = []
+    exporter = threading.Thread(target=lambda: got.append(engine.export_prefix(hashes)))
+    exporter.start()
+    exporter.join(5)
+    finished_during_forward = not exporter.is_alive()
+    release.set()
+    stepper.join(60)
+    exporter.join(5)
+    engine.model.forward = real_forward
+    assert finished_during_forward, "export waited for the forward pass"
+    assert torch.equal(got[0].data, reference.data)

@@ -87,3 +87,13 @@ def test_a_dead_instance_is_never_a_candidate():
 def test_unknown_policy():
     with pytest.raises(ValueError):
         make_policy("psychic")
+
+
+def test_colocated_decodes_on_the_chosen_instance_and_checks_its_own_batch():
+    views = [InstanceView("a", queue_s=0.0, running=200), InstanceView("b", queue_s=1.0, running=2)]
+    s = Snapshot(views, views, COST, balancing_threshold=1.5, colocated=True)
+    d = make_policy("least_loaded").decide(s, req(tbt=1.0))
+    # a has the shorter queue; no decode instance is named, the TBT is a's own batch's
+    assert d.prefill.instance_id == "a" and d.decode_id == "" and not d.rejected
+    assert d.tbt_s == pytest.approx(0.01 + 201e-3)
+    assert "TBT" in make_policy("least_loaded").decide(s, req(tbt=0.1)).rejected
