@@ -68,8 +68,11 @@ async def local_cluster(config: ClusterConfig, model_dir: Path, log_dir: Path,
     env = dict(os.environ, HALFMOON_HOME=str(home), PYTHONUNBUFFERED="1", **config.env)
     if "HALFMOON_COST_MODEL" not in env and default_cost_model().exists():
         env["HALFMOON_COST_MODEL"] = str(default_cost_model())  # the one fitted here
+    # No metrics ports unless asked for: a benchmark cluster must not collide with a running one.
+    metrics = [] if any(f.startswith("--metrics") for f in config.flags) else [
+        "--metrics-base-port", "0"]
     cmd = [sys.executable, "-m", "services.cli", "up", "--no-console", "--port", str(port),
-           "--model", str(model_dir), *config.flags]
+           "--model", str(model_dir), *metrics, *config.flags]
     log_path = log_dir / f"{config.name}.log"
     with open(log_path, "wb") as out:
         proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=asyncio.subprocess.PIPE,
