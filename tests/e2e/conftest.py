@@ -49,7 +49,7 @@ def start_stack(tmp: Path, model_dir: Path, database_url: str, extra: list[str] 
                 stack.lines.append(line)
                 out.write(line)
                 out.flush()
-                if "Halfmoon is up." in line:
+                if "Ctrl-C stops everything." in line:  # the banner's last line
                     ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
