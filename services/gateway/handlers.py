@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 from nats.aio.client import Client as NATS
@@ -181,7 +181,7 @@ class Gateway:
                           lambda g: self._place(g, life), lambda p, d: self._placed_again(
                               request_id, p, d))
         try:
-            placement = await self._place(gen, life)
+            placement = await self._place(gen, life, stream.retarget)
             follow.placed(placement)
             self.records.request_update(request_id, status=RequestStatus.RUNNING.value,
                                         prefill_instance=placement.prefill_id,
@@ -198,9 +198,15 @@ class Gateway:
             self.records.request_finished(request_id, life.status.value, **life.terminal_values())
             self.metrics.finished(life, len(prompt_ids))
 
-    async def _place(self, gen: GenerateRequest, life: RequestLife) -> Placement:
+    async def _place(self, gen: GenerateRequest, life: RequestLife,
+                     retarget: Callable[[str, int], Awaitable[None]] | None = None) -> Placement:
         try:
-            placement = await self._ask_conductor(gen)
+            try:
+                placement = await self._ask_conductor(gen)
+            except errors.Timeout:
+                if retarget is None:
+                    raise
+                placement = await self._place_new_attempt(gen, retarget)
             life.dispatch_time = time.time()  # the prefill instance has acknowledged the job
             return placement
         except errors.HalfmoonError as exc:
@@ -210,6 +216,23 @@ class Gateway:
             if isinstance(exc, errors.Timeout):
                 # The conductor may have dispatched it after all: make sure nobody computes it.
                 await self._cancel(gen.request_id, "placement timed out")
+            raise
+
+    async def _place_new_attempt(self, gen: GenerateRequest,
+                                 retarget: Callable[[str, int], Awaitable[None]]) -> Placement:
+        """The placement timed out: most likely the leading conductor took the request and
+        died before dispatching it (a failover). It may also have dispatched it late, so
+        cancel that id everywhere and place the request once more under a new attempt id:
+        the stream follows only the new one, so nothing is lost and nothing is doubled."""
+        log.warning("request %s: placement timed out; cancelling it and placing a new attempt",
+                    gen.request_id)
+        await self._cancel(gen.request_id, "placement timed out; placed again")
+        again = gen.model_copy(update={"request_id": f"{gen.request_id}-t1"})
+        await retarget(again.request_id, 0)
+        try:
+            return await self._ask_conductor(again)
+        except errors.Timeout:
+            await self._cancel(again.request_id, "placement timed out twice")
             raise
 
     async def _ask_conductor(self, gen: GenerateRequest) -> Placement:

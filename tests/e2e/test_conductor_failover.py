@@ -2,8 +2,8 @@
 
 A standby must lead within 5 s of the kill (the lease TTL is 3 s), requests that arrive
 meanwhile wait at the gateway (it asks again while nobody answers) instead of failing,
-and every accepted request ends with exactly one terminal record: completed, or failed
-with a clear error; none hangs.
+and every accepted request completes with exactly one terminal record, even one the dead
+leader had taken: its placement times out and it is placed again as a new attempt.
 """
 
 from __future__ import annotations
@@ -154,13 +154,9 @@ async def test_a_standby_takes_over_when_the_leader_is_killed(two_conductor_stac
     # Requests sent into the gap waited for the new leader (the gateway asks again).
     assert placed_s <= TAKEOVER_S + 0.5
 
-    # Nothing hung; a failure is a clear error, and only for what the dead leader held:
-    # requests it had taken but not answered time out (504) and are cancelled everywhere.
-    for o in failed:
-        assert o.error and o.request_id, o
-        assert "timeout" in o.error, o
-        assert o.sent <= killed_at + 0.5, f"a request sent after the kill failed: {o}"
-    assert len(failed) <= 3, [o.error for o in failed]
+    # Nothing hung, and nothing failed: a request the dead leader had taken but not answered
+    # times out at the gateway, is cancelled under its id and placed again under a new one.
+    assert not failed, [(o.request_id, o.error) for o in failed]
 
     rows = await terminal_rows(stack.database_url, {o.request_id for o in outcomes}, 30.0)
     assert len(rows) == len(outcomes), "every accepted request has its row"

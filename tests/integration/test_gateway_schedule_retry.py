@@ -7,6 +7,7 @@ leader's "not_leader"); a timeout may mean it was dispatched, so it is not retri
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import types
 
@@ -103,3 +104,35 @@ async def test_other_refusals_and_timeouts_are_not_retried(client):
     await asyncio.sleep(0.3)
     assert seen == ["r-busy", "r-quiet"]
     await sub.unsubscribe()
+
+
+async def test_a_placement_that_times_out_is_cancelled_and_placed_as_a_new_attempt(client):
+    """The leader took the request and died before answering: the gateway cancels that id
+    everywhere (it may have been dispatched late) and asks again under a new attempt id,
+    which the token stream follows from its first event."""
+    from services.gateway.handlers import RequestLife
+
+    gw = gateway(client, retry_s=5.0, timeout_s=0.5)
+    seen: list[str] = []
+    cancels: list[str] = []
+    retargets: list[tuple[str, int]] = []
+
+    async def on_cancel(msg):
+        cancels.append(json.loads(msg.data)["request_id"])
+
+    csub = await client.subscribe(subjects.CANCEL, cb=on_cancel)
+    sub = await conductor(client, [None, Placement(request_id="r-died-t1", prefill_id="p2",
+                                                   decode_id="d2")], seen)
+
+    async def retarget(request_id: str, next_index: int) -> None:
+        retargets.append((request_id, next_index))
+
+    life = RequestLife("r-died", time.time())
+    got = await gw._place(request("r-died"), life, retarget)
+    await client.flush()
+    await asyncio.sleep(0.1)
+    assert (got.request_id, got.prefill_id) == ("r-died-t1", "p2")
+    assert seen == ["r-died", "r-died-t1"] and retargets == [("r-died-t1", 0)]
+    assert cancels == ["r-died"] and life.dispatch_time is not None
+    await sub.unsubscribe()
+    await csub.unsubscribe()
