@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,10 @@ SETTINGS = queries.ConsoleSettings.from_env()
 TABLE_ROWS = 1000  # newest rows shown in the Requests table
 
 
+# Load samples bucketed per instance: (series, bucket seconds, x range).
+History = tuple[dict[str, dict[str, Any]], float, tuple[float, float]]
+
+
 @dataclass
 class View:
     """What every page gets: one SQL snapshot, one live state, the sidebar choices."""
@@ -35,6 +40,18 @@ class View:
     cluster: dict[str, Any] | None
     window_s: float | None
     slo_ms: float
+
+    @cached_property
+    def load_history(self) -> History | None:
+        """Bucketed once per refresh for both the Pools and the KV cache page."""
+        samples = self.snap.samples if self.snap is not None else []
+        if not samples:
+            return None
+        now = self.snap.now  # type: ignore[union-attr]
+        bucket = queries.bucket_seconds(self.window_s, samples, now, key="t",
+                                        finest=history.SAMPLE_S)
+        return (history.load_series(samples, bucket), bucket,
+                queries.time_range(self.window_s, samples, now, key="t"))
 
 
 # -- data, with the two failure messages ------------------------------------------------
@@ -58,7 +75,7 @@ def _decision(url: str, request_id: str) -> dict[str, Any] | None:
 
 def _load_cluster() -> dict[str, Any] | None:
     try:
-        return live.fetch_state(SETTINGS.gateway_url)
+        return live.fetch_state(SETTINGS.gateway_url, admin_key=SETTINGS.admin_key)
     except live.ClusterUnavailable as exc:
         st.warning(f"Cluster unreachable at {live.admin_url(SETTINGS.gateway_url)} ({exc}); "
                    "instance data below comes from SQL.")
@@ -168,19 +185,13 @@ def _pool_tables(view: View) -> None:
     _chart(charts.pool_load(rows), "pool_load")
 
 
-def _history(view: View) -> tuple[dict[str, dict[str, Any]], float, tuple[float, float]] | None:
-    """Load samples of the window, bucketed: (series, bucket seconds, x range)."""
-    samples = view.snap.samples if view.snap is not None else []
-    if not samples:
+def _history(view: View) -> History | None:
+    """The window's load history, or None after saying why there is none."""
+    if view.load_history is None:
         st.info("No load samples in this time window: the conductor writes one per instance "
                 "every few seconds (load_samples table)." if view.snap is not None else
                 "No load history without the database.")
-        return None
-    now = view.snap.now  # type: ignore[union-attr]
-    bucket = history.bucket_seconds(view.window_s, samples, now)
-    start = now - view.window_s if view.window_s is not None else samples[0]["t"]
-    pad = 0.02 * max(now - start, 1.0)
-    return history.load_series(samples, bucket), bucket, (start - pad, now + pad)
+    return view.load_history
 
 
 def _pool_history(view: View) -> None:

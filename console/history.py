@@ -18,6 +18,7 @@ from shared.hashing import from_signed
 
 MAX_SAMPLES = 50_000  # newest first: 24 h of 5 s samples is 17,280 per instance
 HOT_BLOCKS = 20
+SAMPLE_S = 5.0  # the conductor's default sampling interval: no finer buckets than that
 GAUGES = ("queue_depth", "running", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached",
           "disk_blocks_used", "disk_blocks_free")
 
@@ -74,16 +75,6 @@ def _mean(values: Iterable[float | None]) -> float | None:
 def _total(values: Iterable[int | None]) -> int | None:
     known = [v for v in values if v is not None]
     return sum(known) if known else None
-
-
-def bucket_seconds(window_s: float | None, samples: list[dict[str, Any]], now: float) -> float:
-    """About 60 buckets per window, never finer than the samples (5 s by default)."""
-    span = window_s if window_s is not None else (
-        now - min(s["t"] for s in samples) if samples else 3600.0)
-    for size in (5, 10, 30, 60, 300, 600, 900, 1800, 3600, 21600, 86400):
-        if span / size <= 60:
-            return float(size)
-    return 86400.0 * 7
 
 
 def load_series(samples: list[dict[str, Any]], bucket_s: float) -> dict[str, dict[str, Any]]:

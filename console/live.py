@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import urllib.error
 import urllib.request
 from typing import Any
@@ -32,10 +31,9 @@ def admin_url(gateway_url: str) -> str:
     return gateway_url.rstrip("/") + "/admin/state"
 
 
-def fetch_state(gateway_url: str, timeout_s: float = 1.5) -> dict[str, Any]:
+def fetch_state(gateway_url: str, timeout_s: float = 1.5, admin_key: str = "") -> dict[str, Any]:
     """GET /admin/state; any failure becomes ClusterUnavailable with a short reason."""
     request = urllib.request.Request(admin_url(gateway_url))
-    admin_key = os.environ.get("HALFMOON_ADMIN_KEY", "")
     if admin_key:  # the gateway guards /admin/* when API keys are on
         request.add_header("Authorization", f"Bearer {admin_key}")
     try:

@@ -20,6 +20,7 @@ from typing import Any, Iterable
 
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from console import history
 from shared.db.schema import InstanceRecord, RequestRecord, RequestStatus
@@ -43,6 +44,7 @@ class ConsoleSettings:
     database_url: str
     gateway_url: str
     refresh_s: float
+    admin_key: str = ""  # for the gateway's /admin/* when API keys are on
 
     @classmethod
     def from_env(cls) -> ConsoleSettings:
@@ -52,7 +54,8 @@ class ConsoleSettings:
             refresh = DEFAULT_REFRESH_S
         return cls(database_url=os.environ.get("HALFMOON_DATABASE_URL") or default_url(),
                    gateway_url=os.environ.get("HALFMOON_GATEWAY_URL") or DEFAULT_GATEWAY_URL,
-                   refresh_s=max(refresh, 0.5))
+                   refresh_s=max(refresh, 0.5),
+                   admin_key=os.environ.get("HALFMOON_ADMIN_KEY", ""))
 
 
 @dataclass
@@ -96,33 +99,28 @@ def _check_sqlite_file(url: str) -> None:
             raise DatabaseUnavailable(f"no SQLite database at {path}")
 
 
-async def _read(url: str, since: float | None, now: float) -> Snapshot:
+async def _connected(url: str, read) -> Any:  # type: ignore[no-untyped-def]
+    """await read(conn) on a fresh engine (bound to this event loop), disposed afterwards."""
     engine = make_engine(url)
     try:
         async with engine.connect() as conn:
-            t = RequestRecord.__table__
-            query = select(t).order_by(t.c.arrival_time.desc()).limit(MAX_ROWS + 1)
-            if since is not None:
-                query = query.where(t.c.arrival_time >= since)
-            requests = [dict(r._mapping) for r in await conn.execute(query)]
-            instances = [dict(r._mapping)
-                         for r in await conn.execute(select(InstanceRecord.__table__))]
-            samples = await history.read_samples(conn, since)
-            kv_tiers, hot_blocks = await history.read_kv(conn)
+            return await read(conn)
     finally:
         await engine.dispose()
+
+
+async def _read(conn: AsyncConnection, since: float | None, now: float) -> Snapshot:
+    t = RequestRecord.__table__
+    query = select(t).order_by(t.c.arrival_time.desc()).limit(MAX_ROWS + 1)
+    if since is not None:
+        query = query.where(t.c.arrival_time >= since)
+    requests = [dict(r._mapping) for r in await conn.execute(query)]
+    instances = [dict(r._mapping) for r in await conn.execute(select(InstanceRecord.__table__))]
+    samples = await history.read_samples(conn, since)
+    kv_tiers, hot_blocks = await history.read_kv(conn)
     return Snapshot(now=now, requests=requests[:MAX_ROWS], instances=instances,
                     truncated=len(requests) > MAX_ROWS, samples=samples, kv_tiers=kv_tiers,
                     hot_blocks=hot_blocks)
-
-
-async def _read_decision(url: str, request_id: str) -> dict[str, Any] | None:
-    engine = make_engine(url)
-    try:
-        async with engine.connect() as conn:
-            return await history.read_decision(conn, request_id)
-    finally:
-        await engine.dispose()
 
 
 def _run_sync(coro_factory) -> Any:  # type: ignore[no-untyped-def]
@@ -136,11 +134,11 @@ def _run_sync(coro_factory) -> Any:  # type: ignore[no-untyped-def]
 
 
 def _guarded(url: str, read) -> Any:  # type: ignore[no-untyped-def]
-    """read(resolved url) -> coroutine, run with a deadline; any failure is one clear message."""
+    """read(conn) -> coroutine, run with a deadline; any failure is one clear message."""
     try:
         url = resolve_url(url)
         _check_sqlite_file(url)
-        return _run_sync(lambda: asyncio.wait_for(read(url), DB_TIMEOUT_S))
+        return _run_sync(lambda: asyncio.wait_for(_connected(url, read), DB_TIMEOUT_S))
     except DatabaseUnavailable:
         raise
     except Exception as exc:  # noqa: BLE001 - any driver error becomes one clear message
@@ -152,12 +150,12 @@ def load_snapshot(url: str, window_s: float | None, now: float | None = None) ->
     samples of the window and what the KV cache holds."""
     now = time.time() if now is None else now
     since = None if window_s is None else now - window_s
-    return _guarded(url, lambda u: _read(u, since, now))
+    return _guarded(url, lambda conn: _read(conn, since, now))
 
 
 def load_decision(url: str, request_id: str) -> dict[str, Any] | None:
     """The conductor's recorded reasons for one request (None: nothing recorded)."""
-    return _guarded(url, lambda u: _read_decision(u, request_id))
+    return _guarded(url, lambda conn: history.read_decision(conn, request_id))
 
 
 # -- derived metrics --------------------------------------------------------------------
@@ -217,26 +215,28 @@ def overview(rows: list[dict[str, Any]], now: float, window_s: float | None,
     }
 
 
-def time_range(window_s: float | None, rows: list[dict[str, Any]],
-               now: float) -> tuple[float, float]:
-    """The x axis of time charts: the whole window ("all": from the first arrival), up to now,
-    with a little room on both sides so that edge buckets are not cut in half."""
+def time_range(window_s: float | None, rows: list[dict[str, Any]], now: float,
+               key: str = "arrival_time") -> tuple[float, float]:
+    """The x axis of time charts: the whole window ("all": from the first row's `key`), up to
+    now, with a little room on both sides so that edge buckets are not cut in half."""
     if window_s is not None:
         start = now - window_s
     else:
-        start = min(r["arrival_time"] for r in rows) if rows else now - 3600.0
+        start = min(r[key] for r in rows) if rows else now - 3600.0
     pad = 0.02 * max(now - start, 1.0)
     return start - pad, now + pad
 
 
-def bucket_seconds(window_s: float | None, rows: list[dict[str, Any]], now: float) -> float:
-    """About 60 buckets per window, rounded to a readable size."""
+def bucket_seconds(window_s: float | None, rows: list[dict[str, Any]], now: float,
+                   key: str = "arrival_time", finest: float = 1.0) -> float:
+    """About 60 buckets per window ("all": from the first row's `key`), rounded to a readable
+    size and never under `finest` seconds."""
     if window_s is not None:
         span = window_s
     else:
-        span = now - min(r["arrival_time"] for r in rows) if rows else 3600.0
+        span = now - min(r[key] for r in rows) if rows else 3600.0
     for size in (1, 5, 10, 30, 60, 300, 600, 900, 1800, 3600, 21600, 86400):
-        if span / size <= 60:
+        if size >= finest and span / size <= 60:
             return float(size)
     return 86400.0 * 7
 
@@ -296,7 +296,8 @@ def request_timeline(row: dict[str, Any]) -> list[dict[str, Any]]:
     if dispatch is not None:
         phases.append({"phase": "placement (conductor)", "start_ms": 0.0, "end_ms": ms(dispatch)})
     if first is None:
-        start, end = dispatch or arrival, finish if finish is not None else dispatch or arrival
+        start = dispatch if dispatch is not None else arrival
+        end = finish if finish is not None else start
         label = "prefill queue → " if dispatch is not None else "arrival → "
         return phases + [{"phase": label + row["status"], "start_ms": ms(start), "end_ms": ms(end)}]
     if dispatch is not None:

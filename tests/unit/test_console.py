@@ -341,8 +341,8 @@ def test_load_series_buckets_gauges_and_counts():
     assert series["d0"]["transfers_in"] == [2, 4]  # the unknown first count is left out
     assert history.activity_totals(samples)["transfers_in"] == 6
     assert not history.has_disk(series)
-    assert history.bucket_seconds(300.0, samples, 200.0) == 5.0
-    assert history.bucket_seconds(86400.0, samples, 200.0) == 1800.0
+    assert queries.bucket_seconds(300.0, samples, 200.0, "t", history.SAMPLE_S) == 5.0
+    assert queries.bucket_seconds(86400.0, samples, 200.0, "t", history.SAMPLE_S) == 1800.0
 
 
 def test_placement_reasons():
