@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -19,14 +18,14 @@ from shared.db.schema import DecisionRecord, RequestRecord, RequestStatus
 from shared.db.session import sessionmaker
 from shared.db.stats import kv_hit_rates
 from shared.hashing import block_hashes
-from shared.messages import (CancelRequest, FinishReason, GenerateRequest, InstanceInfo,
-                             Placement, TokenEvent, Usage)
+from shared.messages import (FinishReason, GenerateRequest, InstanceInfo, Placement,
+                             TokenEvent, Usage)
 from services.gateway.args import GatewaySettings
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompt import PromptBuilder
 from services.gateway.protocol import (ChatCompletionRequest, chunk_body, completion_body,
                                        models_body, now_s, parse_request)
-from services.gateway.streams import Follower, Liveness, TokenStream
+from services.gateway.streams import Follower, Liveness, TokenStream, publish_cancel
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +56,13 @@ class RequestLife:
             now = time.time()
             if self.metrics is not None:
                 self.metrics.token_event(self.arrival, self.last_token_time, now)
+            if self.first_token_time is None:
+                self.first_token_time, self.first_instance = now, event.instance_id
+            elif (self.decode_first_token_time is None and event.instance_id
+                  and event.instance_id != self.first_instance):
+                self.decode_first_token_time = now
             self.last_token_time = now
             self.num_tokens += len(event.token_ids)
-        if self.first_token_time is None and event.token_ids:
-            self.first_token_time = time.time()
-            self.first_instance = event.instance_id
-        elif (self.decode_first_token_time is None and event.token_ids and event.instance_id
-              and event.instance_id != self.first_instance):
-            self.decode_first_token_time = time.time()
         if event.text:
             self.text_parts.append(event.text)
         if event.usage is not None:
@@ -110,8 +108,8 @@ class Gateway:
         self.prompts = prompts
         self.instance_id = instance_id
         self.started_at = time.time()
-        self.instances: dict[str, InstanceInfo] = {}
-        self.liveness = Liveness(settings.instance_expiry_s)  # who can still serve a stream
+        # Every instance's last heartbeat: who can still serve a stream, and /admin/state.
+        self.liveness = Liveness(settings.instance_expiry_s)
         self.in_flight = 0
         self.metrics = GatewayMetrics(lambda: self.in_flight)
 
@@ -127,7 +125,7 @@ class Gateway:
     async def admin_state(self, request: web.Request) -> web.Response:
         now = time.time()
         instances = [dict(info.model_dump(mode="json"), heartbeat_age_s=round(now - info.sent_at, 3))
-                     for info in self.instances.values()]
+                     for info in self.liveness.infos()]
         return web.json_response({"gateway": self.instance_id, "uptime_s": now - self.started_at,
                                   "in_flight": self.in_flight, "instances": instances})
 
@@ -150,13 +148,11 @@ class Gateway:
             info = InstanceInfo.model_validate_json(msg.data)
         except ValueError:
             return
-        self.instances[info.instance_id] = info
         self.liveness.beat(info, time.monotonic())
 
     # -- chat completions ---------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        request_id = request.get("request_id") or f"chatcmpl-{uuid.uuid4().hex}"
-        request["request_id"] = request_id
+        request_id = request["request_id"]  # a chatcmpl- id, from error_middleware (app.py)
         # The tenant comes from the API key (auth.py); "" without keys. It salts the prefix
         # hashes, so no tenant can hit (or time) another's cached blocks.
         tenant = request.get("tenant", "")
@@ -193,7 +189,8 @@ class Gateway:
         finally:
             self.in_flight -= 1
             if follow.attempt is not None and life.status != RequestStatus.COMPLETED:
-                await follow.cancel("request ended")  # whatever is left of it, anywhere
+                # Whatever is left of it, anywhere: one cancel for every way it can end.
+                await follow.cancel(life.error or "request ended")
             await stream.close()
             self.records.request_finished(request_id, life.status.value, **life.terminal_values())
             self.metrics.finished(life, len(prompt_ids))
@@ -204,6 +201,8 @@ class Gateway:
             try:
                 placement = await self._ask_conductor(gen)
             except errors.Timeout:
+                # The conductor may have dispatched it after all: make sure nobody computes it.
+                await publish_cancel(self.nc, gen.request_id, "placement timed out")
                 if retarget is None:
                     raise
                 placement = await self._place_new_attempt(gen, retarget)
@@ -213,26 +212,23 @@ class Gateway:
             self.metrics.rejected(exc)
             life.status = RequestStatus.REJECTED if exc.status == 429 else RequestStatus.FAILED
             life.error = f"{exc.code}: {exc.message}"
-            if isinstance(exc, errors.Timeout):
-                # The conductor may have dispatched it after all: make sure nobody computes it.
-                await self._cancel(gen.request_id, "placement timed out")
             raise
 
     async def _place_new_attempt(self, gen: GenerateRequest,
                                  retarget: Callable[[str, int], Awaitable[None]]) -> Placement:
         """The placement timed out: most likely the leading conductor took the request and
         died before dispatching it (a failover). It may also have dispatched it late, so
-        cancel that id everywhere and place the request once more under a new attempt id:
-        the stream follows only the new one, so nothing is lost and nothing is doubled."""
-        log.warning("request %s: placement timed out; cancelling it and placing a new attempt",
+        that id is cancelled everywhere (by the caller) and the request placed once more
+        under a new attempt id: the stream follows only the new one, so nothing is lost and
+        nothing is doubled."""
+        log.warning("request %s: placement timed out; cancelled it, placing a new attempt",
                     gen.request_id)
-        await self._cancel(gen.request_id, "placement timed out; placed again")
         again = gen.model_copy(update={"request_id": f"{gen.request_id}-t1"})
         await retarget(again.request_id, 0)
         try:
             return await self._ask_conductor(again)
         except errors.Timeout:
-            await self._cancel(again.request_id, "placement timed out twice")
+            await publish_cancel(self.nc, again.request_id, "placement timed out twice")
             raise
 
     async def _ask_conductor(self, gen: GenerateRequest) -> Placement:
@@ -277,7 +273,6 @@ class Gateway:
                 life.on_event(event)
         except errors.HalfmoonError as exc:
             life.error = life.error or f"{exc.code}: {exc.message}"
-            await follow.cancel(exc.code)
             raise
         body = completion_body(life.request_id, self.prompts.model_name, int(life.arrival),
                                "".join(life.text_parts), life.finish_reason, life.usage)
@@ -305,13 +300,11 @@ class Gateway:
             # Timed out, or the request could not be placed again after a fault: a clear
             # error event, then the end of the stream.
             life.error = life.error or f"{exc.code}: {exc.message}"
-            await follow.cancel(exc.code)
             await _write_quietly(resp, sse(exc.body()) + sse("[DONE]"))
         except (ConnectionResetError, ConnectionError) as exc:
             life.status, life.error = RequestStatus.CANCELLED, f"client disconnected: {exc}"
             life.finish_reason = FinishReason.CANCELLED.value
             log.info("request %s: client went away, cancelling", rid)
-            await follow.cancel("client disconnected")
         return resp
 
     async def _write_event(self, resp: web.StreamResponse, chat: ChatCompletionRequest,
@@ -323,13 +316,6 @@ class Gateway:
             if chat.stream_options and chat.stream_options.include_usage:
                 await resp.write(sse(chunk_body(rid, model, created, {}, usage=event.usage,
                                                 with_choice=False)))
-
-    async def _cancel(self, request_id: str, reason: str) -> None:
-        try:
-            await self.nc.publish(subjects.CANCEL,
-                                  CancelRequest(request_id=request_id, reason=reason).encode())
-        except Exception as exc:  # noqa: BLE001 - best effort; workers also time out
-            log.warning("request %s: cancel not sent: %s", request_id, exc)
 
 
 async def _read_json(request: web.Request) -> Any:

@@ -11,7 +11,6 @@ an optional rate limit in `limits` syntax ("60/minute", "10/second;1000/day").
 from __future__ import annotations
 
 import hashlib
-import logging
 import secrets
 import time
 import uuid
@@ -25,7 +24,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from shared.db.schema import ApiKeyRecord
 from shared.db.session import sessionmaker
 
-log = logging.getLogger(__name__)
 
 KEY_PREFIX = "hm-"
 MAX_TENANT_LEN = 200

@@ -146,6 +146,10 @@ class Liveness:
         self._seen[info.instance_id] = _Seen(now, info)
         self._latest = max(self._latest, now)
 
+    def infos(self) -> list[InstanceInfo]:
+        """Each instance's last heartbeat, in the order they were first heard."""
+        return [s.info for s in self._seen.values()]
+
     def incarnation(self, instance_id: str) -> float | None:
         seen = self._seen.get(instance_id)
         return seen.info.started_at if seen else None
@@ -298,10 +302,15 @@ class Follower:
             await asyncio.sleep(POLL_S)
 
     async def cancel(self, reason: str) -> None:
-        """Stop the current attempt wherever it is (best effort: workers also time out)."""
+        """Stop the current attempt wherever it is."""
         rid = self.attempt.request_id if self.attempt is not None else self.gen.request_id
-        try:
-            await self.nc.publish(subjects.CANCEL,
-                                  CancelRequest(request_id=rid, reason=reason).encode())
-        except Exception as exc:  # noqa: BLE001
-            log.warning("request %s: cancel not sent: %s", rid, exc)
+        await publish_cancel(self.nc, rid, reason)
+
+
+async def publish_cancel(nc: NATS, request_id: str, reason: str) -> None:
+    """Tell every instance to drop `request_id` (best effort: workers also time out)."""
+    try:
+        await nc.publish(subjects.CANCEL,
+                         CancelRequest(request_id=request_id, reason=reason).encode())
+    except Exception as exc:  # noqa: BLE001
+        log.warning("request %s: cancel not sent: %s", request_id, exc)
