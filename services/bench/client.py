@@ -14,6 +14,8 @@ from typing import Any
 
 import aiohttp
 
+from services.bench.stats import slowest_tenth_mean
+
 
 @dataclass
 class Result:
@@ -42,11 +44,8 @@ class Result:
     @property
     def tbt_s(self) -> float | None:
         """Mooncake's TBT: the mean of the slowest 10% of the token gaps."""
-        gaps = sorted(self.gaps_s, reverse=True)
-        if not gaps:
-            return None
-        k = max(1, len(gaps) // 10)
-        return sum(gaps[:k]) / k
+        gaps = self.gaps_s
+        return slowest_tenth_mean(gaps) if gaps else None
 
 
 async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Result:

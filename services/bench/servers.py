@@ -28,8 +28,9 @@ class Server:
     name = "server"
     has_ready_line = False  # else /health answering means ready
 
-    def __init__(self, model_dir: Path, dtype: str, extra: list[str] | None = None) -> None:
-        self.model_dir, self.dtype, self.extra = model_dir, dtype, extra or []
+    def __init__(self, model_dir: Path, dtype: str, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.model_dir, self.dtype, self.extra, self.env = model_dir, dtype, extra or [], env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -45,7 +46,7 @@ class Server:
 
     def start(self, timeout_s: float = 300) -> None:
         env = dict(os.environ, HALFMOON_HOME=str(self.tmp / "home"), PYTHONUNBUFFERED="1",
-                   HF_HUB_OFFLINE="1")
+                   HF_HUB_OFFLINE="1", **self.env)
         # Its own process group (stopped as a whole), and gone if the bench dies.
         self.proc = subprocess.Popen(self.command(), env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, preexec_fn=child_preexec)

@@ -24,6 +24,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from services.bench.stats import slowest_tenth_mean
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import InstanceView
 from services.kvmanager.eviction import BlockPool
@@ -58,14 +59,6 @@ class Outcome:
     def hit_tokens(self, block_tokens: int) -> int:
         """DESIGN.md's hit: reused leading blocks x block tokens, capped at the input."""
         return min(self.reused_blocks * block_tokens, self.request.input_length)
-
-
-def slowest_tenth_mean(gaps: list[float]) -> float:
-    """Mooncake's TBT: the mean of the slowest 10% of a request's token gaps (at least one)."""
-    if not gaps:
-        return math.nan
-    k = max(1, math.ceil(len(gaps) / 10))
-    return sum(heapq.nlargest(k, gaps)) / k
 
 
 # ---- prefill ------------------------------------------------------------------------------
