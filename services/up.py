@@ -57,10 +57,9 @@ class UpSettings(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
-        from services.conductor.policy import POLICIES
+        from services.conductor.policy import make_policy
 
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; choose from {sorted(POLICIES)}")
+        make_policy(v)  # raises ValueError naming the choices
         return v
     model: str = Field(DEFAULT_MODEL_NAME, description="model folder or name in HALFMOON_HOME/models")
     dtype: str = Field("bfloat16", description="float32 | bfloat16")

@@ -42,16 +42,20 @@ def install_stop_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
+async def publish_heartbeat(nc: NATS, msg: InstanceInfo) -> None:
+    """One heartbeat, stamped now; a failure (NATS reconnecting) only skips it."""
+    msg.sent_at = time.time()
+    try:
+        await nc.publish(subjects.heartbeat(msg.role.value, msg.instance_id), msg.encode())
+    except Exception as exc:  # noqa: BLE001 - keep beating through reconnects
+        log.debug("heartbeat not sent: %s", exc)
+
+
 async def heartbeat_loop(nc: NATS, info: Callable[[], InstanceInfo], interval_s: float,
                          stop: asyncio.Event) -> None:
     """Publish this instance's state until `stop`; a NATS outage only skips beats."""
     while not stop.is_set():
-        msg = info()
-        msg.sent_at = time.time()
-        try:
-            await nc.publish(subjects.heartbeat(msg.role.value, msg.instance_id), msg.encode())
-        except Exception as exc:  # noqa: BLE001 - keep beating through reconnects
-            log.debug("heartbeat not sent: %s", exc)
+        await publish_heartbeat(nc, info())
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
 

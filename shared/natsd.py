@@ -38,11 +38,13 @@ class EmbeddedNats:
         conf.write_text(f"max_payload: {self.max_payload}\n")
         for old in self.workdir.glob("nats-server_*.ports"):
             old.unlink()
-        log = open(self.workdir / "nats-server.log", "ab")
-        self.proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(self.port),
-             "-js", "-sd", str(self.workdir / "js"), "--ports_file_dir", str(self.workdir)],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=child_preexec)
+        # The child keeps its own copy of the log's descriptor: ours closes at once, so a
+        # restarted server (halfmoon up supervises it) leaks no file handle.
+        with open(self.workdir / "nats-server.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(self.port),
+                 "-js", "-sd", str(self.workdir / "js"), "--ports_file_dir", str(self.workdir)],
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=child_preexec)
         ports_file = self.workdir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

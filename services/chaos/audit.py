@@ -46,7 +46,7 @@ async def _read(engine, since: float, client_ids: set[str]) -> Audit:  # type: i
     async with sessionmaker(engine)() as s:
         rows = (await s.execute(select(t.id, t.status).where(t.arrival_time >= since))).all()
     statuses = {rid: status for rid, status in rows}
-    terminal = {str(x) for x in TERMINAL_STATUSES}
     return Audit(rows=len(rows), by_status=Counter(statuses.values()),
-                 not_terminal=sorted(r for r, st in statuses.items() if st not in terminal),
+                 not_terminal=sorted(r for r, st in statuses.items()
+                                     if st not in TERMINAL_STATUSES),
                  missing=sorted(client_ids - set(statuses)))

@@ -8,7 +8,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import asdict
@@ -27,17 +26,12 @@ from services.bench.client import stream_chat
 from services.chaos.args import ChaosSettings, parse_args
 from services.chaos.audit import Audit, audit
 from services.chaos.faults import Faults, HeartbeatVictims, cluster_victims
+from services.bench.servers import free_port
 from services.chaos.load import Load, make_body
 from services.up import Cluster, UpSettings
 
 log = logging.getLogger("halfmoon.chaos")
 SERVING_ROLES = {"gateway", "conductor", "kvmanager", "prefill", "decode"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> Cluster:
@@ -48,7 +42,7 @@ async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> Cluster:
     # The gateway's fault handling, tightened so a lost stream is placed again quickly.
     os.environ["HALFMOON_TOKEN_TIMEOUT_S"] = str(s.token_timeout_s)
     os.environ["HALFMOON_FIRST_TOKEN_TIMEOUT_S"] = str(max(60.0, 3 * s.token_timeout_s))
-    up = UpSettings(port=_free_port(), console=False, prefill=s.prefill, decode=s.decode,
+    up = UpSettings(port=free_port(), console=False, prefill=s.prefill, decode=s.decode,
                     model=str(model_dir), dtype=s.dtype, log_level=s.log_level,
                     database_url=f"sqlite+aiosqlite:///{home / 'halfmoon.db'}",
                     restart=True, restart_backoff_s=0.5, metrics_base_port=0)

@@ -15,8 +15,8 @@ from nats.aio.subscription import Subscription
 from shared import bus, subjects
 from shared.db.records import RecordWriter
 from shared.db.session import make_engine
-from shared.lifecycle import (heartbeat_loop, install_stop_signals, new_instance_id, run_main,
-                              setup_logging)
+from shared.lifecycle import (heartbeat_loop, install_stop_signals, new_instance_id,
+                              publish_heartbeat, run_main, setup_logging)
 from shared.messages import InstanceInfo, Role
 from shared.metrics import serve_metrics
 from services.conductor.args import ConductorSettings, parse_args
@@ -72,14 +72,6 @@ def make_election(settings: ConductorSettings, nc: NATS, instance_id: str, intak
                     on_elected=elected, on_deposed=deposed, replicas=settings.lease_replicas)
 
 
-async def _beat_now(nc: NATS, info: Callable[[], InstanceInfo]) -> None:
-    """One heartbeat out of turn: a change of leader is news at once, not at the next beat."""
-    msg = info()
-    msg.sent_at = time.time()
-    with contextlib.suppress(Exception):  # the regular beat follows anyway
-        await nc.publish(subjects.heartbeat(msg.role.value, msg.instance_id), msg.encode())
-
-
 async def _campaign(election: Election, stop: asyncio.Event, settings: ConductorSettings) -> None:
     # One heartbeat period first, so that a fresh conductor knows the instances before it can
     # lead (and a warm standby wins against it when a leader dies).
@@ -111,7 +103,9 @@ async def serve(settings: ConductorSettings) -> None:
         info = lambda: InstanceInfo(  # noqa: E731
             instance_id=instance_id, role=Role.CONDUCTOR, pid=os.getpid(), started_at=started,
             leader=conductor.leading(), term=election.term if election else 0)
-        election = make_election(settings, nc, instance_id, intake, lambda: _beat_now(nc, info))
+        # A change of leader is news at once, not at the next beat.
+        election = make_election(settings, nc, instance_id, intake,
+                                 lambda: publish_heartbeat(nc, info()))
         conductor.leading = lambda: election is None or election.is_leader
         tasks = [asyncio.create_task(heartbeat_loop(nc, info, settings.heartbeat_interval_s, stop)),
                  asyncio.create_task(_sweep(conductor, stop, settings.heartbeat_expiry_s / 3))]

@@ -50,12 +50,14 @@ class Conductor:
         self._record_instance(info, now, info.status)
 
     def _record_instance(self, info: InstanceInfo, now: float, status: str) -> None:
-        if self.records is not None and info.role in (Role.PREFILL, Role.DECODE):
+        if self.records is None:
+            return
+        if info.role in (Role.PREFILL, Role.DECODE):
             self.records.load_sample(info, now, self.settings.instance_record_interval_s,
                                      self.settings.load_retention_s)
         last = self._recorded_at.get(info.instance_id)
-        if self.records is None or (last is not None and status != "dead"
-                                    and now - last < self.settings.instance_record_interval_s):
+        if (last is not None and status != "dead"
+                and now - last < self.settings.instance_record_interval_s):
             return
         self._recorded_at[info.instance_id] = now
         self.records.instance_seen(id=info.instance_id, role=info.role.value, host=info.host,
