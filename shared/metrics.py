@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -24,6 +24,7 @@ from prometheus_client import disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", GaugeMetricFamily, CounterMetricFamily)
 
 # `_created` series double the output and no dashboard here reads them.
 disable_created_metrics()
@@ -56,21 +57,23 @@ class ScrapeCollector:
         return []  # names are only known at scrape time; nothing to pre-register
 
 
-def gauge(name: str, doc: str, value: float | None = None, labels: Sequence[str] = (),
-          samples: Iterable[tuple[Sequence[str], float]] = ()) -> GaugeMetricFamily:
-    fam = GaugeMetricFamily(name, doc, value=value, labels=labels if value is None else None)
+def _family(cls: type[F], name: str, doc: str, value: float | None, labels: Sequence[str],
+            samples: Iterable[tuple[Sequence[str], float]]) -> F:
+    fam = cls(name, doc, value=value, labels=labels if value is None else None)
     for label_values, v in samples:
         fam.add_metric(list(label_values), v)
     return fam
+
+
+def gauge(name: str, doc: str, value: float | None = None, labels: Sequence[str] = (),
+          samples: Iterable[tuple[Sequence[str], float]] = ()) -> GaugeMetricFamily:
+    return _family(GaugeMetricFamily, name, doc, value, labels, samples)
 
 
 def counter(name: str, doc: str, value: float | None = None, labels: Sequence[str] = (),
             samples: Iterable[tuple[Sequence[str], float]] = ()) -> CounterMetricFamily:
     """A counter whose running total lives elsewhere (the engine, an index)."""
-    fam = CounterMetricFamily(name, doc, value=value, labels=labels if value is None else None)
-    for label_values, v in samples:
-        fam.add_metric(list(label_values), v)
-    return fam
+    return _family(CounterMetricFamily, name, doc, value, labels, samples)
 
 
 def exposition(registry: CollectorRegistry) -> bytes:

@@ -50,9 +50,7 @@ class DecodeInstance(EngineInstance):
         With no KV to pull (a re-placed request), or a pull that failed, recompute it here."""
         req = job.request
         rid = req.request_id
-        # A job delivered twice (a publish buffered across a NATS restart can be) runs once.
-        if (rid in self.cancelled or rid in self.finished or rid in self.streams
-                or rid in self._admitting):
+        if self.known(rid) or rid in self._admitting:  # a job delivered twice runs once
             return
         self._admitting.add(rid)
         try:

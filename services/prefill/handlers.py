@@ -52,9 +52,7 @@ class PrefillInstance(EngineInstance):
             return
         req = job.request
         rid = req.request_id
-        if rid in self.cancelled or rid in self.finished or rid in self.streams:
-            # The client left before the job got here, or the job came twice (a publish
-            # buffered across a NATS restart can): nothing (more) to do.
+        if self.known(rid):  # nothing (more) to do
             await bus.respond(msg, Ack())
             return
         if self._stats["waiting"] >= self.settings.max_queue:

@@ -143,6 +143,7 @@ class EngineInstance:
     def info(self) -> InstanceInfo:
         s = self._stats
         used = int(s["kv_blocks_total"] - s["kv_blocks_free"])
+        disk_used, disk_free = self.disk_blocks()
         return InstanceInfo(
             instance_id=self.instance_id, role=self.role, pid=os.getpid(),
             started_at=self.started_at, kv_host=self.settings.kv_advertise_host or
@@ -150,23 +151,22 @@ class EngineInstance:
             running=int(s["running"]), kv_tokens_used=used * self.settings.block_size, model=self.lm.name,
             queue_prompts=s["queue_prompts"][:256], mean_context=s["mean_context"],
             kv_blocks_total=int(s["kv_blocks_total"]), kv_blocks_free=int(s["kv_blocks_free"]),
-            kv_blocks_cached=int(s["kv_blocks_cached"]), **self._disk_blocks(),
-            kv_activity=self.kv_activity, kv_blocks_leased=self.leased_blocks())
+            kv_blocks_cached=int(s["kv_blocks_cached"]), disk_blocks_used=disk_used,
+            disk_blocks_free=disk_free, kv_activity=self.kv_activity, kv_blocks_leased=self.leased_blocks())
 
     def leased_blocks(self) -> int:
         """Blocks' worth of KV held outside the pool for requests (subclasses that hold any)."""
         return 0
 
-    def _disk_blocks(self) -> dict[str, int]:
+    def disk_blocks(self) -> tuple[int, int]:
+        """(used, free) blocks of the disk tier; (0, 0) without one."""
         disk = self.engine.disk
         if disk is None:
-            return {}
-        # The tier starts empty and reports every block in and out as KV events.
-        used = max(self.kv_activity.disk_stored - self.kv_activity.disk_removed, 0)
+            return 0, 0
+        used = len(disk)
         # Block files are all about one size: free room in blocks of the size seen so far.
         size = disk.nbytes / used if used else self.engine.kv.shape.block_nbytes
-        return {"disk_blocks_used": used,
-                "disk_blocks_free": int(max(disk.capacity_bytes - disk.nbytes, 0) // max(size, 1))}
+        return used, int(max(disk.capacity_bytes - disk.nbytes, 0) // max(size, 1))
 
     def count_transfer(self, incoming: bool, nbytes: int) -> None:
         """One KV transfer done, fetched by this instance (incoming) or from it."""
@@ -213,6 +213,12 @@ class EngineInstance:
             await self.finish_with_error(rid, "internal_error", why)
 
     # -- cancellation ---------------------------------------------------------------------
+    def known(self, request_id: str) -> bool:
+        """Cancelled, ended or in progress here: a job for it again is one to drop (the
+        client left first, or a publish buffered across a NATS restart came twice)."""
+        return (request_id in self.cancelled or request_id in self.finished
+                or request_id in self.streams)
+
     async def on_cancel(self, msg: Any) -> None:
         try:
             req = CancelRequest.model_validate_json(msg.data)

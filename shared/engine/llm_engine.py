@@ -24,7 +24,7 @@ from shared.engine.kv_transfer import (KVExport, check_compatible, export_cached
 from shared.engine.model import PagedLlama
 from shared.engine.output import OutputTracker
 from shared.engine.runner import LoadedModel
-from shared.engine.sampling import Sampler
+from shared.engine.sampling import GREEDY_BELOW, Sampler
 from shared.engine.scheduler import PoolTooSmall, ScheduledSeq, Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence
 from shared.hashing import block_hashes
@@ -303,7 +303,7 @@ class LLMEngine:
         out = []
         for row, item in enumerate(items):
             params = item.seq.params
-            if params.temperature <= 0:
+            if params.temperature < GREEDY_BELOW:  # the Sampler's own greedy cut-off
                 out.append(greedy[row])
             else:
                 req = self.requests[item.seq.request_id]

@@ -109,10 +109,8 @@ class EngineMetrics:
         capacity = [(("dram",), engine.kv.nbytes)]
         disk = engine.disk
         if disk is not None:
-            n = len(disk)
-            size = disk.nbytes / n if n else block_nbytes  # block files are all about one size
-            blocks += [(("disk", "used"), n),
-                       (("disk", "free"), max(disk.capacity_bytes - disk.nbytes, 0) // size)]
+            n, disk_free = self.inst.disk_blocks()
+            blocks += [(("disk", "used"), n), (("disk", "free"), disk_free)]
             cached.append((("disk",), n))
             used_bytes.append((("disk",), disk.nbytes))
             capacity.append((("disk",), disk.capacity_bytes))

@@ -101,6 +101,11 @@ class KVSender(abc.ABC):
         """Drop an offer now (FAILED) rather than at its TTL: its request was cancelled or
         its receiver is gone. Unknown or finished transfers are ignored."""
 
+    @property
+    @abc.abstractmethod
+    def pending(self) -> int:
+        """Offers not fetched, withdrawn or expired yet."""
+
     def state(self, transfer_id: str) -> TransferState | None:
         return self.states.get(transfer_id)
 
