@@ -56,11 +56,7 @@ def table(runs: Sequence[dict[str, Any]]) -> str:
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:
-    path.write_text(json.dumps(report, indent=1, default=_plain))
-
-
-def _plain(x: object) -> object:
-    return x.__dict__ if hasattr(x, "__dict__") else str(x)
+    path.write_text(json.dumps(report, indent=1))
 
 
 def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
