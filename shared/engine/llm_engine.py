@@ -15,6 +15,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from shared.engine import kernels
 from shared.engine.batch import build_batch
 from shared.engine.block_manager import BlockManager
 from shared.engine.disk_tier import DiskTier
@@ -47,6 +48,7 @@ class EngineConfig:
     eviction: Literal["lru", "watermark"] = "lru"  # watermark: Mooncake Store's proactive mode
     high_watermark: float = 0.90
     evict_ratio: float = 0.05
+    quantization: Literal["none", "int8"] = "none"  # weights (and activations) of the linears
 
 
 @dataclass
@@ -89,7 +91,7 @@ class LLMEngine:
         shape = PagedLlama.kv_shape(lm.model.config, config.block_size, lm.dtype)
         num_blocks = shape.num_blocks_for(config.kv_cache_bytes)
         self.kv = KVCache(shape, num_blocks, lm.device)
-        self.model = PagedLlama(lm.model, self.kv)
+        self.model = PagedLlama(lm.model, self.kv, config.quantization)
         self.blocks = BlockManager(num_blocks, config.block_size, config.hot_hits, config.pin_ttl_s)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
                                                    config.max_num_batched_tokens), self.blocks)
@@ -108,8 +110,10 @@ class LLMEngine:
         if config.disk_tier_bytes > 0:
             self.disk = DiskTier(Path(config.disk_tier_dir), config.disk_tier_bytes)
             self.blocks.keep_spills = True
-        log.info("KV pool: %d blocks of %d tokens (%.0f MiB), native attention %s", num_blocks,
-                 config.block_size, self.kv.nbytes / 2**20, self.model.native)
+        log.info("KV pool: %d blocks of %d tokens (%.0f MiB); %s, quantization %s; native "
+                 "kernels: %s", num_blocks, config.block_size, self.kv.nbytes / 2**20,
+                 str(lm.dtype).removeprefix("torch."), config.quantization,
+                 kernels.status() if self.model.native else "off (torch path)")
 
     # -- intake -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

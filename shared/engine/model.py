@@ -1,10 +1,15 @@
 """Llama-family forward pass over the paged KV cache (the engine's only tensor math).
 
-Weights come from a transformers model; norms and rotary embeddings are transformers'
-own modules, so numerics follow the reference. What differs is the batching: every
-scheduled token of every sequence goes through the linear layers as one flat batch;
-attention is per sequence against its blocks in the pool: one-token queries (decode)
-through the native paged kernel, multi-token chunks (prefill) through SDPA.
+Weights come from a transformers model. Every scheduled token of every sequence goes
+through the linear layers as one flat batch; attention is per sequence against its
+blocks in the pool: one-token queries (decode) through the native paged kernel,
+multi-token chunks (prefill) through SDPA.
+
+Two paths compute the same arithmetic (rounding included, see csrc/ops.c):
+- native (CPU with the C kernels): per layer, RMSNorm fused with the residual add, the
+  QKV GEMM, RoPE fused with the KV write, attention, O, RMSNorm + add, gate/up, SiLU-mul,
+  down: nine calls, against some forty eager ops. RoPE reads a cos/sin table built once.
+- torch (no compiler, or CUDA): transformers' own norm and rotary modules, eager ops.
 """
 
 from __future__ import annotations
@@ -14,8 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.engine import kernels
+from shared.engine import fused, kernels
 from shared.engine.kv_cache import KVCache, KVShape
+from shared.engine.linear import Linear, make_linear
+
+# Rotary variants whose cos/sin depend on the position alone (a table built once holds);
+# others (dynamic NTK, longrope) are computed per step.
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+_MAX_NATIVE_DIM, _MAX_NATIVE_HEAD_DIM = 8192, 256
 
 
 @dataclass
@@ -43,84 +54,135 @@ class BatchMeta:
     logit_rows: torch.Tensor  # [M] long: rows whose next-token logits are needed
 
 
-class Linear:
-    """y = x Wᵀ + b. For bf16 on CPU the weight is prepacked once into oneDNN's blocked
-    layout: the plain call repacks it every time, which at decode sizes costs up to half
-    of the matmul (same kernel, same results)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
-        self.packed: torch.Tensor | None = None
-        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _can_pack():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-def _can_pack() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                            "_reorder_linear_weight")
-
-
 class _Layer:
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, quantization: str) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = layer.input_layernorm
         self.post_norm = layer.post_attention_layernorm
         # Fused projections: one GEMM instead of three (and two), same math.
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        self.qkv = Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                          torch.cat(biases) if all(b is not None for b in biases) else None)
-        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
-        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-        self.down = Linear(mlp.down_proj.weight)
+        self.qkv = make_linear(
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            torch.cat(biases) if all(b is not None for b in biases) else None, quantization)
+        self.o = make_linear(attn.o_proj.weight, attn.o_proj.bias, quantization)
+        self.gate_up = make_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None,
+                                   quantization)
+        self.down = make_linear(mlp.down_proj.weight, None, quantization)
+
+    @property
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class PagedLlama:
-    def __init__(self, hf_model: torch.nn.Module, kv: KVCache) -> None:
+    def __init__(self, hf_model: torch.nn.Module, kv: KVCache, quantization: str = "none") -> None:
         cfg = hf_model.config
         self.config = cfg
         self.kv = kv
+        self.quantization = quantization
         base = hf_model.model
         self.embed = base.embed_tokens
         self.norm = base.norm
         self.rotary = base.rotary_emb
-        self.lm_head = Linear(hf_model.lm_head.weight)
-        self.layers = [_Layer(layer) for layer in base.layers]
+        self.lm_head = make_linear(hf_model.lm_head.weight, None, quantization)
+        self.layers = [_Layer(layer, quantization) for layer in base.layers]
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.intermediate = cfg.intermediate_size
+        self.eps = float(cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
-        self.native = kernels.available() and kv.k.device.type == "cpu"
+        self.dtype = self.embed.weight.dtype
         mlp_act = getattr(cfg, "hidden_act", "silu")
         if mlp_act != "silu":
             raise ValueError(f"unsupported activation {mlp_act!r} (Llama family uses silu)")
+        self.native = (kernels.available() and kv.k.device.type == "cpu"
+                       and cfg.hidden_size <= _MAX_NATIVE_DIM
+                       and self.head_dim <= _MAX_NATIVE_HEAD_DIM)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def kv_shape(cfg, block_size: int, dtype: torch.dtype) -> KVShape:  # type: ignore[no-untyped-def]
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, block_size, dtype)
 
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of weights one decode step reads (every linear layer; embeddings are a
+        gather of a few rows)."""
+        return sum(lin.nbytes for layer in self.layers for lin in layer.linears) + \
+            self.lm_head.nbytes
+
     @torch.inference_mode()
     def forward(self, meta: BatchMeta) -> torch.Tensor:
         """Logits (fp32) for `meta.logit_rows`, after writing every token's K/V to the pool."""
+        if self.native:
+            return self._forward_native(meta)
+        return self._forward_torch(meta)
+
+    # -- native path ----------------------------------------------------------------------
+    def _forward_native(self, meta: BatchMeta) -> torch.Tensor:
+        h = self.embed(meta.input_ids)
+        cos, sin, positions = self._rope(h, meta.positions)
+        delta: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            x = fused.rms_norm(h, delta, layer.input_norm.weight, self.eps)
+            qkv = layer.qkv(x)
+            fused.rope_kv_write(qkv, cos, sin, positions, self.num_heads, self.num_kv_heads,
+                                self.head_dim, meta.slot_blocks, meta.slot_offsets,
+                                self.kv.k[i], self.kv.v[i])
+            x = fused.rms_norm(h, layer.o(self._attend(i, qkv, meta)), layer.post_norm.weight,
+                               self.eps)
+            delta = layer.down(fused.silu_mul(layer.gate_up(x)))
+        rows = meta.logit_rows
+        assert delta is not None
+        x = fused.rms_norm(h.index_select(0, rows), delta.index_select(0, rows),
+                           self.norm.weight, self.eps)
+        return self.lm_head(x).float()
+
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin tables (rounded to the activation dtype first, as transformers
+        casts them) and the row of each token in them."""
+        if getattr(self.rotary, "rope_type", "default") not in _STATIC_ROPE:
+            cos, sin = self.rotary(h, positions.unsqueeze(0))
+            return cos[0].float().contiguous(), sin[0].float().contiguous(), \
+                torch.arange(h.shape[0], dtype=torch.long)
+        if self._rope_table is None:
+            n = int(self.config.max_position_embeddings)
+            all_pos = torch.arange(n, dtype=torch.long).unsqueeze(0)
+            cos, sin = self.rotary(h[:1].expand(n, -1), all_pos)
+            self._rope_table = cos[0].float().contiguous(), sin[0].float().contiguous()
+        return self._rope_table[0], self._rope_table[1], positions
+
+    def _attend(self, i: int, qkv: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        n, hq = qkv.shape[0], self.num_heads * self.head_dim
+        out = torch.empty(n, hq, dtype=qkv.dtype)
+        if meta.num_single:
+            kernels.paged_decode_attention(qkv[:meta.num_single], self.kv.k[i], self.kv.v[i],
+                                           meta.single_tables, meta.single_ctx, self.scale,
+                                           out[:meta.num_single])
+        for chunk in meta.chunks:
+            rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+            q = qkv[rows, :hq].view(chunk.num_tokens, self.num_heads, self.head_dim)
+            out[rows] = self._chunk(i, q, chunk).reshape(chunk.num_tokens, hq)
+        return out
+
+    # -- torch path -----------------------------------------------------------------------
+    def _forward_torch(self, meta: BatchMeta) -> torch.Tensor:
         h = self.embed(meta.input_ids)
         cos, sin = self.rotary(h, meta.positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, layer.input_norm(h), cos, sin, meta)
+            h = h + self._attention_torch(i, layer, layer.input_norm(h), cos, sin, meta)
             x = layer.post_norm(h)
             gate_up = layer.gate_up(x)
             h = h + layer.down(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
         h = self.norm(h.index_select(0, meta.logit_rows))
         return self.lm_head(h).float()
 
-    def _attention(self, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    def _attention_torch(self, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         n = x.shape[0]
         qkv = layer.qkv(x)
         hq, hk, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
@@ -132,30 +194,25 @@ class PagedLlama:
         self.kv.write(i, meta.slot_blocks, meta.slot_offsets, k, v)
         out = torch.empty(n, self.num_heads, d, dtype=x.dtype, device=x.device)
         if meta.num_single:
-            out[:meta.num_single] = self._single(i, q[:meta.num_single], meta)
+            out[:meta.num_single] = self._single_torch(i, q[:meta.num_single], meta)
         for chunk in meta.chunks:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             out[rows] = self._chunk(i, q[rows], chunk)
         return layer.o(out.view(n, hq))
 
-    def _single(self, i: int, q: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
-        if self.native:
-            qf = q.float().contiguous()
-            res = torch.empty_like(qf)
-            kernels.paged_decode_attention(qf, self.kv.k[i], self.kv.v[i], meta.single_tables,
-                                           meta.single_ctx, self.scale, res)
-            return res.to(q.dtype)
-        # Fallback without the native kernel: gather each sequence's blocks.
+    def _single_torch(self, i: int, q: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        """One-token queries without the native kernel: gather each sequence's blocks."""
         rows = []
         for s in range(q.shape[0]):
             ctx = int(meta.single_ctx[s])
             nblocks = -(-ctx // self.kv.shape.block_size)
             ids = meta.single_tables[s, :nblocks].long().to(self.kv.k.device)
-            chunk = ChunkMeta(0, 1, ctx - 1, ids)
-            rows.append(self._chunk(i, q[s:s + 1], chunk))
+            rows.append(self._chunk(i, q[s:s + 1], ChunkMeta(0, 1, ctx - 1, ids)))
         return torch.cat(rows)
 
+    # -- both -----------------------------------------------------------------------------
     def _chunk(self, i: int, q: torch.Tensor, chunk: ChunkMeta) -> torch.Tensor:
+        """SDPA of a chunk's queries [n, Hq, D] against its sequence's gathered KV."""
         total = chunk.pos0 + chunk.num_tokens
         k, v = self.kv.gather(i, chunk.block_ids, total)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]

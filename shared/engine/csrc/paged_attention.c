@@ -3,145 +3,305 @@
  * Why C: torch has no paged attention on CPU; gathering every sequence's blocks into a
  * dense tensor each step costs more memory traffic than the attention itself. This reads
  * each sequence's blocks straight from the pool through its block table, keeps scores in
- * fp32 with a per-block online softmax, and parallelises over (sequence, kv head).
+ * fp32 with a per-block online softmax, and splits the work over (sequence, kv head,
+ * context part): with few sequences, a long context is cut into parts whose partial
+ * softmax states are merged at the end (flash-decoding), so every thread has work.
  *
  * Layouts (row-major). K is stored transposed inside a block so that q.K for all of a
  * block's tokens is a run of vector FMAs over tokens, with no horizontal sums:
- *   q            [num_seqs, num_q_heads, head_dim]                fp32
+ *   q            [num_seqs, num_q_heads, head_dim], rows q_stride apart   fp32 or bf16
  *   k cache      [num_blocks, num_kv_heads, head_dim, block_size]  bf16 (uint16) or fp32
  *   v cache      [num_blocks, num_kv_heads, block_size, head_dim]  same dtype
  *   block_tables [num_seqs, max_blocks]                            int32
  *   ctx_lens     [num_seqs]                                        int32 (tokens to attend)
- *   out          [num_seqs, num_q_heads, head_dim]                fp32
+ *   out          [num_seqs, num_q_heads * head_dim]                 same dtype as q
  * Query heads h*G .. h*G+G-1 share kv head h (grouped-query attention).
+ *
+ * Two inner kernels compute the same thing: an AVX-512 one for the common shape (16-token
+ * blocks, head_dim a multiple of 16, G*head_dim <= 256: every accumulator in a register;
+ * the plain C one converted bf16 a lane at a time and ran 3x slower than memory), and the
+ * plain C one for everything else.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define MAX_BLOCK 64
+#define MIN_BLOCKS_PER_PART 4
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)x) << 16;
-    return v.f;
+/* One work item's partial softmax state for its G query heads, in a flat scratch buffer:
+ * m[G], l[G], then acc[G][head_dim] (unnormalized). */
+typedef struct {
+    float *m, *l, *acc;
+} Partial;
+
+static inline Partial partial_at(float *scratch, long index, int G, int D) {
+    float *base = scratch + index * (long)(2 * G + G * D);
+    Partial p = {base, base + G, base + 2 * G};
+    return p;
 }
 
-/* exp(x) for x <= 0, vectorizable (glibc's expf is scalar).
- * 2^(x log2 e) split into 2^i * 2^f, 2^f by a degree-5 polynomial: relative error ~2e-7. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float t = x * 1.44269504089f;
-    const float fi = floorf(t);
-    const float f = t - fi;
-    float p = 1.8775767e-3f;
-    p = p * f + 8.9893397e-3f;
-    p = p * f + 5.5826318e-2f;
-    p = p * f + 2.4015361e-1f;
-    p = p * f + 6.9315308e-1f;
-    p = p * f + 1.0f;
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)((int)fi + 127) << 23;
-    return p * v.f;
+/* exp(x) for x <= 0 (scores minus their running max). */
+static inline float exp_nonpos(float x) { return exp_approx(x); }
+
+typedef struct {
+    const void *q; long q_stride; int act_bf16;
+    const void *k, *v; int kv_bf16;
+    const int32_t *tables; int max_blocks; const int32_t *ctx;
+    int num_q_heads, num_kv_heads, head_dim, block_size, G;
+    long block_stride, head_stride;
+    float scale;
+} Args;
+
+static inline float kv_at(const void *p, long i, int bf16) {
+    return bf16 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-#define DEFINE_KERNEL(NAME, T, LOAD)                                                          \
-static inline __attribute__((always_inline)) void NAME##_one(const float *q, const T *k_cache, const T *v_cache,                   \
-                       const int32_t *table, int len, int s, int h, int G, int num_q_heads,   \
-                       int head_dim, int block_size, long block_stride, long head_stride,     \
-                       float scale, float *out) {                                             \
-    float qv[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM];                                   \
-    float m[MAX_GROUP], l[MAX_GROUP], sc[MAX_GROUP][MAX_BLOCK], row[MAX_DIM > MAX_BLOCK ?    \
-                                                                    MAX_DIM : MAX_BLOCK];    \
-    for (int g = 0; g < G; g++) {                                                            \
-        const float *src = q + ((long)s * num_q_heads + h * G + g) * head_dim;               \
-        for (int d = 0; d < head_dim; d++) qv[g][d] = src[d] * scale;                        \
-        memset(acc[g], 0, sizeof(float) * head_dim);                                         \
-        m[g] = -INFINITY; l[g] = 0.f;                                                        \
-    }                                                                                        \
-    const int nblocks = (len + block_size - 1) / block_size;                                 \
-    for (int b = 0; b < nblocks; b++) {                                                      \
-        const long base = (long)table[b] * block_stride + (long)h * head_stride;             \
-        const T *kb = k_cache + base, *vb = v_cache + base;                                  \
-        const int rest = len - b * block_size;                                               \
-        const int n = rest < block_size ? rest : block_size;                                 \
-        /* scores: each K row (one dim, all tokens) is converted once for all G heads */     \
-        for (int g = 0; g < G; g++) memset(sc[g], 0, sizeof(float) * block_size);            \
-        for (int d = 0; d < head_dim; d++) {                                                 \
-            const T *kr = kb + (long)d * block_size;                                         \
-            _Pragma("omp simd")                                                              \
-            for (int t = 0; t < block_size; t++) row[t] = LOAD(kr[t]);                       \
-            for (int g = 0; g < G; g++) {                                                    \
-                const float qd = qv[g][d];                                                   \
-                float *sg = sc[g];                                                           \
-                _Pragma("omp simd")                                                          \
-                for (int t = 0; t < block_size; t++) sg[t] += qd * row[t];                   \
-            }                                                                                \
-        }                                                                                    \
-        for (int g = 0; g < G; g++) {                                                        \
-            float bmax = -INFINITY;                                                          \
-            for (int t = 0; t < n; t++) bmax = sc[g][t] > bmax ? sc[g][t] : bmax;            \
-            const float new_m = bmax > m[g] ? bmax : m[g];                                   \
-            const float corr = expf(m[g] - new_m);                                           \
-            float psum = 0.f;                                                                \
-            float *sg = sc[g];                                                               \
-            _Pragma("omp simd reduction(+:psum)")                                            \
-            for (int t = 0; t < n; t++) {                                                    \
-                sg[t] = exp_nonpos(sg[t] - new_m);                                           \
-                psum += sg[t];                                                               \
-            }                                                                                \
-            l[g] = l[g] * corr + psum;                                                       \
-            m[g] = new_m;                                                                    \
-            float *a = acc[g];                                                               \
-            _Pragma("omp simd")                                                              \
-            for (int d = 0; d < head_dim; d++) a[d] *= corr;                                 \
-        }                                                                                    \
-        /* values: each V row is converted once for all G heads */                          \
-        for (int t = 0; t < n; t++) {                                                        \
-            const T *vr = vb + (long)t * head_dim;                                           \
-            _Pragma("omp simd")                                                              \
-            for (int d = 0; d < head_dim; d++) row[d] = LOAD(vr[d]);                         \
-            for (int g = 0; g < G; g++) {                                                    \
-                const float p = sc[g][t];                                                    \
-                float *a = acc[g];                                                           \
-                _Pragma("omp simd")                                                          \
-                for (int d = 0; d < head_dim; d++) a[d] += p * row[d];                       \
-            }                                                                                \
-        }                                                                                    \
-    }                                                                                        \
-    for (int g = 0; g < G; g++) {                                                            \
-        float *dst = out + ((long)s * num_q_heads + h * G + g) * head_dim;                   \
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;                                     \
-        for (int d = 0; d < head_dim; d++) dst[d] = acc[g][d] * inv;                         \
-    }                                                                                        \
-}                                                                                            \
-                                                                                             \
-int NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,     \
-         int max_blocks, const int32_t *ctx_lens, int num_seqs, int num_q_heads,             \
-         int num_kv_heads, int head_dim, int block_size, float scale, float *out,            \
-         int num_threads) {                                                                  \
-    const int G = num_q_heads / num_kv_heads;                                                \
-    if (G > MAX_GROUP || head_dim > MAX_DIM || block_size > MAX_BLOCK) return -1;            \
-    const long head_stride = (long)block_size * head_dim;                                    \
-    const long block_stride = head_stride * num_kv_heads;                                    \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic) num_threads(num_threads)")       \
-    for (int s = 0; s < num_seqs; s++)                                                       \
-        for (int h = 0; h < num_kv_heads; h++)                                               \
-            if (G == 3 && head_dim == 64 && block_size == 16) /* SmolLM2: constants unroll */ \
-                NAME##_one(q, k_cache, v_cache, block_tables + (long)s * max_blocks,         \
-                           ctx_lens[s], s, h, 3, num_q_heads, 64, 16,                        \
-                           block_stride, head_stride, scale, out);                           \
-            else                                                                             \
-                NAME##_one(q, k_cache, v_cache, block_tables + (long)s * max_blocks,         \
-                           ctx_lens[s], s, h, G, num_q_heads, head_dim, block_size,          \
-                           block_stride, head_stride, scale, out);                           \
-    return 0;                                                                                \
+static void load_q(const Args *a, int s, int h, float qv[MAX_GROUP][MAX_DIM]) {
+    for (int g = 0; g < a->G; g++) {
+        const long qi = (long)s * a->q_stride + (long)(h * a->G + g) * a->head_dim;
+        for (int d = 0; d < a->head_dim; d++)
+            qv[g][d] = (a->act_bf16 ? bf2f(((const uint16_t *)a->q)[qi + d])
+                                    : ((const float *)a->q)[qi + d]) * a->scale;
+    }
 }
 
-#define LOAD_BF16(x) bf16_to_f32(x)
-#define LOAD_F32(x) (x)
+/* ---- plain C: any shape ------------------------------------------------------------- */
+static void part_generic(const Args *a, int s, int h, int b0, int b1, const Partial *out) {
+    const int G = a->G, D = a->head_dim, bs = a->block_size, len = a->ctx[s];
+    float qv[MAX_GROUP][MAX_DIM], sc[MAX_GROUP][MAX_BLOCK], row[MAX_DIM > MAX_BLOCK ? MAX_DIM : MAX_BLOCK];
+    load_q(a, s, h, qv);
+    memset(out->acc, 0, sizeof(float) * G * D);
+    for (int g = 0; g < G; g++) { out->m[g] = -INFINITY; out->l[g] = 0.f; }
+    const int32_t *table = a->tables + (long)s * a->max_blocks;
+    for (int b = b0; b < b1; b++) {
+        const long base = (long)table[b] * a->block_stride + (long)h * a->head_stride;
+        const int rest = len - b * bs, n = rest < bs ? rest : bs;
+        for (int g = 0; g < G; g++) memset(sc[g], 0, sizeof(float) * bs);
+        for (int d = 0; d < D; d++) {  /* each K row (one dim, all tokens) converted once */
+            for (int t = 0; t < bs; t++) row[t] = kv_at(a->k, base + (long)d * bs + t, a->kv_bf16);
+            for (int g = 0; g < G; g++) {
+                const float qd = qv[g][d];
+                #pragma omp simd
+                for (int t = 0; t < bs; t++) sc[g][t] += qd * row[t];
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float bmax = -INFINITY;
+            for (int t = 0; t < n; t++) bmax = sc[g][t] > bmax ? sc[g][t] : bmax;
+            const float new_m = bmax > out->m[g] ? bmax : out->m[g];
+            const float corr = expf(out->m[g] - new_m);
+            float psum = 0.f;
+            #pragma omp simd reduction(+:psum)
+            for (int t = 0; t < n; t++) {
+                sc[g][t] = exp_nonpos(sc[g][t] - new_m);
+                psum += sc[g][t];
+            }
+            out->l[g] = out->l[g] * corr + psum;
+            out->m[g] = new_m;
+            for (int d = 0; d < D; d++) out->acc[g * D + d] *= corr;
+        }
+        for (int t = 0; t < n; t++) {  /* each V row converted once for all G heads */
+            for (int d = 0; d < D; d++) row[d] = kv_at(a->v, base + (long)t * D + d, a->kv_bf16);
+            for (int g = 0; g < G; g++) {
+                const float p = sc[g][t];
+                #pragma omp simd
+                for (int d = 0; d < D; d++) out->acc[g * D + d] += p * row[d];
+            }
+        }
+    }
+}
 
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, LOAD_BF16)
-DEFINE_KERNEL(paged_decode_attention_f32, float, LOAD_F32)
+#if defined(__AVX512F__)
+/* ---- AVX-512: 16-token blocks, one zmm per K row, accumulators in registers ---------- */
+static inline __m512 load16(const void *p, long i, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+static inline __m512 exp512_nonpos(__m512 x) {  /* exp_nonpos, 16 lanes */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
+    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, fi);
+    __m512 p = _mm512_set1_ps(1.8775767e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9893397e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826318e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+#define AVX_MAX_ACC 16 /* zmm accumulators: G * head_dim / 16 */
+
+static inline __attribute__((always_inline)) void part_avx512_g(
+    const Args *a, int s, int h, int b0, int b1, const Partial *out, const int G, const int DV) {
+    /* DV = head_dim / 16 zmm per head */
+    const int D = DV * 16, len = a->ctx[s], bf = a->kv_bf16;
+    float qv[MAX_GROUP][MAX_DIM];
+    float p[MAX_GROUP][16];
+    load_q(a, s, h, qv);
+    __m512 acc[AVX_MAX_ACC];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int i = 0; i < G * DV; i++) acc[i] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }
+    const int32_t *table = a->tables + (long)s * a->max_blocks;
+    for (int b = b0; b < b1; b++) {
+        const long base = (long)table[b] * a->block_stride + (long)h * a->head_stride;
+        const int rest = len - b * 16, n = rest < 16 ? rest : 16;
+        if (b + 1 < b1) {  /* the next block is elsewhere in the pool: fetch it meanwhile */
+            const long nxt = (long)table[b + 1] * a->block_stride + (long)h * a->head_stride;
+            const long bytes = (long)16 * D * (bf ? 2 : 4);
+            for (long o = 0; o < bytes; o += 64) {
+                __builtin_prefetch((const char *)a->k + nxt * (bf ? 2 : 4) + o, 0, 3);
+                __builtin_prefetch((const char *)a->v + nxt * (bf ? 2 : 4) + o, 0, 3);
+            }
+        }
+        __m512 sc[MAX_GROUP];
+        for (int g = 0; g < G; g++) sc[g] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const __m512 kr = load16(a->k, base + (long)d * 16, bf);
+            for (int g = 0; g < G; g++) sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qv[g][d]), kr, sc[g]);
+        }
+        const __mmask16 valid = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+        for (int g = 0; g < G; g++) {
+            const __m512 s_ = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sc[g]);
+            const float bmax = _mm512_reduce_max_ps(s_);
+            const float new_m = bmax > m[g] ? bmax : m[g];
+            const float corr = expf(m[g] - new_m);
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(s_, _mm512_set1_ps(new_m))));
+            l[g] = l[g] * corr + _mm512_reduce_add_ps(e);
+            m[g] = new_m;
+            _mm512_storeu_ps(p[g], e);
+            const __m512 c = _mm512_set1_ps(corr);
+            for (int j = 0; j < DV; j++) acc[g * DV + j] = _mm512_mul_ps(acc[g * DV + j], c);
+        }
+        for (int t = 0; t < n; t++) {
+            __m512 vr[MAX_DIM / 16];
+            for (int j = 0; j < DV; j++) vr[j] = load16(a->v, base + (long)t * D + j * 16, bf);
+            for (int g = 0; g < G; g++) {
+                const __m512 pg = _mm512_set1_ps(p[g][t]);
+                for (int j = 0; j < DV; j++) acc[g * DV + j] = _mm512_fmadd_ps(pg, vr[j], acc[g * DV + j]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        out->m[g] = m[g]; out->l[g] = l[g];
+        for (int j = 0; j < DV; j++) _mm512_storeu_ps(out->acc + g * D + j * 16, acc[g * DV + j]);
+    }
+}
+
+/* The shapes worth a constant (so loops unroll and accumulators stay in registers). */
+static int part_avx512(const Args *a, int s, int h, int b0, int b1, const Partial *out) {
+    if (a->block_size != 16) return 0;
+    if (a->G == 3 && a->head_dim == 64) { part_avx512_g(a, s, h, b0, b1, out, 3, 4); return 1; }
+    if (a->G == 4 && a->head_dim == 64) { part_avx512_g(a, s, h, b0, b1, out, 4, 4); return 1; }
+    if (a->G == 2 && a->head_dim == 64) { part_avx512_g(a, s, h, b0, b1, out, 2, 4); return 1; }
+    if (a->G == 1 && a->head_dim == 64) { part_avx512_g(a, s, h, b0, b1, out, 1, 4); return 1; }
+    if (a->G == 2 && a->head_dim == 128) { part_avx512_g(a, s, h, b0, b1, out, 2, 8); return 1; }
+    if (a->G == 1 && a->head_dim == 128) { part_avx512_g(a, s, h, b0, b1, out, 1, 8); return 1; }
+    return 0;
+}
+#endif
+
+static void run_part(const Args *a, int s, int h, int b0, int b1, const Partial *out) {
+#if defined(__AVX512F__)
+    if (part_avx512(a, s, h, b0, b1, out)) return;
+#endif
+    part_generic(a, s, h, b0, b1, out);
+}
+
+/* Merge the parts' softmax states of one (sequence, kv head) and write its G heads. */
+static void finish(const Args *a, float *scratch, long first, int num_parts, int s, int h,
+                   void *out) {
+    const int D = a->head_dim, G = a->G;
+    Partial parts[64];
+    for (int p = 0; p < num_parts; p++) parts[p] = partial_at(scratch, first + p, G, D);
+    for (int g = 0; g < G; g++) {
+        float M = -INFINITY;
+        for (int p = 0; p < num_parts; p++) M = parts[p].m[g] > M ? parts[p].m[g] : M;
+        float L = 0.f, w[64];
+        for (int p = 0; p < num_parts; p++) {
+            w[p] = parts[p].l[g] > 0.f ? expf(parts[p].m[g] - M) : 0.f;
+            L += parts[p].l[g] * w[p];
+        }
+        const float inv = L > 0.f ? 1.f / L : 0.f;
+        const long oi = ((long)s * a->num_q_heads + h * a->G + g) * D;
+        for (int d = 0; d < D; d++) {
+            float v = 0.f;
+            for (int p = 0; p < num_parts; p++) v += parts[p].acc[g * D + d] * w[p];
+            v *= inv;
+            if (a->act_bf16) ((uint16_t *)out)[oi + d] = f2bf(v);
+            else ((float *)out)[oi + d] = v;
+        }
+    }
+}
+
+static int attention(const Args *a, int num_seqs, void *out, int num_threads) {
+    if (a->G > MAX_GROUP || a->head_dim > MAX_DIM || a->block_size > MAX_BLOCK) return -1;
+    /* Parts per (sequence, head): enough work items for every thread, but at least a few
+     * blocks each, and the same for all sequences (the longest context decides). */
+    int longest = 0;
+    for (int s = 0; s < num_seqs; s++) longest = a->ctx[s] > longest ? a->ctx[s] : longest;
+    const int max_blocks = (longest + a->block_size - 1) / a->block_size;
+    const int items = num_seqs * a->num_kv_heads;
+    int parts = (4 * num_threads + items - 1) / items;
+    const int by_len = max_blocks / MIN_BLOCKS_PER_PART;
+    parts = parts > by_len ? by_len : parts;
+    parts = parts < 1 ? 1 : (parts > 64 ? 64 : parts);
+    const int G = a->G, D = a->head_dim;
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)items * parts * (2 * G + G * D));
+    if (!scratch) return -2;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for collapse(3) schedule(dynamic)
+        for (int s = 0; s < num_seqs; s++)
+            for (int h = 0; h < a->num_kv_heads; h++)
+                for (int p = 0; p < parts; p++) {
+                    const int nb = (a->ctx[s] + a->block_size - 1) / a->block_size;
+                    const int per = (nb + parts - 1) / parts;
+                    const int b0 = p * per < nb ? p * per : nb, b1 = b0 + per < nb ? b0 + per : nb;
+                    const Partial dst = partial_at(scratch, ((long)s * a->num_kv_heads + h) * parts + p, G, D);
+                    if (b0 >= b1) {  /* an empty part (a shorter sequence): neutral state */
+                        for (int g = 0; g < G; g++) { dst.m[g] = -INFINITY; dst.l[g] = 0.f; }
+                        memset(dst.acc, 0, sizeof(float) * G * D);
+                    } else {
+                        run_part(a, s, h, b0, b1, &dst);
+                    }
+                }
+        #pragma omp for collapse(2) schedule(static)
+        for (int s = 0; s < num_seqs; s++)
+            for (int h = 0; h < a->num_kv_heads; h++)
+                finish(a, scratch, ((long)s * a->num_kv_heads + h) * parts, parts, s, h, out);
+    }
+    free(scratch);
+    return 0;
+}
+
+#define DEFINE_ENTRY(NAME, KV_BF16)                                                          \
+int NAME(const void *q, long q_stride, int act_bf16, const void *k_cache,                  \
+         const void *v_cache, const int32_t *block_tables, int max_blocks,                  \
+         const int32_t *ctx_lens, int num_seqs, int num_q_heads, int num_kv_heads,          \
+         int head_dim, int block_size, float scale, void *out, int num_threads) {           \
+    Args a = {q, q_stride, act_bf16, k_cache, v_cache, KV_BF16, block_tables, max_blocks,   \
+              ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size,                    \
+              num_kv_heads ? num_q_heads / num_kv_heads : 0,                                \
+              (long)block_size * head_dim * num_kv_heads, (long)block_size * head_dim,      \
+              scale};                                                                       \
+    return attention(&a, num_seqs, out, num_threads);                                       \
+}
+
+DEFINE_ENTRY(paged_decode_attention_bf16, 1)
+DEFINE_ENTRY(paged_decode_attention_f32, 0)

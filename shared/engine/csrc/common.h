@@ -1,0 +1,65 @@
+/* Helpers shared by the kernels: bf16 conversion (round to nearest even, as torch does),
+ * horizontal sums, and the int8 dequantization every int8 path must do the same way. */
+#ifndef HALFMOON_COMMON_H
+#define HALFMOON_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float bf2f(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)x) << 16;
+    return v.f;
+}
+
+static inline uint16_t f2bf(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+/* One int32 dot product of quantized rows back to real units. Both int8 paths (the GEMV
+ * and torch._int_mm + dequant_rows) call this, so they agree bit for bit. */
+static inline float dequant(int32_t acc, float sx, float sw, float bias) {
+    return (float)acc * (sx * sw) + bias;
+}
+
+/* exp(x), vectorizable (glibc's expf is scalar here): 2^(x log2 e) split into 2^i * 2^f,
+ * 2^f by a degree-5 polynomial; relative error about 2e-7 (two ulps). x is clamped to
+ * [-87, 88], where expf neither overflows nor goes subnormal. */
+static inline float exp_approx(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float t = x * 1.44269504089f;
+    const float fi = floorf(t);
+    const float f = t - fi;
+    float p = 1.8775767e-3f;
+    p = p * f + 8.9893397e-3f;
+    p = p * f + 5.5826318e-2f;
+    p = p * f + 2.4015361e-1f;
+    p = p * f + 6.9315308e-1f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)((int)fi + 127) << 23;
+    return p * v.f;
+}
+
+#if defined(__AVX2__)
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int32_t hsum256_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+#endif

@@ -1,0 +1,193 @@
+/* The decode step's small ops for CPUs, each one pass over memory instead of several.
+ *
+ * Why: a decode step of a small model is a few hundred tiny ops; in eager torch each one
+ * allocates, dispatches and walks memory on its own, and together they cost as much as
+ * the matmuls. And at one to a few rows, a matmul is a matrix-vector product that only
+ * has to stream its weights once: the BLAS kernels here are built for bigger shapes and
+ * leave bandwidth on the table (bf16 reached about half of it, int8 has none on AVX2).
+ *
+ * Plain C, vectorized by the compiler for the CPU it is built on (-march chosen at run
+ * time from the CPU, see kernels.py), parallel with the OpenMP runtime torch itself loads.
+ *
+ * Activations ("act") are fp32 or bf16 (uint16) row-major; `bf16` flags say which. bf16
+ * results are rounded to nearest even, as torch rounds them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+static inline float load(const void *p, long i, int bf16) {
+    return bf16 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, long i, float x, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f2bf(x);
+    else ((float *)p)[i] = x;
+}
+
+/* ---- RMSNorm, with the residual add fused in ----------------------------------------
+ * If `delta` is given: h += delta first (h rounded to its dtype, as torch's add is).
+ * Then out = weight * round(h * rsqrt(mean(h^2) + eps)), transformers' LlamaRMSNorm:
+ * the normalized row is rounded to the activation dtype before the weight multiplies it. */
+void rms_norm(void *h, const void *delta, const void *weight, void *out, int rows, int dim,
+              float eps, int bf16, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int r = 0; r < rows; r++) {
+        float x[8192];
+        const long off = (long)r * dim;
+        if (dim > 8192) continue;
+        float ss = 0.f;
+        for (int i = 0; i < dim; i++) {
+            float v = load(h, off + i, bf16);
+            if (delta) {
+                v += load(delta, off + i, bf16);
+                store(h, off + i, v, bf16);
+                v = load(h, off + i, bf16);
+            }
+            x[i] = v;
+            ss += v * v;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int i = 0; i < dim; i++) {
+            float n = x[i] * inv;
+            if (bf16) n = bf2f(f2bf(n));
+            store(out, off + i, load(weight, i, bf16) * n, bf16);
+        }
+    }
+}
+
+/* ---- h += delta (the MLP's residual add), rounded to the dtype ----------------------- */
+void add_inplace(void *h, const void *delta, long n, int bf16, int num_threads) {
+    #pragma omp parallel for simd schedule(static) num_threads(num_threads) if (n > 65536)
+    for (long i = 0; i < n; i++) store(h, i, load(h, i, bf16) + load(delta, i, bf16), bf16);
+}
+
+/* ---- out = silu(gate) * up, where gate_up rows are [gate | up] ----------------------
+ * As torch computes it: silu rounded to the dtype, then the product rounded. */
+void silu_mul(const void *gate_up, void *out, int rows, int inter, int bf16, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int r = 0; r < rows; r++) {
+        const long gi = (long)r * 2 * inter, oi = (long)r * inter;
+        if (bf16) {
+            const uint16_t *g = (const uint16_t *)gate_up + gi, *u = g + inter;
+            uint16_t *o = (uint16_t *)out + oi;
+            #pragma omp simd
+            for (int i = 0; i < inter; i++) {
+                const float x = bf2f(g[i]);
+                const float s = bf2f(f2bf(x / (1.f + exp_approx(-x))));
+                o[i] = f2bf(s * bf2f(u[i]));
+            }
+        } else {
+            const float *g = (const float *)gate_up + gi, *u = g + inter;
+            float *o = (float *)out + oi;
+            #pragma omp simd
+            for (int i = 0; i < inter; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+        }
+    }
+}
+
+/* ---- RoPE on q and k in place, then k and v into their paged-cache slots -------------
+ * qkv rows are [q heads | k heads | v heads]; cos/sin are fp32 tables [positions,
+ * head_dim] in transformers' rotate-half layout (already rounded to the activation dtype,
+ * as transformers casts them), row r uses table row positions[r]. Each product and sum is
+ * rounded to the dtype as torch's q * cos + rotate_half(q) * sin is.
+ * k cache [blocks, kv_heads, head_dim, block_size], v cache [blocks, kv_heads, block_size,
+ * head_dim] (see kv_cache.py); slot i goes to (blocks[i], offsets[i]). */
+void rope_kv_write(void *qkv, const float *cos, const float *sin, const int64_t *positions,
+                   int rows, int num_q_heads,
+                   int num_kv_heads, int head_dim, const int64_t *blocks,
+                   const int64_t *offsets, void *k_cache, void *v_cache, int block_size,
+                   int bf16, int num_threads) {
+    const int width = (num_q_heads + 2 * num_kv_heads) * head_dim, half = head_dim / 2;
+    const long head_stride = (long)head_dim * block_size;
+    const long block_stride = head_stride * num_kv_heads;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int r = 0; r < rows; r++) {
+        const float *c = cos + positions[r] * head_dim, *s = sin + positions[r] * head_dim;
+        for (int h = 0; h < num_q_heads + num_kv_heads; h++) {
+            const long base = (long)r * width + (long)h * head_dim;
+            float x[512], y[512];
+            if (head_dim > 512) continue;
+            for (int d = 0; d < head_dim; d++) x[d] = load(qkv, base + d, bf16);
+            for (int d = 0; d < head_dim; d++) {
+                const float rot = d < half ? -x[d + half] : x[d - half];
+                float a = x[d] * c[d], b = rot * s[d];
+                if (bf16) { a = bf2f(f2bf(a)); b = bf2f(f2bf(b)); }
+                y[d] = a + b;
+            }
+            for (int d = 0; d < head_dim; d++) store(qkv, base + d, y[d], bf16);
+        }
+        const long blk = (long)blocks[r] * block_stride, off = offsets[r];
+        for (int h = 0; h < num_kv_heads; h++) {
+            const long kbase = (long)r * width + (long)(num_q_heads + h) * head_dim;
+            const long vbase = kbase + (long)num_kv_heads * head_dim;
+            const long cbase = blk + (long)h * head_stride;
+            if (bf16) {
+                const uint16_t *src = (const uint16_t *)qkv;
+                uint16_t *kc = (uint16_t *)k_cache, *vc = (uint16_t *)v_cache;
+                for (int d = 0; d < head_dim; d++) kc[cbase + (long)d * block_size + off] = src[kbase + d];
+                memcpy(vc + cbase + off * head_dim, src + vbase, 2 * head_dim);
+            } else {
+                const float *src = (const float *)qkv;
+                float *kc = (float *)k_cache, *vc = (float *)v_cache;
+                for (int d = 0; d < head_dim; d++) kc[cbase + (long)d * block_size + off] = src[kbase + d];
+                memcpy(vc + cbase + off * head_dim, src + vbase, 4 * head_dim);
+            }
+        }
+    }
+}
+
+/* ---- int8 activations: each row quantized on its own --------------------------------
+ * q = round(x / s), s = max|x| / 127 (1 for an all-zero row), so |q| <= 127. A row's
+ * quantization depends on that row alone: a request's output never depends on what else
+ * is in its batch. */
+void quantize_rows(const void *x, int8_t *q, float *scales, int rows, int dim, int bf16,
+                   int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
+    for (int r = 0; r < rows; r++) {
+        const long off = (long)r * dim;
+        float amax = 0.f;
+        for (int i = 0; i < dim; i++) {
+            const float a = fabsf(load(x, off + i, bf16));
+            amax = a > amax ? a : amax;
+        }
+        const float s = amax > 0.f ? amax / 127.f : 1.f;
+        const float inv = 1.f / s;
+        for (int i = 0; i < dim; i++) {
+            float v = nearbyintf(load(x, off + i, bf16) * inv);
+            v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+            q[off + i] = (int8_t)v;
+        }
+        scales[r] = s;
+    }
+}
+
+/* int32 products (torch._int_mm's) to real units, as the int8 GEMV does it (dequant). */
+void dequant_rows(const int32_t *acc, const float *sx, const float *sw, const float *bias,
+                  void *y, int rows, int cols, int bf16, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            const long i = (long)r * cols + c;
+            store(y, i, dequant(acc[i], sx[r], sw[c], bias ? bias[c] : 0.f), bf16);
+        }
+}
+
+/* ---- memory read bandwidth: sum a buffer (for the benchmark's roofline) --------------
+ * With the same software prefetch as the GEMV, so the bound is what a tuned stream gets. */
+double read_bandwidth_sum(const float *buf, long n, int num_threads) {
+    double total = 0.0;
+    #pragma omp parallel for reduction(+:total) schedule(static) num_threads(num_threads)
+    for (long i0 = 0; i0 < n; i0 += 4096) {
+        const long end = i0 + 4096 < n ? i0 + 4096 : n;
+        for (long p = i0; p < end; p += 16) __builtin_prefetch(buf + p + 4096, 0, 3);
+        float a = 0.f;
+        #pragma omp simd reduction(+:a)
+        for (long i = i0; i < end; i++) a += buf[i];
+        total += a;
+    }
+    return total;
+}
