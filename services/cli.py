@@ -71,7 +71,7 @@ def _kv(argv: list[str]) -> int:
     return int(replay.main(argv[1:]) or 0)
 
 
-BENCHES = {"request": "services.bench.request_latency", "engine": "services.bench.engine_bench",
+BENCHES = {"request": "services.bench.request_latency", "engine": "services.bench.engine.cli",
            "kv": "services.bench.kv_bench", "transfer": "services.bench.transfer_bench",
            "conductor": "services.bench.conductor_bench", "serve": "services.bench.serve_bench",
            "replay": "services.bench.replay.cli"}
@@ -142,6 +142,11 @@ commands:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # HALFMOON_CPU_ISA's caps for ATen and oneDNN must be in the environment before torch
+    # loads (in this process, and in every child that inherits it).
+    from shared.engine.cpu import apply_isa_env
+
+    apply_isa_env()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import aiohttp
 import nats
@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from shared import subjects
 from shared.db import session as db
+from shared.engine import cpu
 from shared.lifecycle import child_preexec, install_stop_signals, setup_logging
 from shared.messages import InstanceInfo
 from shared.model_store import ensure_model
@@ -62,7 +63,11 @@ class UpSettings(BaseModel):
         make_policy(v)  # raises ValueError naming the choices
         return v
     model: str = Field(DEFAULT_MODEL_NAME, description="model folder or name in HALFMOON_HOME/models")
-    dtype: str = Field("bfloat16", description="float32 | bfloat16")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)")
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="engine weights: none, or int8 (per-channel weights, per-token "
+        "activations)")
     threads: int = Field(0, ge=0, description="torch threads per engine instance (0: cores / instances)")
     engine_nice: int = Field(10, ge=0, le=19, description="niceness of engine processes, so the "
                              "control plane stays responsive when the cores are busy")
@@ -163,8 +168,8 @@ class Cluster:
         engines = n_prefill + n_decode
         threads = self.s.threads or max(1, (os.cpu_count() or 1) // engines)
         common = ["--model", str(model_dir)]
-        engine = [*common, "--dtype", self.s.dtype, "--threads", str(threads), "--nice",
-                  str(self.s.engine_nice)]
+        engine = [*common, "--dtype", self.s.dtype, "--quantization", self.s.quantization,
+                  "--threads", str(threads), "--nice", str(self.s.engine_nice)]
         layout = "colocated" if self.s.colocated else "disaggregated"
         conductor = ["--policy", self.s.policy, "--layout", layout]
         for i in range(self.s.conductors):
@@ -310,7 +315,8 @@ def _banner(s: UpSettings, cluster: Cluster) -> str:
     lines += _metrics_lines(s, cluster)
     lines += [f"  NATS     {cluster.nats_url}",
               f"  SQL      {db.resolve_url(cluster.database_url).split('@')[-1]}",
-              f"  workers  {_workers(s)}", "Ctrl-C stops everything.", ""]
+              f"  workers  {_workers(s)}", f"  engines  {_engines(s)}",
+              "Ctrl-C stops everything.", ""]
     return "\n".join(lines)
 
 
@@ -320,6 +326,15 @@ def _metrics_lines(s: UpSettings, cluster: Cluster) -> list[str]:
              for name, port in cluster.metrics_ports.items()]
     return [f"  {'metrics' if i == 0 else '':8} {url} ({name})"
             for i, (url, name) in enumerate(urls)]
+
+
+def _engines(s: UpSettings) -> str:
+    """The dtype and kernels each engine picks on this CPU, and why."""
+    info = cpu.detect()
+    dtype, why = cpu.resolve_dtype(s.dtype)
+    capped = f", capped by {cpu.ISA_ENV}={info.isa}" if info.isa != "native" else ""
+    return (f"{dtype} ({why}), quantization {s.quantization}; CPU {info.model}: "
+            f"kernels for {info.level}{capped}")
 
 
 def _workers(s: UpSettings) -> str:

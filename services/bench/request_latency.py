@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="halfmoon bench request", description=__doc__)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running gateway")
     p.add_argument("--model", default="", help="model folder for the in-process baseline")
-    p.add_argument("--dtype", default="bfloat16", help="dtype the stack runs (match it)")
+    p.add_argument("--dtype", default="auto", help="dtype the stack runs (match it; auto as the stack resolves it)")
     p.add_argument("--threads", type=int, default=1, help="torch threads in-process (match one instance)")
     p.add_argument("--prompt", default="Explain in a few sentences why the sky is blue.")
     p.add_argument("--max-tokens", type=int, default=64)

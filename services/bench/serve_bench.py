@@ -25,6 +25,7 @@ import aiohttp
 from services.bench.client import Result, stream_chat
 from services.bench.servers import HalfmoonServer, Server, TransformersServer
 from services.bench.stats import percentile
+from shared.engine import cpu
 from shared.model_store import ensure_model
 
 WORDS = ("moon tide harbor lantern river stone garden winter signal orbit copper meadow "
@@ -108,12 +109,15 @@ def summarize(results: list[Result], wall: float) -> dict[str, Any]:
 
 
 def servers_for(names: list[str], model_dir: Path, args: argparse.Namespace) -> list[Server]:
+    """Every system at the same concrete dtype (transformers' own "auto" means the
+    checkpoint's dtype, not this CPU's best)."""
+    dtype = cpu.resolve_dtype(args.dtype)[0]
     made: list[Server] = []
     for name in names:
         if name == "halfmoon":
-            made.append(HalfmoonServer(model_dir, args.dtype, args.halfmoon_args.split()))
+            made.append(HalfmoonServer(model_dir, dtype, args.halfmoon_args.split()))
         elif name in ("transformers", "transformers-cb"):
-            made.append(TransformersServer(model_dir, args.dtype, name.endswith("-cb")))
+            made.append(TransformersServer(model_dir, dtype, name.endswith("-cb")))
         else:
             raise SystemExit(f"unknown system {name!r}")
     return made
@@ -141,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="servers to start and compare (halfmoon, transformers-cb, transformers)")
     p.add_argument("--url", action="append", default=[], help="also measure this OpenAI-compatible URL")
     p.add_argument("--model", default="", help="model folder (default: the pulled default model)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)")
     p.add_argument("--halfmoon-args", default="", help="extra flags for halfmoon up")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--sweep", default="", help="concurrency levels, e.g. 1,4,16,64")
@@ -159,8 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     levels = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.concurrency]
     names = [s for s in args.systems.split(",") if s]
     report: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
-        "prompt_tokens", "output_tokens", "rounds", "warmup", "prompts", "dtype")},
+        "prompt_tokens", "output_tokens", "rounds", "warmup", "prompts")},
         "concurrency": levels, "systems": {}}
+    report["workload"]["dtype"] = cpu.resolve_dtype(args.dtype)[0]
     for server in servers_for(names, model_dir, args):
         print(f"measuring {server.name} ...", file=sys.stderr, flush=True)
         report["systems"][server.name] = measure(server, "", model_dir, args, levels)

@@ -34,7 +34,7 @@ class ChaosSettings(BaseModel):
     prefill: int = Field(2, ge=1, description="prefill instances of a started cluster")
     decode: int = Field(2, ge=1, description="decode instances of a started cluster")
     model: str = Field(DEFAULT_MODEL_NAME, description="model folder or name")
-    dtype: str = Field("bfloat16", description="float32 | bfloat16")
+    dtype: str = Field("auto", description="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)")
     token_timeout_s: float = Field(20.0, gt=0, description="a started cluster's gateway: "
                                    "silence between tokens before a request is placed again")
     log_level: str = Field("WARNING", description="a started cluster's services' log level")

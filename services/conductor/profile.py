@@ -119,7 +119,8 @@ def fit(args: argparse.Namespace) -> tuple[CostModel, dict]:
                       decode_coef=least_squares(d_rows, d_times), transfer_latency_s=latency,
                       transfer_bytes_per_s=bandwidth, block_bytes=engine.kv.shape.block_nbytes,
                       block_size=engine.config.block_size,
-                      source=f"halfmoon profile: {lm.name} {args.dtype}, {args.threads} threads, "
+                      source=f"halfmoon profile: {lm.name} {str(lm.dtype).removeprefix('torch.')}, "
+                             f"{args.threads} threads, "
                              f"chunk {args.chunk_tokens}, {time.strftime('%Y-%m-%d %H:%M')}")
     errors = {"prefill": _errors(model.prefill_s, p_rows, p_times, lambda r: (r[1], r[3] / max(r[1], 1))),
               "decode": _errors(model.decode_step_s, d_rows, d_times, lambda r: (r[1], r[2] / max(r[1], 1)))}
@@ -135,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="halfmoon profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)")
     p.add_argument("--threads", type=int, default=1, help="as each instance runs (halfmoon up: cores / instances)")
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)

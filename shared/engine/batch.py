@@ -8,9 +8,10 @@ from shared.engine.model import BatchMeta, ChunkMeta
 from shared.engine.scheduler import ScheduledSeq
 
 
-def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: str
-                ) -> tuple[BatchMeta, list[ScheduledSeq]]:
-    """The batch, and the scheduled items in batch order (one-token queries first)."""
+def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: str,
+                all_logits: bool = False) -> tuple[BatchMeta, list[ScheduledSeq]]:
+    """The batch, and the scheduled items in batch order (one-token queries first).
+    Logits come for each completing item's last row, or for every row (`all_logits`)."""
     singles = [s for s in scheduled if s.num_new_tokens == 1]
     chunks = [s for s in scheduled if s.num_new_tokens > 1]
     order = singles + chunks
@@ -28,7 +29,9 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: str
             positions.append(p)
             blocks.append(seq.block_table[p // block_size])
             offsets.append(p % block_size)
-        if item.completes:
+        if all_logits:
+            logit_rows.extend(range(start, start + n))
+        elif item.completes:
             logit_rows.append(start + n - 1)
         if n > 1:
             nblocks = -(-(pos0 + n) // block_size)

@@ -35,7 +35,12 @@ class WorkerSettings(BaseSettings):
     instance_id: str = Field("", description="instance id (empty: generated)")
     model: str = Field(DEFAULT_MODEL_NAME, description="model folder, or a name in HALFMOON_HOME/models")
     served_model_name: str = Field("", description="model name clients use (empty: folder name)")
-    dtype: str = Field("bfloat16", description="weights and KV dtype: float32 | bfloat16")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weights and KV dtype; auto: bfloat16 where the CPU computes it "
+        "natively (AVX-512 BF16, AMX, AVX-NE-CONVERT), float32 otherwise")
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="int8: int8 weights per channel and activations per token (a "
+        "quarter of fp32's bytes per decode step)")
     device: str = Field("cpu", description="torch device: cpu | cuda")
     threads: int = Field(0, ge=0, description="torch threads for this instance (0: torch default)")
     nice: int = Field(0, ge=0, le=19, description="CPU niceness: on a shared box a niced engine "
@@ -66,7 +71,7 @@ class WorkerSettings(BaseSettings):
                             disk_tier_bytes=int(self.disk_tier_gb * 2**30), disk_tier_dir=disk_dir,
                             eviction=self.eviction, high_watermark=self.high_watermark,
                             evict_ratio=self.evict_ratio, hot_hits=self.hot_hits,
-                            pin_ttl_s=self.pin_ttl_s)
+                            pin_ttl_s=self.pin_ttl_s, quantization=self.quantization)
 
 
 def make_sender(settings: WorkerSettings) -> KVSender:

@@ -25,6 +25,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class KVMeta(BaseModel):
     model: str
     dtype: str
+    # The weights' quantization: KV computed by int8 weights differs from bf16's, so
+    # instances that differ must not reuse each other's blocks.
+    quantization: str = "none"
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -54,38 +57,43 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, dt in DTYPES.items() if dt == dtype)
 
 
-def export_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, model: str) -> KVExport:
+def export_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, model: str,
+                    quantization: str = "none") -> KVExport:
     """The KV of `seq`'s computed tokens (its blocks are read now; callers may free them after)."""
     n_tokens = seq.num_computed_tokens
     n_blocks = -(-n_tokens // blocks.block_size)
     s = kv.shape
-    meta = KVMeta(model=model, dtype=_dtype_name(s.dtype), num_layers=s.num_layers,
-                  num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, block_size=s.block_size,
-                  num_tokens=n_tokens, num_blocks=n_blocks, block_hashes=list(seq.block_hashes))
+    meta = KVMeta(model=model, dtype=_dtype_name(s.dtype), quantization=quantization,
+                  num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                  block_size=s.block_size, num_tokens=n_tokens, num_blocks=n_blocks,
+                  block_hashes=list(seq.block_hashes))
     return KVExport(meta, kv.export_blocks(seq.block_table[:n_blocks]))
 
 
-def export_cached(kv: KVCache, blocks: BlockManager, hashes: list[int], model: str
-                  ) -> KVExport | None:
+def export_cached(kv: KVCache, blocks: BlockManager, hashes: list[int], model: str,
+                  quantization: str = "none") -> KVExport | None:
     """The cached blocks of the longest leading run of `hashes` (for another instance)."""
     block_ids = blocks.cached_chain(hashes)
     if not block_ids:
         return None
     n, s = len(block_ids), kv.shape
-    meta = KVMeta(model=model, dtype=_dtype_name(s.dtype), num_layers=s.num_layers,
-                  num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, block_size=s.block_size,
-                  num_tokens=n * s.block_size, num_blocks=n, block_hashes=list(hashes[:n]))
+    meta = KVMeta(model=model, dtype=_dtype_name(s.dtype), quantization=quantization,
+                  num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                  block_size=s.block_size, num_tokens=n * s.block_size, num_blocks=n,
+                  block_hashes=list(hashes[:n]))
     return KVExport(meta, kv.export_blocks(block_ids))
 
 
-def check_compatible(meta: KVMeta, kv: KVCache, model: str) -> None:
+def check_compatible(meta: KVMeta, kv: KVCache, model: str, quantization: str = "none") -> None:
     s = kv.shape
-    mine = (model, _dtype_name(s.dtype), s.num_layers, s.num_kv_heads, s.head_dim, s.block_size,
-            LAYOUT)
-    theirs = (meta.model, meta.dtype, meta.num_layers, meta.num_kv_heads, meta.head_dim,
-              meta.block_size, meta.layout)
-    if mine != theirs:
-        raise ValueError(f"KV {theirs} does not fit this instance's {mine}")
+    mine = {"model": model, "dtype": _dtype_name(s.dtype), "quantization": quantization,
+            "num_layers": s.num_layers, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
+            "block_size": s.block_size, "layout": LAYOUT}
+    theirs = {key: getattr(meta, key) for key in mine}
+    differ = [f"{key} {theirs[key]!r} (here {mine[key]!r})" for key in mine
+              if mine[key] != theirs[key]]
+    if differ:
+        raise ValueError("KV from an incompatible instance: " + ", ".join(differ))
     if meta.num_blocks != -(-meta.num_tokens // meta.block_size):
         raise ValueError("KV metadata: block count does not cover the token count")
 

@@ -23,9 +23,9 @@ from shared.engine.kv_cache import KVCache
 from shared.engine.kv_transfer import (KVExport, check_compatible, export_cached,
                                        export_sequence, import_sequence)
 from shared.engine.model import PagedLlama
-from shared.engine.output import OutputTracker
+from shared.engine.output import OutputTracker, decode_all, make_detokenizer
 from shared.engine.runner import LoadedModel
-from shared.engine.sampling import GREEDY_BELOW, Sampler
+from shared.engine.sampling import SampleRow, sample
 from shared.engine.scheduler import PoolTooSmall, ScheduledSeq, Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence
 from shared.hashing import block_hashes
@@ -68,8 +68,16 @@ class RequestOutput:
 class _Request:
     seq: Sequence
     tracker: OutputTracker
-    sampler: Sampler
     first_token_time: float | None = None
+
+
+@dataclass
+class PromptScores:
+    """Teacher-forced scores of a token sequence, for positions 1 .. n-1."""
+
+    token_logprobs: torch.Tensor  # [n-1] fp32: log p of the token that is there
+    top_ids: torch.Tensor  # [n-1, k] long: the k most likely tokens at each position
+    top_logprobs: torch.Tensor  # [n-1, k] fp32
 
 
 @dataclass
@@ -130,14 +138,12 @@ class LLMEngine:
                       salt: str = "") -> bool:
         """Continue a request prefilled elsewhere; False if the pool has no room yet."""
         self._check_fits(len(prompt_token_ids), params)
-        check_compatible(kv.meta, self.kv, self.lm.name)
+        check_compatible(kv.meta, self.kv, self.lm.name, self.config.quantization)
         seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
                        len(prompt_token_ids), params, salt)
         if not import_sequence(self.kv, self.blocks, seq, kv, on_allocate=self._spill):
             return False
-        req = self._register(seq)
-        req.tracker.token_ids = list(output_token_ids)
-        req.tracker.emitted_text = emitted_text
+        self._register(seq, output_token_ids, emitted_text)
         self.scheduler.add_running(seq)
         return True
 
@@ -150,9 +156,7 @@ class LLMEngine:
         self._check_fits(len(prompt_token_ids), params)
         seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
                        len(prompt_token_ids), params, salt)
-        req = self._register(seq)
-        req.tracker.token_ids = list(output_token_ids)
-        req.tracker.emitted_text = emitted_text
+        self._register(seq, output_token_ids, emitted_text)
         self._load_from_disk(seq)
         self.scheduler.add(seq)
 
@@ -161,7 +165,8 @@ class LLMEngine:
         thread: it copies under the bookkeeping lock, which a step holds only between
         forward passes."""
         with self._book:
-            return export_cached(self.kv, self.blocks, hashes, self.lm.name)
+            return export_cached(self.kv, self.blocks, hashes, self.lm.name,
+                                 self.config.quantization)
 
     def import_prefix(self, token_ids: list[int], export: KVExport, salt: str = "") -> int:
         """Add pulled prefix blocks to this pool's prefix cache; returns the tokens they cover.
@@ -169,7 +174,7 @@ class LLMEngine:
         The hashes must be those of `token_ids` (same tokens, same tenant): blocks from
         elsewhere are never trusted blindly. 0 when the pool has no room right now.
         """
-        check_compatible(export.meta, self.kv, self.lm.name)
+        check_compatible(export.meta, self.kv, self.lm.name, self.config.quantization)
         n_tokens = export.meta.num_blocks * self.config.block_size
         expected = block_hashes(token_ids[:n_tokens], self.config.block_size, salt)
         if export.meta.block_hashes != expected or len(expected) != export.meta.num_blocks:
@@ -181,6 +186,42 @@ class LLMEngine:
         self.blocks.free(seq)  # unreferenced but cached: the next match_prefix finds them
         return n_tokens
 
+    def prompt_logprobs(self, token_ids: list[int], top_k: int = 0) -> PromptScores:
+        """For positions 1 .. n-1: log p(token i | tokens before it), and the `top_k` most
+        likely tokens there with their logprobs. Every position's logits, computed chunk by
+        chunk through the paged model on a throwaway sequence (its full blocks stay in the
+        prefix cache). Engine thread only."""
+        self._check_fits(len(token_ids), SamplingParams(max_tokens=1))
+        seq = Sequence(f"score:{id(token_ids):x}", list(token_ids), len(token_ids),
+                       SamplingParams(max_tokens=1))
+        out: list[torch.Tensor] = []
+        tops: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            with self._book:
+                while seq.num_computed_tokens < seq.num_tokens:
+                    n = min(self.config.max_num_batched_tokens, seq.num_uncomputed_tokens)
+                    if not self.blocks.allocate(seq, n):
+                        raise ValueError("the KV pool has no room to score this text now")
+                    item = ScheduledSeq(seq, n)
+                    batch, _ = build_batch([item], self.config.block_size, self.lm.device,
+                                           all_logits=True)
+                    logits = self.model.forward(batch).float()
+                    pos = seq.num_computed_tokens
+                    targets = torch.tensor(token_ids[pos + 1:pos + n + 1], dtype=torch.long)
+                    logprobs = torch.log_softmax(logits[:len(targets)], dim=-1)
+                    out.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1))
+                    if top_k:
+                        top = torch.topk(logprobs, top_k, dim=-1)
+                        tops.append((top.indices, top.values))
+                    self.scheduler.postprocess(item)
+        finally:
+            with self._book:
+                self.blocks.free(seq)
+        empty = torch.empty(len(token_ids) - 1, 0)
+        return PromptScores(torch.cat(out),
+                            torch.cat([t[0] for t in tops]) if tops else empty.long(),
+                            torch.cat([t[1] for t in tops]) if tops else empty)
+
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         if num_prompt_tokens < 1:
             raise ValueError("empty prompt")
@@ -191,12 +232,18 @@ class LLMEngine:
             raise ValueError(f"{num_prompt_tokens}+{params.max_tokens} tokens exceed the KV pool "
                              f"({self.blocks.num_blocks * self.config.block_size} tokens)")
 
-    def _register(self, seq: Sequence) -> _Request:
+    def _register(self, seq: Sequence, output_token_ids: list[int] | None = None,
+                  emitted_text: str = "") -> _Request:
+        """Track a new request, or one continuing here after `output_token_ids` of which
+        `emitted_text` was streamed already."""
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id}")
-        tracker = OutputTracker(seq.params, self._decode_text, self.lm.eos_token_ids,
-                                seq.num_prompt_tokens, self.lm.max_model_len)
-        req = _Request(seq, tracker, Sampler(seq.params))
+        done = list(output_token_ids or [])
+        tok = self.lm.tokenizer
+        tracker = OutputTracker(seq.params, make_detokenizer(tok, done), self.lm.eos_token_ids,
+                                seq.num_prompt_tokens, self.lm.max_model_len, token_ids=done,
+                                text=decode_all(tok, done), emitted_text=emitted_text)
+        req = _Request(seq, tracker)
         self.requests[seq.request_id] = req
         return req
 
@@ -303,16 +350,8 @@ class LLMEngine:
         return [self._emit(item.seq, tok) for item, tok in zip(completing, tokens)]
 
     def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()  # one device sync for the whole batch
-        out = []
-        for row, item in enumerate(items):
-            params = item.seq.params
-            if params.temperature < GREEDY_BELOW:  # the Sampler's own greedy cut-off
-                out.append(greedy[row])
-            else:
-                req = self.requests[item.seq.request_id]
-                out.append(req.sampler.sample(logits[row], item.seq.num_output_tokens))
-        return out
+        return sample(logits, [SampleRow(item.seq.params, item.seq.num_output_tokens)
+                               for item in items])
 
     def _emit(self, seq: Sequence, token: int) -> RequestOutput:
         req = self.requests[seq.request_id]
@@ -326,7 +365,8 @@ class LLMEngine:
         if step.finish_reason is not None:
             self._finish(seq)
         elif seq.stop_after_first_token:
-            out.handoff = export_sequence(self.kv, self.blocks, seq, self.lm.name)
+            out.handoff = export_sequence(self.kv, self.blocks, seq, self.lm.name,
+                                          self.config.quantization)
             self._finish(seq)
         return out
 
@@ -340,9 +380,6 @@ class LLMEngine:
         self._finish(seq)
         return RequestOutput(request_id, [], "", FinishReason.ERROR, seq.num_prompt_tokens,
                              seq.num_output_tokens, seq.num_cached_tokens, error=why)
-
-    def _decode_text(self, token_ids: list[int]) -> str:
-        return self.lm.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # -- state for heartbeats and benchmarks ---------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -1,18 +1,70 @@
 """A request's output side: incremental detokenization and stop conditions.
 
-Pure bookkeeping (no torch): the tokenizer comes in as a `decode` callable. The state is
-small and explicit so a request can continue on another process (prefill → decode) with
-the same text already emitted.
+Pure bookkeeping (no torch): the tokenizer comes in behind the `Detokenizer` protocol.
+Each new token is decoded incrementally (`tokenizers`' DecodeStream, as vLLM does), never
+by decoding the whole output again, which made every token cost O(output length). The
+state is small and explicit so a request can continue on another process (prefill →
+decode) with the same text already emitted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 from shared.messages import FinishReason, SamplingParams
 
 Decode = Callable[[list[int]], str]
+
+
+class Detokenizer(Protocol):
+    def step(self, token_id: int) -> str:
+        """The text this token completes ('' while a character is still partial)."""
+
+
+class StreamDetokenizer:
+    """`tokenizers`' DecodeStream over a fast tokenizer, primed with the tokens so far."""
+
+    def __init__(self, backend: Any, prefix_ids: list[int]) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._stream = DecodeStream(list(prefix_ids), skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._backend, token_id) or ""
+
+
+class FullDecodeDetokenizer:
+    """Decodes everything again each token: for tokenizers without a fast backend."""
+
+    def __init__(self, decode: Decode, prefix_ids: list[int]) -> None:
+        self._decode = decode
+        self._ids = list(prefix_ids)
+        self._text = decode(self._ids) if self._ids else ""
+
+    def step(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""  # an unfinished multi-byte character: wait for the next token
+        delta = text[len(self._text):] if text.startswith(self._text) else ""
+        self._text = text
+        return delta
+
+
+def make_detokenizer(tokenizer: Any, prefix_ids: list[int]) -> Detokenizer:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return StreamDetokenizer(backend, prefix_ids)
+    if tokenizer is None:
+        return FullDecodeDetokenizer(lambda ids: "", prefix_ids)
+    return FullDecodeDetokenizer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                 prefix_ids)
+
+
+def decode_all(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None and ids else ""
 
 
 @dataclass
@@ -24,32 +76,29 @@ class StepOutput:
 @dataclass
 class OutputTracker:
     params: SamplingParams
-    decode: Decode
+    detokenizer: Detokenizer
     eos_token_ids: frozenset[int]
     prompt_len: int
     max_model_len: int
     token_ids: list[int] = field(default_factory=list)
-    emitted_text: str = ""
+    text: str = ""  # every decoded character of the answer so far (stop tokens excluded)
+    emitted_text: str = ""  # what has been streamed: a prefix of `text`
     finish_reason: FinishReason | None = None
 
     def append(self, token_id: int) -> StepOutput:
         """Account for one new token; returns the text to stream and whether we are done."""
         if self.finish_reason is not None:
             raise ValueError("append() after the request finished")
+        self.token_ids.append(token_id)
         if self._is_stop_token(token_id):
             # The stop token itself is not part of the answer (OpenAI semantics).
-            self.token_ids.append(token_id)
             return self._finish(FinishReason.STOP, self._flush_held())
-        self.token_ids.append(token_id)
-        text = self.decode(self._content_ids())
-        if text.endswith("\ufffd"):
-            # An unfinished multi-byte character: wait for the next token.
-            return self._maybe_length(StepOutput("", None))
-        hit = self._find_stop(text)
+        self.text += self.detokenizer.step(token_id)
+        hit = self._find_stop(self.text)
         if hit is not None:
-            return self._finish(FinishReason.STOP, self._emit(text[:hit]))
-        safe = len(text) - self._held_suffix(text)
-        return self._maybe_length(StepOutput(self._emit(text[:safe]), None))
+            return self._finish(FinishReason.STOP, self._emit(self.text[:hit]))
+        safe = len(self.text) - self._held_suffix(self.text)
+        return self._maybe_length(StepOutput(self._emit(self.text[:safe]), None))
 
     @property
     def completion_tokens(self) -> int:
@@ -60,23 +109,16 @@ class OutputTracker:
             return True
         return not self.params.ignore_eos and token_id in self.eos_token_ids
 
-    def _content_ids(self) -> list[int]:
-        ids = self.token_ids
-        if ids and self._is_stop_token(ids[-1]):
-            ids = ids[:-1]
-        return ids
-
     def _emit(self, text: str) -> str:
-        # Only what lies past the emitted length goes out: if detokenization ever rewrites
-        # earlier text (rare merges), what was streamed stays streamed, never re-sent.
+        # Only what lies past the emitted length goes out: what was streamed stays
+        # streamed, never re-sent.
         delta = text[len(self.emitted_text):]
         self.emitted_text += delta
         return delta
 
     def _flush_held(self) -> str:
-        text = self.decode(self._content_ids())
-        hit = self._find_stop(text)
-        return self._emit(text if hit is None else text[:hit])
+        hit = self._find_stop(self.text)
+        return self._emit(self.text if hit is None else self.text[:hit])
 
     def _find_stop(self, text: str) -> int | None:
         # Only text after what was already emitted can newly contain a stop string.

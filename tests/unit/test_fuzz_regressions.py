@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from shared.engine.sampling import Sampler
+from shared.engine.sampling import SampleRow, sample
 from shared.messages import SamplingParams
 from services.gateway.protocol import parse_request
 
@@ -16,12 +16,12 @@ from services.gateway.protocol import parse_request
 def test_tiny_temperatures_sample_greedily_instead_of_failing():
     # temperature=1e-38 made logits / T overflow, softmax NaN, multinomial raise: the whole
     # engine step failed (a 500 in the stream of every request in the batch).
-    logits = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 5
+    logits = torch.randn(1, 4096, generator=torch.Generator().manual_seed(0)) * 5
     best = int(torch.argmax(logits))
     for t, k, p, seed in itertools.product([1e-6, 1e-38, 1e-45, 5e-324], [0, 2, 10**9],
                                            [1.0, 0.5, 5e-324], [None, 7]):
         params = SamplingParams(temperature=t, top_k=k, top_p=p, seed=seed)
-        assert Sampler(params).sample(logits, 0) == best
+        assert sample(logits, [SampleRow(params, 0)]) == [best]
 
 
 def test_integral_floats_are_integers_as_the_schema_says():

@@ -1,6 +1,6 @@
 """OutputTracker: detokenization and stop conditions with a toy character tokenizer."""
 
-from shared.engine.output import OutputTracker
+from shared.engine.output import FullDecodeDetokenizer, OutputTracker, StreamDetokenizer
 from shared.messages import FinishReason, SamplingParams
 
 VOCAB = {i: ch for i, ch in enumerate("abcdefghijklmnopqrstuvwxyz .!")}
@@ -16,9 +16,10 @@ def ids(text):
     return [inv[c] for c in text]
 
 
-def tracker(**params):
-    return OutputTracker(SamplingParams(**params), decode, frozenset({EOS}), prompt_len=10,
-                         max_model_len=1000)
+def tracker(prefix=(), emitted="", **params):
+    return OutputTracker(SamplingParams(**params), FullDecodeDetokenizer(decode, list(prefix)),
+                         frozenset({EOS}), prompt_len=10, max_model_len=1000,
+                         token_ids=list(prefix), text=decode(list(prefix)), emitted_text=emitted)
 
 
 def feed(t, tokens):
@@ -49,8 +50,8 @@ def test_max_tokens_is_length():
 
 
 def test_context_limit_is_length():
-    t = OutputTracker(SamplingParams(max_tokens=100), decode, frozenset(), prompt_len=997,
-                      max_model_len=1000)
+    t = OutputTracker(SamplingParams(max_tokens=100), FullDecodeDetokenizer(decode, []),
+                      frozenset(), prompt_len=997, max_model_len=1000)
     assert feed(t, ids("abcdef")) == ("abc", FinishReason.LENGTH)
 
 
@@ -81,6 +82,31 @@ def test_stop_token_ids():
 def test_continuation_on_another_process_resumes_text():
     first = tracker(max_tokens=50)
     feed(first, ids("hel"))
-    second = tracker(max_tokens=50)
-    second.token_ids, second.emitted_text = list(first.token_ids), first.emitted_text
+    second = tracker(prefix=first.token_ids, emitted=first.emitted_text, max_tokens=50)
     assert feed(second, ids("lo") + [EOS]) == ("lo", FinishReason.STOP)
+
+
+def test_held_stop_prefix_survives_the_move_to_another_process():
+    first = tracker(max_tokens=50, stop=["end"])
+    assert feed(first, ids("the en")) == ("the ", None)  # "en" held back
+    second = tracker(prefix=first.token_ids, emitted=first.emitted_text, max_tokens=50,
+                     stop=["end"])
+    assert feed(second, ids("ds")) == ("", FinishReason.STOP)
+
+
+def test_stream_detokenizer_matches_a_full_decode(tmp_path):
+    """DecodeStream on a real byte-level BPE: multi-byte characters split over tokens come
+    out whole, and the pieces add up to what decoding everything at once gives."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = "Héllo wörld, ça va? 日本語 🙂 ok. " * 3
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    token_ids = tok.encode(text).ids
+    detok = StreamDetokenizer(tok, token_ids[:4])
+    pieces = [detok.step(t) for t in token_ids[4:]]
+    assert "\ufffd" not in "".join(pieces)
+    assert tok.decode(token_ids[:4]) + "".join(pieces) == tok.decode(token_ids)

@@ -56,7 +56,7 @@ async def local_cluster(config: ClusterConfig, model_dir: Path, log_dir: Path,
     # No metrics ports unless asked for: a benchmark cluster must not collide with a running one.
     metrics = [] if any(f.startswith("--metrics") for f in config.flags) else [
         "--metrics-base-port", "0"]
-    server = HalfmoonServer(model_dir, "bfloat16", [*metrics, *config.flags], env)
+    server = HalfmoonServer(model_dir, "auto", [*metrics, *config.flags], env)
     try:
         await asyncio.to_thread(server.start, ready_timeout_s)
         yield server.url
