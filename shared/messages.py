@@ -75,6 +75,17 @@ class KVActivity(BaseModel):
     bytes_out: int = 0
 
 
+class CostSample(BaseModel):
+    """What a piece of an engine's work cost, for the conductor's online cost model:
+    a request's prefill (tokens computed, tokens cached) or a decode step (batch size,
+    mean context)."""
+
+    kind: Literal["prefill", "decode"]
+    tokens: int
+    context: float
+    seconds: float
+
+
 class InstanceInfo(Message):
     """What a heartbeat says about its sender."""
 
@@ -102,10 +113,17 @@ class InstanceInfo(Message):
     disk_blocks_used: int = 0  # disk tier (0 and 0 without one)
     disk_blocks_free: int = 0
     kv_activity: KVActivity = Field(default_factory=KVActivity)
+    # Engines: what picks the cost model's prior (model, dtype, quantization, threads, CPU),
+    # and the costs of work done since the previous heartbeat.
+    engine_key: str = ""
+    cost_samples: list[CostSample] = Field(default_factory=list)
     # Conductors: whether this one holds the lease and places requests (others are standbys),
     # and the lease's term (grows with each new leader; 0 when not leading).
     leader: bool = False
     term: int = 0
+    cost_model: str = ""  # where its predictions come from (prior, online calibration)
+    # Engine cost samples its cost model has learned from, by kind.
+    cost_samples_seen: dict[str, int] = Field(default_factory=dict)
 
 
 class GenerateRequest(Message):

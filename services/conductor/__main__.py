@@ -102,7 +102,10 @@ async def serve(settings: ConductorSettings) -> None:
         intake = Intake(nc, conductor)
         info = lambda: InstanceInfo(  # noqa: E731
             instance_id=instance_id, role=Role.CONDUCTOR, pid=os.getpid(), started_at=started,
-            leader=conductor.leading(), term=election.term if election else 0)
+            leader=conductor.leading(), term=election.term if election else 0,
+            cost_model=conductor.cost.source,
+            cost_samples_seen={"prefill": conductor.calibrator.prefill.seen,
+                               "decode": conductor.calibrator.decode.seen})
         # A change of leader is news at once, not at the next beat.
         election = make_election(settings, nc, instance_id, intake,
                                  lambda: publish_heartbeat(nc, info()))

@@ -9,6 +9,7 @@ Fitted by `halfmoon profile` from the engine's own timings on this machine:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ class CostModel:
     block_bytes: int = 368_640
     block_size: int = 16
     source: str = "built-in defaults (run `halfmoon profile` to fit this machine)"
+    key: str = ""  # the engines it was fitted for (cpu.engine_key); empty: any
 
     def prefill_s(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
         a, b, c, d = self.prefill_coef  # inlined prefill_features: this runs per candidate
@@ -74,6 +76,28 @@ def default_path() -> Path:
     from shared.settings import halfmoon_home
 
     return halfmoon_home() / "costmodel.json"
+
+
+def profile_path(key: str) -> Path:
+    """Where `halfmoon profile` keeps the fit for one engine key."""
+    from shared.settings import halfmoon_home
+
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return halfmoon_home() / "costmodels" / f"{digest}.json"
+
+
+def prior_for(key: str, explicit: str = "") -> CostModel:
+    """The starting point for engines of `key`: an explicit file, else the profile fitted
+    for exactly these engines (or the default file, if it was fitted for them), else the
+    built-in defaults."""
+    if explicit:
+        return CostModel.load(Path(explicit))
+    for path in (profile_path(key), default_path()):
+        if path.exists():
+            model = CostModel.load(path)
+            if model.key in ("", key):  # a fit from before keys existed is taken as is
+                return model
+    return CostModel()
 
 
 def load_cost_model(path: str) -> CostModel:

@@ -16,7 +16,8 @@ from shared.messages import (Ack, GenerateRequest, InstanceInfo, KVMatchReply, K
                              Placement, PrefillJob, Role)
 from services.conductor.args import ConductorSettings
 from services.conductor import snapshot
-from services.conductor.costmodel import load_cost_model
+from services.conductor.calibration import Calibrator
+from services.conductor.costmodel import CostModel, load_cost_model, prior_for
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.policy import Candidate, Decision, make_policy
 from services.conductor.registry import Registry
@@ -32,7 +33,10 @@ class Conductor:
         self.registry = Registry(settings.heartbeat_expiry_s)
         self.metrics = ConductorMetrics(self.registry)
         self.policy = make_policy(settings.policy)
-        self.cost = load_cost_model(settings.cost_model)
+        # Online: refit from the costs engines report, starting from a prior chosen by the
+        # first engine's key (its profiled fit, else the built-in defaults).
+        self.calibrator = Calibrator(load_cost_model(settings.cost_model))
+        self._prior_key: str | None = None
         self._recorded_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task] = set()
         # Active/standby: whether this conductor still holds the leader lease (see leader.py).
@@ -47,7 +51,21 @@ class Conductor:
         now = time.time()
         if self.registry.seen(info, now):
             log.info("instance %s (%s) is up", info.instance_id, info.role)
+        self._calibrate(info)
         self._record_instance(info, now, info.status)
+
+    @property
+    def cost(self) -> CostModel:
+        return self.calibrator.model()
+
+    def _calibrate(self, info: InstanceInfo) -> None:
+        if info.engine_key and self._prior_key is None:
+            self._prior_key = info.engine_key
+            prior = prior_for(info.engine_key, self.settings.cost_model)
+            self.calibrator = Calibrator(prior)
+            log.info("cost model prior for %s: %s", info.engine_key, prior.source)
+        if info.cost_samples:
+            self.calibrator.observe(info.cost_samples)
 
     def _record_instance(self, info: InstanceInfo, now: float, status: str) -> None:
         if self.records is None:

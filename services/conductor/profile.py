@@ -17,8 +17,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from services.conductor.costmodel import (CostModel, decode_features, default_path,
+from services.conductor.costmodel import (CostModel, decode_features, default_path, profile_path,
                                           least_squares, prefill_features)
+import torch
+
+from shared.engine import cpu
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.runner import load_model
 from shared.messages import SamplingParams
@@ -109,7 +112,9 @@ async def profile_transfer(mib: int = 16) -> tuple[float, float]:
 def fit(args: argparse.Namespace) -> tuple[CostModel, dict]:
     lm = load_model(ensure_model(args.model), args.dtype, "cpu", args.threads)
     engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-                                        max_num_batched_tokens=args.chunk_tokens))
+                                        max_num_batched_tokens=args.chunk_tokens,
+                                        quantization=args.quantization))
+    dtype = str(lm.dtype).removeprefix("torch.")
     rng = random.Random(5)
     _run(engine, "warmup", _tokens(rng, 64))
     p_rows, p_times = profile_prefill(engine, rng, args.quick)
@@ -119,9 +124,11 @@ def fit(args: argparse.Namespace) -> tuple[CostModel, dict]:
                       decode_coef=least_squares(d_rows, d_times), transfer_latency_s=latency,
                       transfer_bytes_per_s=bandwidth, block_bytes=engine.kv.shape.block_nbytes,
                       block_size=engine.config.block_size,
-                      source=f"halfmoon profile: {lm.name} {str(lm.dtype).removeprefix('torch.')}, "
+                      source=f"halfmoon profile: {lm.name} {dtype} {args.quantization}, "
                              f"{args.threads} threads, "
-                             f"chunk {args.chunk_tokens}, {time.strftime('%Y-%m-%d %H:%M')}")
+                             f"chunk {args.chunk_tokens}, {time.strftime('%Y-%m-%d %H:%M')}",
+                      key=cpu.engine_key(lm.name, dtype, args.quantization,
+                                         torch.get_num_threads()))
     errors = {"prefill": _errors(model.prefill_s, p_rows, p_times, lambda r: (r[1], r[3] / max(r[1], 1))),
               "decode": _errors(model.decode_step_s, d_rows, d_times, lambda r: (r[1], r[2] / max(r[1], 1)))}
     return model, errors
@@ -138,15 +145,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default="")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)")
     p.add_argument("--threads", type=int, default=1, help="as each instance runs (halfmoon up: cores / instances)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"])
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--output", default="", help=f"where to write (default {default_path()})")
+    p.add_argument("--output", default="", help="where to write (default: HALFMOON_HOME/"
+                   "costmodels/<engine key>.json, which conductors pick for engines of that key, "
+                   f"and {default_path()})")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     model, errors = fit(args)
-    out = Path(args.output) if args.output else default_path()
-    model.save(out)
-    print(json.dumps({"written": str(out), "model": model.__dict__, "fit": errors}, indent=2))
+    outs = [Path(args.output)] if args.output else [profile_path(model.key), default_path()]
+    for out in outs:
+        model.save(out)
+    print(json.dumps({"written": [str(o) for o in outs], "model": model.__dict__, "fit": errors},
+                     indent=2))
     return 0
 
 

@@ -35,7 +35,7 @@ async def serve(settings: DecodeSettings) -> None:
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
         await inst.publish_cleared()  # a previous incarnation's blocks are gone
         worker = asyncio.create_task(inst.serve(stop))
-        beat = asyncio.create_task(heartbeat_loop(nc, inst.info, settings.heartbeat_interval_s, stop))
+        beat = asyncio.create_task(heartbeat_loop(nc, inst.heartbeat, settings.heartbeat_interval_s, stop))
         log.info("decode %s ready (model %s)", settings.instance_id, lm.name)
         await stop.wait()
         # Stop intake; sequences still running end with a clear error, never silently.

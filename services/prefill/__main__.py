@@ -41,7 +41,7 @@ async def serve(settings: PrefillSettings) -> None:
         await nc.subscribe(subjects.kv_export(settings.instance_id), cb=inst.on_export)
         await inst.publish_cleared()  # a previous incarnation's blocks are gone
         worker = asyncio.create_task(inst.serve(stop))
-        beat = asyncio.create_task(heartbeat_loop(nc, inst.info, settings.heartbeat_interval_s, stop))
+        beat = asyncio.create_task(heartbeat_loop(nc, inst.heartbeat, settings.heartbeat_interval_s, stop))
         log.info("prefill %s ready (model %s)", settings.instance_id, lm.name)
         await stop.wait()
         # Shut down in order: stop intake, finish the prompt in flight, let transfers drain.

@@ -131,6 +131,12 @@ def apply_isa_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def engine_key(model: str, dtype: str, quantization: str, threads: int) -> str:
+    """What a cost-model fit is valid for: the same model, precision, threads and CPU."""
+    info = detect()
+    return f"{model}|{dtype}|{quantization}|{threads} threads|{info.model}|{info.level}"
+
+
 def resolve_dtype(requested: str, device: str = "cpu") -> tuple[str, str]:
     """(dtype, why) for a `--dtype` value: auto becomes bfloat16 or float32 for the device."""
     if requested != "auto":

@@ -18,7 +18,10 @@ from typing import Any, Callable, Literal, TypeVar
 from nats.aio.client import Client as NATS
 from pydantic import Field
 
+import torch
+
 from shared import subjects
+from shared.engine import cpu
 from shared.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from shared.engine.runner import LoadedModel
 from shared.messages import (CancelRequest, ErrorBody, FinishReason, GenerateRequest,
@@ -135,6 +138,9 @@ class EngineInstance:
         self._wake = asyncio.Event()
         self._stats = self.engine.stats()
         self.kv_activity = KVActivity()  # cumulative, sent with every heartbeat
+        # What the conductor's cost-model prior must match (see calibration.py).
+        self._engine_key = cpu.engine_key(lm.name, str(lm.dtype).removeprefix("torch."),
+                                          settings.quantization, torch.get_num_threads())
 
     async def run_engine(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
@@ -157,7 +163,15 @@ class EngineInstance:
             queue_prompts=s["queue_prompts"][:256], mean_context=s["mean_context"],
             kv_blocks_total=int(s["kv_blocks_total"]), kv_blocks_free=int(s["kv_blocks_free"]),
             kv_blocks_cached=int(s["kv_blocks_cached"]), disk_blocks_used=disk_used,
-            disk_blocks_free=disk_free, kv_activity=self.kv_activity, kv_blocks_leased=self.leased_blocks())
+            disk_blocks_free=disk_free, kv_activity=self.kv_activity,
+            kv_blocks_leased=self.leased_blocks(), engine_key=self._engine_key)
+
+    def heartbeat(self) -> InstanceInfo:
+        """info(), plus the cost samples of work done since the previous heartbeat."""
+        samples = []
+        while self.engine.cost_samples and len(samples) < 64:
+            samples.append(self.engine.cost_samples.popleft())
+        return self.info().model_copy(update={"cost_samples": samples})
 
     def leased_blocks(self) -> int:
         """Blocks' worth of KV held outside the pool for requests (subclasses that hold any)."""

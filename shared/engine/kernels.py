@@ -32,10 +32,11 @@ from shared.settings import halfmoon_home
 log = logging.getLogger(__name__)
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-# fast-math lets the compiler vectorize the reductions; finite-math stays off because the
-# online softmax starts from -inf.
-FLAGS = ["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC",
-         "-std=c11"]
+# No -ffast-math: it let the compiler reassociate the int8 dequantization differently in
+# two kernels, and the GEMV and the _int_mm path must agree bit for bit. The reductions
+# vectorize through `omp simd reduction` and intrinsics instead; -std=c11 keeps FMA
+# contraction off, so every path rounds the same way.
+FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False

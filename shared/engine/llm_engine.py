@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -29,7 +30,7 @@ from shared.engine.sampling import SampleRow, sample
 from shared.engine.scheduler import PoolTooSmall, ScheduledSeq, Scheduler, SchedulerConfig
 from shared.engine.sequence import Sequence
 from shared.hashing import block_hashes
-from shared.messages import FinishReason, SamplingParams
+from shared.messages import CostSample, FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 Role = Literal["colocated", "prefill", "decode"]
@@ -115,6 +116,9 @@ class LLMEngine:
         self.num_preemptions = 0
         # Called with each step's stats on the engine thread (metrics histograms lock).
         self.on_step: Callable[[StepStats], None] | None = None
+        # What work cost, for the conductor's online cost model (drained by heartbeats;
+        # deque appends and pops are atomic, so the loop thread may drain it).
+        self.cost_samples: deque[CostSample] = deque(maxlen=256)
         if config.disk_tier_bytes > 0:
             self.disk = DiskTier(Path(config.disk_tier_dir), config.disk_tier_bytes)
             self.blocks.keep_spills = True
@@ -335,6 +339,7 @@ class LLMEngine:
 
     def _run(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         batch, order = build_batch(scheduled, self.config.block_size, self.lm.device)
+        t_forward = time.perf_counter()
         # Unlocked: the forward only writes this step's freshly allocated blocks, and every
         # block with a hash (what exports read) is complete and cannot be reallocated until
         # the next schedule, which takes the lock again.
@@ -345,9 +350,23 @@ class LLMEngine:
             self._book.acquire()
         completing = [item for item in order if item.completes]
         tokens = self._sample(completing, logits)
+        self._account(order, time.perf_counter() - t_forward)
         for item in order:
             self.scheduler.postprocess(item)
         return [self._emit(item.seq, tok) for item, tok in zip(completing, tokens)]
+
+    def _account(self, order: list[ScheduledSeq], seconds: float) -> None:
+        """Each prompt's share of the step (by tokens) toward its prefill time; a step of
+        decodes only is one decode sample."""
+        tokens = sum(item.num_new_tokens for item in order)
+        if all(item.num_new_tokens == 1 and item.seq.num_output_tokens > 0 for item in order):
+            ctx = sum(item.seq.num_tokens for item in order) / len(order)
+            self.cost_samples.append(CostSample(kind="decode", tokens=len(order), context=ctx,
+                                                seconds=seconds))
+            return
+        for item in order:
+            if item.seq.num_output_tokens == 0:
+                item.seq.prefill_seconds += seconds * item.num_new_tokens / tokens
 
     def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[int]:
         return sample(logits, [SampleRow(item.seq.params, item.seq.num_output_tokens)
@@ -360,6 +379,10 @@ class LLMEngine:
         if seq.num_output_tokens == 1:  # its prompt is done (never true for an import)
             self.num_prefix_hit_tokens += seq.num_cached_tokens
             self.num_prefix_miss_tokens += seq.num_prompt_tokens - seq.num_cached_tokens
+            if seq.num_preemptions == 0:  # a recompute's time is not a prompt's cost
+                self.cost_samples.append(CostSample(
+                    kind="prefill", tokens=seq.num_prompt_tokens - seq.num_cached_tokens,
+                    context=float(seq.num_cached_tokens), seconds=seq.prefill_seconds))
         out = RequestOutput(seq.request_id, [token], step.text, step.finish_reason,
                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
         if step.finish_reason is not None:

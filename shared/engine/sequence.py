@@ -31,6 +31,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks computed so far
     num_preemptions: int = 0
+    prefill_seconds: float = 0.0  # this sequence's share of the steps that computed its prompt
 
     @property
     def num_tokens(self) -> int:

@@ -29,9 +29,9 @@ class Stack:
 
 
 def start_stack(tmp: Path, model_dir: Path, database_url: str, extra: list[str] | None = None,
-                timeout_s: float = 240.0) -> Stack:
+                timeout_s: float = 240.0, env: dict[str, str] | None = None) -> Stack:
     port = free_port()
-    env = dict(os.environ, HALFMOON_HOME=str(tmp / "home"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, HALFMOON_HOME=str(tmp / "home"), PYTHONUNBUFFERED="1", **(env or {}))
     extra = list(extra or [])
     if "--metrics-base-port" not in extra:  # no fixed ports: stacks may run side by side
         extra += ["--metrics-base-port", "0"]

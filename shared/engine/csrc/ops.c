@@ -40,6 +40,7 @@ void rms_norm(void *h, const void *delta, const void *weight, void *out, int row
         const long off = (long)r * dim;
         if (dim > 8192) continue;
         float ss = 0.f;
+        #pragma omp simd reduction(+:ss)
         for (int i = 0; i < dim; i++) {
             float v = load(h, off + i, bf16);
             if (delta) {

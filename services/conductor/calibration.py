@@ -1,0 +1,112 @@
+"""The cost model, calibrated online from the times instances report (pure: no I/O, no clock).
+
+Built-in or profiled coefficients fit one machine, dtype and engine version; the same
+stack on an AVX2 EPYC in fp32 ran 2-3x slower than they said, and admission admitted and
+refused on those numbers. So every engine reports what its work cost (CostSample: a
+request's prefill, or a decode step), and the conductor refits each part of the model on
+a window of recent samples:
+
+- the prior (the profiled fit for this CPU and dtype, or the built-in defaults) gives the
+  shape; its level is rescaled by the median ratio of measured to predicted times, so a
+  machine 2.6x slower is right after a handful of samples, and one outlier moves nothing;
+- weighted least squares on the model's own terms (costmodel.py) then refines the shape:
+  each sample weighted by 1/seconds², so the fit minimizes relative error (what admission
+  cares about), and the rescaled prior enters as pseudo-samples at representative points
+  worth `prior_weight` samples in all, so terms the samples do not exercise (long prompts,
+  when only short ones came) keep the prior's shape.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable
+
+from services.conductor.costmodel import CostModel, decode_features, prefill_features
+from shared.messages import CostSample
+
+# Where the prior speaks: prompt lengths × cached tokens, and batch sizes × contexts.
+PREFILL_ANCHORS = [(n, c) for n in (16, 128, 512, 2048) for c in (0, 1024)]
+DECODE_ANCHORS = [(b, ctx) for b in (1, 8, 32, 64) for ctx in (128, 1024, 4096)]
+
+
+@dataclass
+class OnlineFit:
+    """One part of the cost model (prefill or decode step), refit on recent samples."""
+
+    features: Callable[[float, float], list[float]]
+    prior: list[float]
+    anchors: list[tuple[float, float]]
+    window: int = 256
+    prior_weight: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.samples: deque[tuple[float, float, float]] = deque(maxlen=self.window)
+        self.seen = 0
+        self._coef: list[float] | None = list(self.prior)
+
+    def add(self, x1: float, x2: float, seconds: float) -> None:
+        if seconds > 0:
+            self.samples.append((x1, x2, seconds))
+            self.seen += 1
+            self._coef = None
+
+    @property
+    def coef(self) -> list[float]:
+        if self._coef is None:
+            self._coef = self._fit()
+        return self._coef
+
+    def predict(self, x1: float, x2: float, coef: list[float] | None = None) -> float:
+        c = self.coef if coef is None else coef
+        return max(0.0, sum(a * b for a, b in zip(c, self.features(x1, x2))))
+
+    def _fit(self) -> list[float]:
+        import numpy as np
+
+        rows, targets, weights = [], [], []
+        per_anchor = self.prior_weight / len(self.anchors)
+        ratios = [y / p for x1, x2, y in self.samples if (p := self.predict(x1, x2, self.prior)) > 0]
+        level = statistics.median(ratios) if ratios else 1.0
+        for x1, x2 in self.anchors:
+            y = level * self.predict(x1, x2, self.prior)
+            if y > 0:
+                rows.append(self.features(x1, x2))
+                targets.append(y)
+                weights.append(per_anchor / (y * y))
+        for x1, x2, y in self.samples:
+            rows.append(self.features(x1, x2))
+            targets.append(y)
+            weights.append(1.0 / (y * y))
+        a, b, w = np.array(rows), np.array(targets), np.sqrt(np.array(weights))
+        # Scale the columns so their magnitudes (1 .. n²) do not ruin the conditioning.
+        scale = np.abs(a).max(axis=0)
+        scale[scale == 0] = 1.0
+        coef, *_ = np.linalg.lstsq(a / scale * w[:, None], b * w, rcond=None)
+        return [float(c) for c in coef / scale]
+
+
+class Calibrator:
+    def __init__(self, prior: CostModel, window: int = 256, prior_weight: float = 2.0) -> None:
+        self.prior = prior
+        self.prefill = OnlineFit(lambda n, c: prefill_features(n, c), list(prior.prefill_coef),
+                                 PREFILL_ANCHORS, window, prior_weight)
+        self.decode = OnlineFit(lambda b, ctx: decode_features(b, ctx), list(prior.decode_coef),
+                                DECODE_ANCHORS, window, prior_weight)
+        self._model: CostModel | None = prior
+
+    def observe(self, samples: Iterable[CostSample]) -> None:
+        for s in samples:
+            fit = self.prefill if s.kind == "prefill" else self.decode
+            fit.add(float(s.tokens), s.context, s.seconds)
+            self._model = None
+
+    def model(self) -> CostModel:
+        """The prior with both parts refit on what the instances reported so far."""
+        if self._model is None:
+            self._model = replace(
+                self.prior, prefill_coef=self.prefill.coef, decode_coef=self.decode.coef,
+                source=f"{self.prior.source}; calibrated online on {self.prefill.seen} "
+                       f"prefill and {self.decode.seen} decode samples")
+        return self._model

@@ -1,0 +1,62 @@
+"""The conductor's online cost model: the prior until engines report, then their truth."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+from services.conductor.calibration import Calibrator
+from services.conductor.costmodel import CostModel
+from shared.messages import CostSample
+
+
+def slower(factor: float, prior: CostModel) -> CostModel:
+    """A machine `factor` times slower, its attention share somewhat larger."""
+    a, b, c, d = prior.prefill_coef
+    return CostModel(prefill_coef=[a * factor, b * factor, c * factor * 1.5, d * factor * 1.5],
+                     decode_coef=[x * factor for x in prior.decode_coef])
+
+
+def test_without_samples_the_model_is_the_prior():
+    prior = CostModel()
+    model = Calibrator(prior).model()
+    for n, c in ((10, 0), (300, 0), (2000, 500)):
+        assert abs(model.prefill_s(n, c) - prior.prefill_s(n, c)) < 1e-9
+    assert abs(model.decode_step_s(8, 700) - prior.decode_step_s(8, 700)) < 1e-9
+
+
+def test_fifty_requests_teach_a_machine_the_prior_does_not_know():
+    prior, rng = CostModel(), random.Random(3)
+    truth = slower(2.6, prior)
+    cal = Calibrator(prior)
+    for _ in range(50):
+        n, c = rng.randrange(20, 800), rng.choice([0, 0, 256, 1024])
+        noisy = truth.prefill_s(n, c) * rng.uniform(0.93, 1.07)
+        cal.observe([CostSample(kind="prefill", tokens=n, context=c, seconds=noisy)])
+        b, ctx = rng.randrange(1, 48), rng.uniform(100, 1500)
+        cal.observe([CostSample(kind="decode", tokens=b, context=ctx,
+                                seconds=truth.decode_step_s(b, ctx) * rng.uniform(0.95, 1.05))])
+    model = cal.model()
+    tests = [(rng.randrange(20, 800), rng.choice([0, 512])) for _ in range(200)]
+    err = statistics.median(abs(model.prefill_s(n, c) / truth.prefill_s(n, c) - 1) for n, c in tests)
+    prior_err = statistics.median(abs(prior.prefill_s(n, c) / truth.prefill_s(n, c) - 1)
+                                  for n, c in tests)
+    assert prior_err > 0.5 and err < 0.05, (prior_err, err)
+    dec = [(rng.randrange(1, 48), rng.uniform(100, 1500)) for _ in range(100)]
+    derr = statistics.median(abs(model.decode_step_s(b, x) / truth.decode_step_s(b, x) - 1)
+                             for b, x in dec)
+    assert derr < 0.05
+    assert "calibrated online on 50 prefill and 50 decode samples" in model.source
+
+
+def test_one_outlier_does_not_wreck_the_fit():
+    prior = CostModel()
+    truth = slower(1.5, prior)
+    cal = Calibrator(prior)
+    rng = random.Random(1)
+    for i in range(40):
+        n = rng.randrange(50, 600)
+        y = truth.prefill_s(n, 0) * (20 if i == 7 else 1)  # a GC pause, once
+        cal.observe([CostSample(kind="prefill", tokens=n, context=0, seconds=y)])
+    model = cal.model()
+    assert abs(model.prefill_s(300, 0) / truth.prefill_s(300, 0) - 1) < 0.15

@@ -1,0 +1,131 @@
+"""The native kernels against torch's own ops, on random data (no model needed).
+
+Whatever CPU runs them (and whatever HALFMOON_CPU_ISA caps it to), each kernel must give
+torch's results: fp32 to rounding, bf16 as torch rounds it, int8 bit for bit between the
+GEMV and the torch._int_mm path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.engine import fused, kernels
+from shared.engine.linear import DenseLinear, Int8Linear, quantize_rows
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler here")
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_dense_linear_matches_torch(dtype, rows):
+    w, b = rand(192, 128, dtype=dtype), rand(192, seed=1)
+    x = rand(rows, 128, dtype=dtype, seed=2)
+    got = DenseLinear(w, b.to(dtype))(x).float()
+    ref = (x.float() @ w.float().t() + b.to(dtype).float())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemv_and_int_mm_give_the_same_bits(dtype):
+    w = rand(256, 192)
+    lin = Int8Linear(w)
+    x = rand(24, 192, dtype=dtype, seed=3)
+    few = torch.cat([lin(x[i:i + 2]) for i in range(0, 24, 2)])  # GEMV: 2 rows at a time
+    many = lin(x)  # torch._int_mm: 24 rows
+    assert torch.equal(few, many)
+    # and the arithmetic is what the scheme says
+    q, sx = quantize_rows(x)
+    ref = (q.int() @ lin.qweight.int().t()).float() * (sx[:, None] * lin.scales[None, :])
+    assert torch.allclose(many.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                          atol=1e-3)
+
+
+def test_quantize_rows_is_per_row_and_symmetric():
+    x = rand(5, 64)
+    x[2] = 0.0  # an all-zero row quantizes to zeros with scale 1
+    q, s = quantize_rows(x)
+    assert q.abs().max() <= 127 and s[2] == 1.0 and not q[2].any()
+    ref = torch.round(x / (x.abs().amax(1, keepdim=True) / 127).clamp(min=1e-30))
+    assert torch.equal(q[[0, 1, 3, 4]].float(), ref[[0, 1, 3, 4]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_residual_matches_transformers(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    norm.weight.data = rand(96, seed=4).abs()
+    norm = norm.to(dtype)
+    h, delta = rand(7, 96, dtype=dtype, seed=5), rand(7, 96, dtype=dtype, seed=6)
+    ref_h = h + delta
+    ref = norm(ref_h)
+    got = fused.rms_norm(h, delta, norm.weight, 1e-5)
+    assert torch.equal(h, ref_h)  # the residual add happened in place, rounded the same
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    gu = rand(3, 2 * 80, dtype=dtype, seed=7) * 4
+    ref = F.silu(gu[:, :80]) * gu[:, 80:]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(fused.silu_mul(gu).float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_rope_kv_write_rotates_and_writes_slots():
+    hq, hk, d, bs = 6, 2, 16, 4
+    qkv = rand(5, (hq + 2 * hk) * d, seed=8)
+    positions = torch.tensor([0, 3, 7, 8, 20])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(32).float(), inv)
+    cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
+    k_cache, v_cache = torch.zeros(6, hk, d, bs), torch.zeros(6, hk, bs, d)
+    blocks, offsets = torch.tensor([0, 0, 1, 2, 5]), torch.tensor([0, 3, 3, 0, 0])
+    ref = qkv.clone()
+    fused.rope_kv_write(qkv, cos, sin, positions, hq, hk, d, blocks, offsets, k_cache, v_cache)
+
+    def rot(x, p):
+        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        return x * cos[p] + torch.cat([-x2, x1], -1) * sin[p]
+
+    for r, p in enumerate(positions.tolist()):
+        q = ref[r, :hq * d].view(hq, d)
+        k = ref[r, hq * d:(hq + hk) * d].view(hk, d)
+        v = ref[r, (hq + hk) * d:].view(hk, d)
+        assert torch.allclose(qkv[r, :hq * d].view(hq, d), rot(q, p), atol=1e-6)
+        assert torch.allclose(k_cache[blocks[r], :, :, offsets[r]], rot(k, p), atol=1e-6)
+        assert torch.equal(v_cache[blocks[r], :, offsets[r], :], v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs,ctx", [(1, 1), (1, 700), (2, 45), (5, 300)])
+def test_paged_attention_matches_sdpa(dtype, seqs, ctx):
+    """One query per sequence against its scattered blocks; with one or two sequences and a
+    long context the kernel splits the context over threads and merges the parts."""
+    hq, hk, d, bs, nblocks = 9, 3, 64, 16, 200
+    k_cache, v_cache = rand(nblocks, hk, d, bs, dtype=dtype, seed=9), rand(nblocks, hk, bs, d, dtype=dtype, seed=10)
+    lens = [ctx - 7 * s if ctx - 7 * s > 0 else ctx for s in range(seqs)]
+    width = -(-max(lens) // bs)
+    gen = torch.Generator().manual_seed(11)
+    tables = torch.stack([torch.randperm(nblocks, generator=gen)[:width] for _ in range(seqs)]).int()
+    q = rand(seqs, (hq + 2 * hk) * d, dtype=dtype, seed=12)  # rows of a qkv buffer
+    out = torch.empty(seqs, hq * d, dtype=dtype)
+    kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                                   d ** -0.5, out)
+    for s, n in enumerate(lens):
+        ids = tables[s, :-(-n // bs)].long()
+        k = k_cache[ids].permute(1, 0, 3, 2).reshape(hk, -1, d)[:, :n].float()
+        v = v_cache[ids].permute(1, 0, 2, 3).reshape(hk, -1, d)[:, :n].float()
+        qs = q[s, :hq * d].float().view(hq, 1, d)
+        ref = F.scaled_dot_product_attention(qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                             enable_gqa=True)[0].reshape(hq * d)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(out[s].float(), ref, atol=tol, rtol=tol), (s, n)
