@@ -36,7 +36,8 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # two kernels, and the GEMV and the _int_mm path must agree bit for bit. The reductions
 # vectorize through `omp simd reduction` and intrinsics instead; -std=c11 keeps FMA
 # contraction off, so every path rounds the same way.
-FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
+         "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -56,6 +57,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "gemv_f32": (I, [P, P, P, P, I, I, I, I]),
     "gemv_i8": (I, [P, P, P, P, P, P, I, I, I, I, I]),
     "read_bandwidth_sum": (ctypes.c_double, [P, L, I]),
+    "decode_layers": (I, [P, P, P, I, P, P, P, P, I, P, I]),
 }
 
 

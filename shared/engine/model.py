@@ -9,6 +9,8 @@ Two paths compute the same arithmetic (rounding included, see csrc/ops.c):
 - native (CPU with the C kernels): per layer, RMSNorm fused with the residual add, the
   QKV GEMM, RoPE fused with the KV write, attention, O, RMSNorm + add, gate/up, SiLU-mul,
   down: nine calls, against some forty eager ops. RoPE reads a cos/sin table built once.
+  A decode step of a few rows runs all of that for every layer in one call
+  (decode_step.py), since Python between the kernels was a tenth of such a step.
 - torch (no compiler, or CUDA): transformers' own norm and rotary modules, eager ops.
 """
 
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engine import fused, kernels
+from shared.engine.decode_step import NativeDecodeStep
 from shared.engine.kv_cache import KVCache, KVShape
 from shared.engine.linear import Linear, make_linear
 
@@ -104,6 +107,7 @@ class PagedLlama:
                        and cfg.hidden_size <= _MAX_NATIVE_DIM
                        and self.head_dim <= _MAX_NATIVE_HEAD_DIM)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step: NativeDecodeStep | bool | None = None  # False: not for this model
 
     @staticmethod
     def kv_shape(cfg, block_size: int, dtype: torch.dtype) -> KVShape:  # type: ignore[no-untyped-def]
@@ -128,6 +132,27 @@ class PagedLlama:
     def _forward_native(self, meta: BatchMeta) -> torch.Tensor:
         h = self.embed(meta.input_ids)
         cos, sin, positions = self._rope(h, meta.positions)
+        step = self._decode_step(cos, sin)
+        if step is not None and step.fits(meta):
+            delta = step(h, positions, meta)  # every layer in one native call
+        else:
+            delta = self._layers_native(h, cos, sin, positions, meta)
+        rows = meta.logit_rows
+        x = fused.rms_norm(h.index_select(0, rows), delta.index_select(0, rows),
+                           self.norm.weight, self.eps)
+        return self.lm_head(x).float()
+
+    def _decode_step(self, cos: torch.Tensor, sin: torch.Tensor) -> NativeDecodeStep | None:
+        """The one-call decode step, where the shapes allow it and the RoPE table is fixed."""
+        if self._step is None:
+            static = cos is (self._rope_table or (None,))[0]
+            self._step = NativeDecodeStep(self, cos, sin) if static and \
+                NativeDecodeStep.supports(self) else False
+        return self._step or None
+
+    def _layers_native(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       positions: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        """The layers op by op (prefill chunks, bigger batches); returns the last MLP output."""
         delta: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             x = fused.rms_norm(h, delta, layer.input_norm.weight, self.eps)
@@ -138,11 +163,8 @@ class PagedLlama:
             x = fused.rms_norm(h, layer.o(self._attend(i, qkv, meta)), layer.post_norm.weight,
                                self.eps)
             delta = layer.down(fused.silu_mul(layer.gate_up(x)))
-        rows = meta.logit_rows
         assert delta is not None
-        x = fused.rms_norm(h.index_select(0, rows), delta.index_select(0, rows),
-                           self.norm.weight, self.eps)
-        return self.lm_head(x).float()
+        return delta
 
     def _rope(self, h: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

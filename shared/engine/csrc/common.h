@@ -4,23 +4,29 @@
 #define HALFMOON_COMMON_H
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+/* Branch-free and punned through memcpy, so loops that call these vectorize. */
 static inline float bf2f(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)x) << 16;
-    return v.f;
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 static inline uint16_t f2bf(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
+
+/* x rounded to bf16 and back: what a bf16 tensor holds after torch writes x into it. */
+static inline float round_bf16(float x) { return bf2f(f2bf(x)); }
 
 /* One int32 dot product of quantized rows back to real units. Both int8 paths (the GEMV
  * and torch._int_mm + dequant_rows) call this, so they agree bit for bit. */
@@ -42,9 +48,10 @@ static inline float exp_approx(float x) {
     p = p * f + 2.4015361e-1f;
     p = p * f + 6.9315308e-1f;
     p = p * f + 1.0f;
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)((int)fi + 127) << 23;
-    return p * v.f;
+    const uint32_t bits = (uint32_t)((int)fi + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
 }
 
 #if defined(__AVX2__)

@@ -31,45 +31,75 @@ static inline void store(void *p, long i, float x, int bf16) {
 /* ---- RMSNorm, with the residual add fused in ----------------------------------------
  * If `delta` is given: h += delta first (h rounded to its dtype, as torch's add is).
  * Then out = weight * round(h * rsqrt(mean(h^2) + eps)), transformers' LlamaRMSNorm:
- * the normalized row is rounded to the activation dtype before the weight multiplies it. */
-void rms_norm(void *h, const void *delta, const void *weight, void *out, int rows, int dim,
-              float eps, int bf16, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-    for (int r = 0; r < rows; r++) {
-        float x[8192];
-        const long off = (long)r * dim;
-        if (dim > 8192) continue;
-        float ss = 0.f;
+ * the normalized row is rounded to the activation dtype before the weight multiplies it.
+ * One function per dtype, each loop plain enough to vectorize. */
+static void rms_row_f32(float *h, const float *delta, const float *w, float *out, int dim,
+                        float eps) {
+    float ss = 0.f;
+    if (delta) {
+        #pragma omp simd reduction(+:ss)
+        for (int i = 0; i < dim; i++) { const float v = h[i] + delta[i]; h[i] = v; ss += v * v; }
+    } else {
+        #pragma omp simd reduction(+:ss)
+        for (int i = 0; i < dim; i++) ss += h[i] * h[i];
+    }
+    const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+    #pragma omp simd
+    for (int i = 0; i < dim; i++) out[i] = w[i] * (h[i] * inv);
+}
+
+static void rms_row_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *w, uint16_t *out,
+                         int dim, float eps) {
+    float ss = 0.f;
+    if (delta) {
         #pragma omp simd reduction(+:ss)
         for (int i = 0; i < dim; i++) {
-            float v = load(h, off + i, bf16);
-            if (delta) {
-                v += load(delta, off + i, bf16);
-                store(h, off + i, v, bf16);
-                v = load(h, off + i, bf16);
-            }
-            x[i] = v;
-            ss += v * v;
+            const uint16_t v = f2bf(bf2f(h[i]) + bf2f(delta[i]));
+            h[i] = v;
+            ss += bf2f(v) * bf2f(v);
         }
-        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-        for (int i = 0; i < dim; i++) {
-            float n = x[i] * inv;
-            if (bf16) n = bf2f(f2bf(n));
-            store(out, off + i, load(weight, i, bf16) * n, bf16);
-        }
+    } else {
+        #pragma omp simd reduction(+:ss)
+        for (int i = 0; i < dim; i++) ss += bf2f(h[i]) * bf2f(h[i]);
+    }
+    const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+    #pragma omp simd
+    for (int i = 0; i < dim; i++) out[i] = f2bf(bf2f(w[i]) * round_bf16(bf2f(h[i]) * inv));
+}
+
+void rms_norm(void *h, const void *delta, const void *weight, void *out, int rows, int dim,
+              float eps, int bf16, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
+    for (int r = 0; r < rows; r++) {
+        const long off = (long)r * dim;
+        if (bf16)
+            rms_row_bf16((uint16_t *)h + off, delta ? (const uint16_t *)delta + off : NULL,
+                         (const uint16_t *)weight, (uint16_t *)out + off, dim, eps);
+        else
+            rms_row_f32((float *)h + off, delta ? (const float *)delta + off : NULL,
+                        (const float *)weight, (float *)out + off, dim, eps);
     }
 }
 
 /* ---- h += delta (the MLP's residual add), rounded to the dtype ----------------------- */
 void add_inplace(void *h, const void *delta, long n, int bf16, int num_threads) {
-    #pragma omp parallel for simd schedule(static) num_threads(num_threads) if (n > 65536)
-    for (long i = 0; i < n; i++) store(h, i, load(h, i, bf16) + load(delta, i, bf16), bf16);
+    if (bf16) {
+        uint16_t *a = (uint16_t *)h;
+        const uint16_t *b = (const uint16_t *)delta;
+        #pragma omp parallel for simd schedule(static) num_threads(num_threads) if (n > 65536)
+        for (long i = 0; i < n; i++) a[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
+    } else {
+        float *a = (float *)h;
+        const float *b = (const float *)delta;
+        #pragma omp parallel for simd schedule(static) num_threads(num_threads) if (n > 65536)
+        for (long i = 0; i < n; i++) a[i] += b[i];
+    }
 }
 
 /* ---- out = silu(gate) * up, where gate_up rows are [gate | up] ----------------------
  * As torch computes it: silu rounded to the dtype, then the product rounded. */
 void silu_mul(const void *gate_up, void *out, int rows, int inter, int bf16, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
     for (int r = 0; r < rows; r++) {
         const long gi = (long)r * 2 * inter, oi = (long)r * inter;
         if (bf16) {
@@ -78,8 +108,7 @@ void silu_mul(const void *gate_up, void *out, int rows, int inter, int bf16, int
             #pragma omp simd
             for (int i = 0; i < inter; i++) {
                 const float x = bf2f(g[i]);
-                const float s = bf2f(f2bf(x / (1.f + exp_approx(-x))));
-                o[i] = f2bf(s * bf2f(u[i]));
+                o[i] = f2bf(round_bf16(x / (1.f + exp_approx(-x))) * bf2f(u[i]));
             }
         } else {
             const float *g = (const float *)gate_up + gi, *u = g + inter;
