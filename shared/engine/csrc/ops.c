@@ -98,24 +98,36 @@ void add_inplace(void *h, const void *delta, long n, int bf16, int num_threads) 
 
 /* ---- out = silu(gate) * up, where gate_up rows are [gate | up] ----------------------
  * As torch computes it: silu rounded to the dtype, then the product rounded. */
+static void silu_row_bf16(const uint16_t *restrict g, const uint16_t *restrict u,
+                          uint16_t *restrict o, int n) {
+    float x[256], y[256];  /* in chunks: three plain loops vectorize where one fused did not */
+    for (int i0 = 0; i0 < n; i0 += 256) {
+        const int len = n - i0 < 256 ? n - i0 : 256;
+        #pragma omp simd
+        for (int i = 0; i < len; i++) x[i] = bf2f(g[i0 + i]);
+        #pragma omp simd
+        for (int i = 0; i < len; i++) y[i] = round_bf16(x[i] / (1.f + exp_approx(-x[i])));
+        #pragma omp simd
+        for (int i = 0; i < len; i++) o[i0 + i] = f2bf(y[i] * bf2f(u[i0 + i]));
+    }
+}
+
+static void silu_row_f32(const float *restrict g, const float *restrict u, float *restrict o,
+                         int n) {
+    #pragma omp simd
+    for (int i = 0; i < n; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+}
+
 void silu_mul(const void *gate_up, void *out, int rows, int inter, int bf16, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
     for (int r = 0; r < rows; r++) {
         const long gi = (long)r * 2 * inter, oi = (long)r * inter;
-        if (bf16) {
-            const uint16_t *g = (const uint16_t *)gate_up + gi, *u = g + inter;
-            uint16_t *o = (uint16_t *)out + oi;
-            #pragma omp simd
-            for (int i = 0; i < inter; i++) {
-                const float x = bf2f(g[i]);
-                o[i] = f2bf(round_bf16(x / (1.f + exp_approx(-x))) * bf2f(u[i]));
-            }
-        } else {
-            const float *g = (const float *)gate_up + gi, *u = g + inter;
-            float *o = (float *)out + oi;
-            #pragma omp simd
-            for (int i = 0; i < inter; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
-        }
+        if (bf16)
+            silu_row_bf16((const uint16_t *)gate_up + gi, (const uint16_t *)gate_up + gi + inter,
+                          (uint16_t *)out + oi, inter);
+        else
+            silu_row_f32((const float *)gate_up + gi, (const float *)gate_up + gi + inter,
+                         (float *)out + oi, inter);
     }
 }
 
