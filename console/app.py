@@ -7,6 +7,7 @@ gateway's admin JSON); figures from console.charts. Every page is drawn on every
 
 from __future__ import annotations
 
+import hmac
 import sys
 from dataclasses import dataclass
 from functools import cached_property
@@ -396,8 +397,33 @@ def pages(window_label: str, slo_ms: float) -> None:
                 st.error(f"The {name} page failed: {type(exc).__name__}: {exc}")
 
 
+def admitted() -> bool:
+    """Beyond loopback the console shows nothing until the visitor types the admin key:
+    it reads every request record and the cluster's admin JSON."""
+    if not SETTINGS.needs_login or st.session_state.get("admitted"):
+        return True
+    st.title("Halfmoon console")
+    if not SETTINGS.admin_key:
+        st.error(f"This console listens on {SETTINGS.host}, beyond this machine, and has no "
+                 "admin key to check visitors against: set HALFMOON_ADMIN_KEY or "
+                 "HALFMOON_ADMIN_KEY_FILE, or bind it to 127.0.0.1.")
+        return False
+    given = st.text_input("Admin key", type="password", key="login_key")
+    if not given:
+        st.info("Enter the cluster's admin key to continue.")
+        return False
+    if not hmac.compare_digest(given.strip().encode(), SETTINGS.admin_key.encode()):
+        st.error("That is not the admin key.")
+        return False
+    st.session_state["admitted"] = True
+    st.rerun()  # draw the console without the login form
+    return True
+
+
 def main() -> None:
     st.set_page_config(page_title="Halfmoon console", layout="wide")
+    if not admitted():
+        return
     st.sidebar.title("Halfmoon")
     window = st.sidebar.selectbox("Time window", list(queries.WINDOWS), index=1, key="window")
     slo_ms = st.sidebar.number_input("TTFT SLO (ms)", min_value=1, value=2000, step=100,

@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from console.queries import admin_key_from_env, is_loopback
+
 APP = Path(__file__).resolve().parent / "app.py"
 ROOT = APP.parents[1]
 # Console settings the app reads from the environment: flag name -> env var.
@@ -61,8 +63,17 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, extra = build_parser().parse_known_args(argv)
-    child = subprocess.Popen(command(args.host, args.port, extra), env=child_env(args))
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if not is_loopback(args.host) and not admin_key_from_env():
+        # Beyond loopback the app asks visitors for the admin key; without one to check
+        # against it could only turn everyone away, so say why now.
+        parser.error(f"--host {args.host} is reachable from other machines: set "
+                     "HALFMOON_ADMIN_KEY or HALFMOON_ADMIN_KEY_FILE (visitors must type that "
+                     "key), or listen on 127.0.0.1")
+    env = child_env(args)
+    env["HALFMOON_CONSOLE_HOST"] = args.host  # the app asks for the key beyond loopback
+    child = subprocess.Popen(command(args.host, args.port, extra), env=env)
 
     def forward(signum: int, _frame: object) -> None:
         if child.poll() is None:

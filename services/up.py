@@ -28,14 +28,15 @@ import aiohttp
 import nats
 from pydantic import BaseModel, Field, field_validator
 
-from shared import subjects
+from shared import bus, subjects
 from shared.db import session as db
 from shared.engine import cpu
 from shared.lifecycle import child_preexec, install_stop_signals, setup_logging
 from shared.messages import InstanceInfo
 from shared.model_store import ensure_model
 from shared.natsd import EmbeddedNats
-from shared.settings import DEFAULT_MODEL_NAME, halfmoon_home, parse_settings
+from shared.settings import (DEFAULT_MODEL_NAME, BaseSettings, halfmoon_home, parse_settings,
+                             settings_from)
 
 log = logging.getLogger("halfmoon.up")
 STOP_ORDER = ("gateway", "conductor", "prefill", "decode", "kvmanager", "console")
@@ -192,7 +193,9 @@ class Cluster:
                 "-m", "streamlit", "run", str(app), "--server.headless", "true",
                 "--server.address", self.s.host, "--server.port", str(self.s.console_port),
                 "--browser.gatherUsageStats", "false"],
-                env={"HALFMOON_GATEWAY_URL": f"http://{self.s.host}:{self.s.port}"})
+                # The console asks for the admin key when it listens beyond loopback.
+                env={"HALFMOON_GATEWAY_URL": f"http://{self.s.host}:{self.s.port}",
+                     "HALFMOON_CONSOLE_HOST": self.s.host})
 
     async def wait_ready(self, stop: asyncio.Event) -> bool:
         seen: dict[str, str] = {}
@@ -201,7 +204,11 @@ class Cluster:
             info = InstanceInfo.model_validate_json(msg.data)
             seen[info.instance_id] = info.role.value
 
-        nc = await nats.connect(self.nats_url)
+        # The services read HALFMOON_NATS_USER, _CREDS, _TLS_* from the environment they
+        # inherit; this process watches their heartbeats with the same credentials.
+        security = bus.security_options(settings_from(BaseSettings,
+                                                      overrides={"nats_url": self.nats_url}))
+        nc = await nats.connect(self.nats_url, **security)
         try:
             await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
             deadline = time.monotonic() + self.s.ready_timeout_s

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -13,7 +15,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from pydantic import BaseModel
 
-from shared import errors
+from shared import errors, tls
 from shared.messages import ErrorBody, Message
 from shared.settings import BaseSettings
 
@@ -39,14 +41,33 @@ async def connect(settings: BaseSettings, name: str) -> NATS:
     async def on_reconnect() -> None:
         log.info("nats reconnected")
 
-    kwargs = {}
-    if settings.nats_user:
-        kwargs = {"user": settings.nats_user, "password": settings.nats_password}
     return await nats.connect(
         servers=settings.nats_url.split(","), name=name, max_reconnect_attempts=-1,
         reconnect_time_wait=0.5, ping_interval=10, max_outstanding_pings=3,
         error_cb=on_error, disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect, **kwargs)
+        reconnected_cb=on_reconnect, **security_options(settings))
+
+
+def security_options(settings: BaseSettings) -> dict[str, Any]:
+    """nats.connect's credential and TLS arguments from the settings (none: a plain,
+    anonymous connection, as on one host)."""
+    opts: dict[str, Any] = {}
+    if settings.nats_user:
+        opts.update(user=settings.nats_user, password=settings.nats_password)
+    if settings.nats_creds:
+        # nats-py signs the server's nonce with the NKey seed through the nkeys package,
+        # and would only say so at the first connect, inside its reconnect loop.
+        if importlib.util.find_spec("nkeys") is None:
+            raise ValueError("nats_creds needs the nkeys package: pip install nkeys")
+        opts["user_credentials"] = str(Path(settings.nats_creds).expanduser())
+    urls = settings.nats_url.split(",")
+    if (settings.nats_tls_ca or settings.nats_tls_cert
+            or any(u.strip().startswith("tls://") for u in urls)):
+        opts["tls"] = tls.client_context(settings.nats_tls_ca, settings.nats_tls_cert,
+                                         settings.nats_tls_key)
+        if settings.nats_tls_hostname:
+            opts["tls_hostname"] = settings.nats_tls_hostname
+    return opts
 
 
 async def close(nc: NATS, timeout_s: float = 5.0) -> None:

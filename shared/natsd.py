@@ -28,14 +28,36 @@ class EmbeddedNats:
     workdir: Path
     port: int = -1
     max_payload: str = "8MB"
+    # Optional: TLS (tls_ca as well: clients must present a certificate from it) and one
+    # user/password, the way a networked NATS runs (docs/deploy.md, "Security").
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    user: str = ""
+    password: str = ""
     proc: subprocess.Popen | None = None
     url: str = ""
+
+    def config(self) -> str:
+        """The config file: max_payload has no flag; TLS and auth only live here too."""
+        lines = [f"max_payload: {self.max_payload}"]
+        if self.tls_cert:
+            lines += ["tls {", f"  cert_file: {json.dumps(self.tls_cert)}",
+                      f"  key_file: {json.dumps(self.tls_key)}"]
+            if self.tls_ca:
+                lines += [f"  ca_file: {json.dumps(self.tls_ca)}", "  verify: true"]
+            lines.append("}")
+        if self.user:
+            lines += ["authorization {", f"  user: {json.dumps(self.user)}",
+                      f"  password: {json.dumps(self.password)}", "}"]
+        return "\n".join(lines) + "\n"
 
     def start(self, timeout_s: float = 10.0) -> str:
         self.workdir.mkdir(parents=True, exist_ok=True)
         conf = self.workdir / "nats.conf"
-        # max_payload has no flag; the JetStream store lives under workdir.
-        conf.write_text(f"max_payload: {self.max_payload}\n")
+        # The JetStream store lives under workdir. The file may hold a password: owner only.
+        conf.touch(mode=0o600)
+        conf.write_text(self.config())
         for old in self.workdir.glob("nats-server_*.ports"):
             old.unlink()
         # The child keeps its own copy of the log's descriptor: ours closes at once, so a
@@ -53,7 +75,9 @@ class EmbeddedNats:
                                    f"see {self.workdir / 'nats-server.log'}")
             if ports_file.exists():
                 try:
-                    self.url = json.loads(ports_file.read_text())["nats"][0]
+                    url = json.loads(ports_file.read_text())["nats"][0]
+                    # The ports file says nats:// either way; tls:// makes clients insist.
+                    self.url = url.replace("nats://", "tls://", 1) if self.tls_cert else url
                     return self.url
                 except (ValueError, KeyError, IndexError):
                     pass  # written but not complete yet

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Sequence, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ENV_PREFIX = "HALFMOON_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -34,6 +34,18 @@ class BaseSettings(BaseModel):
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
     nats_user: str = Field("", description="NATS user (empty: no auth)")
     nats_password: str = Field("", description="NATS password")
+    # Control-plane security (see docs/deploy.md, "Security"): KV transfer ids, prompts and
+    # tokens ride NATS, so on a network it wants credentials and TLS.
+    nats_creds: str = Field("", description="NATS credentials file (user JWT + NKey seed, as "
+                            "`nsc` writes it; needs `pip install nkeys`; empty: none)")
+    nats_tls_ca: str = Field("", description="CA bundle the NATS servers' certificates chain "
+                             "to; setting it (or any nats_tls_* field, or a tls:// URL) turns "
+                             "TLS on (empty: the system's CAs)")
+    nats_tls_cert: str = Field("", description="client certificate, for NATS servers that "
+                               "verify clients (tls { verify: true })")
+    nats_tls_key: str = Field("", description="private key of nats_tls_cert")
+    nats_tls_hostname: str = Field("", description="name the NATS servers' certificates are "
+                                   "checked against (empty: each URL's host)")
     log_level: str = Field("INFO", description="logging level")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
     # Prometheus /metrics for services without an HTTP API; the gateway always serves it on
@@ -41,6 +53,17 @@ class BaseSettings(BaseModel):
     metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus GET /metrics "
                               "on this port (0: off)")
     metrics_host: str = Field("127.0.0.1", description="address the /metrics server binds")
+
+    @model_validator(mode="after")
+    def _nats_files(self) -> "BaseSettings":
+        """A mistyped path fails at start, naming the setting, not at the first reconnect."""
+        if self.nats_tls_key and not self.nats_tls_cert:
+            raise ValueError("nats_tls_key is set without nats_tls_cert")
+        for name in ("nats_creds", "nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+            path = getattr(self, name)
+            if path and not Path(path).expanduser().is_file():
+                raise ValueError(f"{name}: no such file: {path}")
+        return self
 
 
 class DatabaseSettings(BaseModel):

@@ -4,6 +4,7 @@
 - db_url: a fresh SQLite file; also PostgreSQL when HALFMOON_TEST_POSTGRES_URL is set
   (a throwaway database is created on that server and dropped afterwards).
 - model_dir: the default model, provisioned offline by `halfmoon model pull` if missing.
+- pki: a throwaway CA and certificates for TLS tests (tests/pki.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory):
+    """A throwaway CA with a certificate for this host, and a rogue one (tests/pki.py)."""
+    from tests.pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from typing import Sequence
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, DatabaseSettings, parse_settings
-from services.gateway.keys import parse_key_specs, parse_rate_limit
+from services.gateway.keys import parse_key_specs, parse_rate_limit, read_key_file
 
 
 class GatewaySettings(BaseSettings, DatabaseSettings):
@@ -51,6 +51,9 @@ class GatewaySettings(BaseSettings, DatabaseSettings):
     api_keys: str = Field("", description="keys given here rather than in SQL: "
                           "TENANT:KEY[:RATE],... (prefer the env var: flags show in ps)")
     admin_key: str = Field("", description="the key for /admin/* (prefer the env var)")
+    admin_key_file: str = Field("", description="read the key for /admin/* from this file "
+                                "(`halfmoon keys init-admin` writes one; compose does so on "
+                                "first start)")
     default_rate_limit: str = Field("", description="per-key request rate for keys without "
                                     "their own, e.g. 60/minute or 5/second;1000/day (empty: none)")
     key_cache_s: float = Field(5.0, ge=0, description="how long a key looked up in SQL is "
@@ -60,6 +63,13 @@ class GatewaySettings(BaseSettings, DatabaseSettings):
     @classmethod
     def _api_keys(cls, v: str) -> str:
         parse_key_specs(v)
+        return v
+
+    @field_validator("admin_key_file")
+    @classmethod
+    def _admin_key_file(cls, v: str) -> str:
+        if v:
+            read_key_file(v)  # missing, unreadable or empty: say so at start
         return v
 
     @field_validator("default_rate_limit")
@@ -75,7 +85,14 @@ class GatewaySettings(BaseSettings, DatabaseSettings):
         return self
 
     def keys_enabled(self) -> bool:
-        return self.require_api_key or bool(self.api_keys.strip()) or bool(self.admin_key)
+        return (self.require_api_key or bool(self.api_keys.strip()) or bool(self.admin_key)
+                or bool(self.admin_key_file))
+
+    def admin_secret(self) -> str:
+        """The admin key from the setting or, failing that, from its file ("" if neither)."""
+        if self.admin_key:
+            return self.admin_key
+        return read_key_file(self.admin_key_file) if self.admin_key_file else ""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> GatewaySettings:

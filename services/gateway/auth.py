@@ -60,9 +60,9 @@ class Auth:
     @classmethod
     def from_settings(cls, settings: GatewaySettings, engine: AsyncEngine | None) -> "Auth":
         static = parse_key_specs(settings.api_keys)
-        if settings.admin_key:
-            static[hash_key(settings.admin_key)] = ApiKey(id="env-admin", tenant="admin",
-                                                          admin=True)
+        admin = settings.admin_secret()
+        if admin:
+            static[hash_key(admin)] = ApiKey(id="env-admin", tenant="admin", admin=True)
         return cls(KeyStore(engine, static, settings.key_cache_s),
                    KeyLimiter(settings.default_rate_limit))
 

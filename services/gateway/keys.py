@@ -11,11 +11,13 @@ an optional rate limit in `limits` syntax ("60/minute", "10/second;1000/day").
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import limits
 from sqlalchemy import select, update
@@ -41,6 +43,33 @@ class ApiKey:
 
 def new_secret() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def read_key_file(path: str) -> str:
+    """The one key in `path` (surrounding whitespace ignored); ValueError says what is wrong
+    without echoing anything the file holds."""
+    try:
+        secret = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the key file {path}: {exc.strerror or exc}") from None
+    if not secret or any(c.isspace() for c in secret):
+        raise ValueError(f"the key file {path} must hold exactly one key")
+    return secret
+
+
+def create_key_file(path: str) -> str | None:
+    """A new key written to `path` (created 0600, never overwritten); None if the file is
+    there already: a key is made once, on first start, and kept."""
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return None
+    secret = new_secret()
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
 
 
 def hash_key(secret: str) -> str:

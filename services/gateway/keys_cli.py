@@ -32,7 +32,23 @@ def _parser() -> argparse.ArgumentParser:
     revoke = sub.add_parser("revoke", help="revoke a key by id (takes effect within the "
                             "gateway's --key-cache-s)")
     revoke.add_argument("key_id")
+    init = sub.add_parser("init-admin", help="make the admin key file once (the gateway's and "
+                          "console's --admin-key-file) and print the key that once; later "
+                          "runs keep it and print nothing secret")
+    init.add_argument("--file", required=True, help="where the key is kept (created 0600)")
     return parser
+
+
+def init_admin(path: str) -> int:
+    """First start: a new admin key, printed once. Later starts: the kept one, unprinted."""
+    secret = keys.create_key_file(path)
+    if secret is None:
+        keys.read_key_file(path)  # still usable? (else a clear error, not a 401 later)
+        print(f"the admin key is kept in {path} (it was printed when it was made)")
+        return 0
+    print(f"a new admin key, kept in {path}; it is shown this once:")
+    print(secret)
+    return 0
 
 
 def _when(t: float | None) -> str:
@@ -70,6 +86,12 @@ async def _run(args: argparse.Namespace, url: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.cmd == "init-admin":  # a file, no SQL: compose runs it before the database is up
+        try:
+            return init_admin(args.file)
+        except (OSError, ValueError) as exc:
+            print(f"halfmoon keys init-admin: {exc}", file=sys.stderr)
+            return 1
     url = args.database_url or os.environ.get("HALFMOON_DATABASE_URL", "")
     if args.cmd == "create":
         try:

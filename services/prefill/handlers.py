@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from nats.aio.client import Client as NATS
@@ -22,6 +21,7 @@ from shared.engine.runner import LoadedModel
 from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.messages import Ack, DecodeJob, KVExportReply, KVExportRequest, PrefillJob, Role
 from shared.transfer import KVReceiver, KVSender, TransferFailed, TransferState
+from shared.transfer.base import HANDOFF, PREFIX, short_id
 from services.prefill.args import PrefillSettings
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,8 @@ class PrefillInstance(EngineInstance):
             reply = await bus.request(self.nc, subjects.kv_export(job.prefix_from),
                                       KVExportRequest(block_hashes=hashes), KVExportReply,
                                       timeout_s=2.0)
-            meta_bytes, payload = await self.receiver.fetch(reply.handle,
-                                                            self.settings.transfer_timeout_s)
+            meta_bytes, payload = await self.receiver.fetch(
+                reply.handle, self.settings.transfer_timeout_s, purpose=PREFIX)
             export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
             self.count_transfer(True, len(payload))
             n = await self.run_engine(self.engine.import_prefix, req.prompt_token_ids, export,
@@ -118,10 +118,12 @@ class PrefillInstance(EngineInstance):
             await bus.respond(msg, errors.HalfmoonError("none of those blocks is cached here",
                                                         code="not_cached"))
             return
-        tid = f"export.{uuid.uuid4().hex[:12]}"
-        handle = self.sender.offer(tid, export.meta.model_dump_json().encode(), export.payload(),
-                                   export.meta.num_tokens, ttl_s=self.settings.transfer_timeout_s)
-        self._watch(tid, handle.nbytes, export.meta.num_blocks)
+        # The reply (over NATS, to the asking instance only) is the one place the new
+        # transfer id, a single-use capability, goes.
+        handle = self.sender.offer(PREFIX, export.meta.model_dump_json().encode(),
+                                   export.payload(), export.meta.num_tokens,
+                                   ttl_s=self.settings.transfer_timeout_s)
+        self._watch(handle.transfer_id, handle.nbytes, export.meta.num_blocks)
         await bus.respond(msg, KVExportReply(handle=handle, num_blocks=export.meta.num_blocks))
 
     async def on_output(self, out: RequestOutput) -> None:
@@ -141,10 +143,12 @@ class PrefillInstance(EngineInstance):
         """Offer the prompt's KV on the data plane and give decode the job."""
         assert out.handoff is not None
         req = stream.request
-        tid = f"{req.request_id}.{uuid.uuid4().hex[:8]}"
-        handle = self.sender.offer(tid, out.handoff.meta.model_dump_json().encode(),
+        # The transfer id is the sender's, not the request id clients see: only the decode
+        # job below (over NATS) carries it.
+        handle = self.sender.offer(HANDOFF, out.handoff.meta.model_dump_json().encode(),
                                    out.handoff.payload(), out.handoff.meta.num_tokens,
                                    ttl_s=self.settings.transfer_timeout_s)
+        tid = handle.transfer_id
         self._watch(tid, handle.nbytes, out.handoff.meta.num_blocks, req.request_id)
         job = DecodeJob(request=req, prefill_id=self.instance_id, kv=handle,
                         output_token_ids=out.new_token_ids, emitted_text=out.text,
@@ -176,7 +180,7 @@ class PrefillInstance(EngineInstance):
             if state == TransferState.DONE:
                 self.count_transfer(False, nbytes)
             else:
-                log.warning("KV transfer %s ended %s", transfer_id, state)
+                log.warning("KV transfer %s ended %s", short_id(transfer_id), state)
 
         task = asyncio.create_task(watch())
         self._transfers.add(task)

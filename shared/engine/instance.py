@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, TypeVar
 
 from nats.aio.client import Client as NATS
-from pydantic import Field
+from pydantic import Field, model_validator
 
 import torch
 
-from shared import subjects
+from shared import subjects, tls
 from shared.engine import cpu
 from shared.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from shared.engine.runner import LoadedModel
@@ -66,6 +66,20 @@ class WorkerSettings(BaseSettings):
     pin_ttl_s: float = Field(60.0, gt=0, description="how long a hot block stays pinned")
     kv_transport: Literal["auto", "tcp"] = Field(
         "auto", description="auto: shared memory when both ends are on one host, else TCP")
+    # Data-plane TLS is mutual or off (shared/tls.py says why); docs/deploy.md, "Security".
+    kv_tls_cert: str = Field("", description="PEM certificate this instance presents on the "
+                             "KV data plane, as sender and receiver (with kv_tls_key and "
+                             "kv_tls_ca: mutual TLS; empty: plain TCP)")
+    kv_tls_key: str = Field("", description="private key of kv_tls_cert")
+    kv_tls_ca: str = Field("", description="CA bundle every peer's data-plane certificate "
+                           "must chain to")
+    kv_tls_hostname: str = Field("", description="name peers' data-plane certificates are "
+                                 "checked against (empty: the peer's advertised host)")
+
+    @model_validator(mode="after")
+    def _kv_tls(self) -> "WorkerSettings":
+        tls.kv_contexts(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca)  # loads, or says why
+        return self
 
     def engine_config(self) -> EngineConfig:
         disk_dir = self.disk_tier_dir or str(halfmoon_home() / "kvdisk" / self.instance_id)
@@ -82,14 +96,17 @@ def make_sender(settings: WorkerSettings) -> KVSender:
     from shared.transfer.tcp import TcpKVSender
 
     cls = ShmKVSender if settings.kv_transport == "auto" else TcpKVSender
-    return cls(settings.kv_host, settings.kv_port, settings.kv_advertise_host)
+    server_tls, _ = tls.kv_contexts(settings.kv_tls_cert, settings.kv_tls_key, settings.kv_tls_ca)
+    return cls(settings.kv_host, settings.kv_port, settings.kv_advertise_host, tls=server_tls)
 
 
 def make_receiver(settings: WorkerSettings) -> KVReceiver:
     from shared.transfer.shm import ShmKVReceiver
     from shared.transfer.tcp import TcpKVReceiver
 
-    return ShmKVReceiver() if settings.kv_transport == "auto" else TcpKVReceiver()
+    _, client_tls = tls.kv_contexts(settings.kv_tls_cert, settings.kv_tls_key, settings.kv_tls_ca)
+    cls = ShmKVReceiver if settings.kv_transport == "auto" else TcpKVReceiver
+    return cls(tls=client_tls, tls_hostname=settings.kv_tls_hostname)
 
 
 class CancelSet:

@@ -22,11 +22,6 @@ if TYPE_CHECKING:
     from shared.transfer import KVReceiver, KVSender
 
 
-def transfer_purpose(transfer_id: str) -> str:
-    """Prefill names prefix-pull offers `export.<id>` and handoffs `<request id>.<id>`."""
-    return "prefix" if transfer_id.startswith("export.") else "handoff"
-
-
 class EngineMetrics:
     def __init__(self, inst: "EngineInstance") -> None:
         self.inst = inst
@@ -54,8 +49,9 @@ class EngineMetrics:
                 end.states.on_end = self._transfer_ended(direction)
 
     def _transfer_ended(self, direction: str):  # type: ignore[no-untyped-def]
-        def ended(transfer_id: str, state: TransferState, seconds: float) -> None:
-            purpose = transfer_purpose(transfer_id)
+        # The purpose comes from the offer (or fetch) that labelled it: transfer ids are
+        # random capabilities and say nothing.
+        def ended(transfer_id: str, state: TransferState, seconds: float, purpose: str) -> None:
             if state == TransferState.DONE:
                 self.transfer_seconds.labels(direction, purpose).observe(seconds)
             else:
@@ -98,6 +94,12 @@ class EngineMetrics:
                                                       (("out",), a.bytes_out)])
         yield counter("halfmoon_kv_transfers", "Completed KV transfers", labels=("direction",),
                       samples=[(("in",), a.transfers_in), (("out",), a.transfers_out)])
+        sender = getattr(inst, "sender", None)
+        if sender is not None:
+            yield counter("halfmoon_kv_transfer_refused", "Data-plane requests this sender "
+                          "refused: unknown, used, expired or withdrawn transfer ids, or "
+                          "malformed requests (a run of them from one peer is also logged)",
+                          sender.refusals.total)
 
     def _kv_families(self, s: dict) -> Iterable[Metric]:
         engine = self.inst.engine

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from shared.messages import KVHandle
-from shared.transfer.base import KVReceiver, KVSender, TransferFailed, TransferState
+from shared.transfer.base import (HANDOFF, KVReceiver, KVSender, TransferFailed, TransferState,
+                                  new_transfer_id, short_id)
 
 
 class FakeKVSender(KVSender):
@@ -25,9 +26,11 @@ class FakeKVSender(KVSender):
             self.offers.pop(tid)
             await self.states.set(tid, TransferState.FAILED)
 
-    def offer(self, transfer_id: str, meta: bytes, payload: memoryview | bytes,
+    def offer(self, purpose: str, meta: bytes, payload: memoryview | bytes,
               num_tokens: int, ttl_s: float) -> KVHandle:
+        transfer_id = new_transfer_id()
         self.offers[transfer_id] = (meta, bytes(payload))
+        self.states.label(transfer_id, purpose)
         self.states.set_initial(transfer_id, TransferState.WAITING)
         return KVHandle(transfer_id=transfer_id, host="fake", port=0, nbytes=len(payload),
                         num_tokens=num_tokens)
@@ -46,19 +49,26 @@ class FakeKVReceiver(KVReceiver):
         super().__init__()
         self.sender, self.fail, self.delay_s = sender, fail, delay_s
 
-    async def fetch(self, handle: KVHandle, timeout_s: float) -> tuple[bytes, bytearray]:
+    async def fetch(self, handle: KVHandle, timeout_s: float,
+                    purpose: str = HANDOFF) -> tuple[bytes, bytearray]:
         tid = handle.transfer_id
+        self.states.label(tid, purpose)
         await self.states.set(tid, TransferState.TRANSFERRING)
+        offer = self.sender.offers.pop(tid, None)  # claimed: single use, as on the wire
+        if offer is None:
+            self.sender.refusals.refused("fake")
+            await self.states.set(tid, TransferState.FAILED)
+            raise TransferFailed(f"transfer {short_id(tid)}: unknown, used or expired id (fake)")
         await self.sender.states.set(tid, TransferState.TRANSFERRING)
         try:
             await asyncio.wait_for(asyncio.sleep(self.delay_s), timeout_s)
-            if self.fail or tid not in self.sender.offers:
-                raise TransferFailed(f"transfer {tid} failed (fake)")
+            if self.fail:
+                raise TransferFailed(f"transfer {short_id(tid)} failed (fake)")
         except (asyncio.TimeoutError, TransferFailed) as exc:
             await self.states.set(tid, TransferState.FAILED)
             await self.sender.states.set(tid, TransferState.FAILED)
             raise TransferFailed(str(exc) or "timeout") from exc
-        meta, payload = self.sender.offers.pop(tid)
+        meta, payload = offer
         await self.states.set(tid, TransferState.DONE)
         await self.sender.states.set(tid, TransferState.DONE)
         return meta, bytearray(payload)

@@ -12,6 +12,9 @@ the receiver the segment's name, size and checksum, and learns when it may unlin
 
 A ShmKVSender is also a full TcpKVSender, and a ShmKVReceiver falls back to TCP when the
 handle's host_id is not its own, so one pair serves same-host and remote peers alike.
+The capability rules are TCP's: the request presents the single-use transfer id, and only
+a claimed one makes the sender write (or name) a segment. With TLS on, this control
+channel is mutual TLS too; the segment itself is a 0600 file of this user's.
 
 Who removes a segment: the sender, on ack, expiry, failure or close(); the receiver too,
 right after it has mapped and verified it, and when the sender is evidently gone
@@ -30,15 +33,16 @@ import os
 import re
 import secrets
 import socket
+import ssl
 import struct
 from typing import Callable
 
 import xxhash
 
 from shared.messages import KVHandle
-from shared.transfer.base import TransferFailed, TransferState
-from shared.transfer.tcp import (_HDR, _REQ, MAGIC, STATUS_OK, STATUS_UNKNOWN, TcpKVReceiver,
-                                 TcpKVSender, connect, recv_exact)
+from shared.transfer.base import TransferFailed, TransferState, short_id
+from shared.transfer.tcp import (_HDR, _REQ, MAGIC, STATUS_OK, Channel, TcpKVReceiver,
+                                 TcpKVSender)
 
 log = logging.getLogger(__name__)
 
@@ -158,28 +162,30 @@ class ShmKVSender(TcpKVSender):
     payload itself, so a remote receiver (or a plain TcpKVReceiver) can fetch it over TCP.
     """
 
+    MAGICS = TcpKVSender.MAGICS | {SHM_MAGIC}
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "",
-                 eager: bool = True) -> None:
-        super().__init__(host, port, advertise_host)
+                 eager: bool = True, *, tls: ssl.SSLContext | None = None) -> None:
+        super().__init__(host, port, advertise_host, tls=tls)
         self.eager = eager
         self._segments: dict[str, str] = {}
 
-    def offer(self, transfer_id: str, meta: bytes, payload: memoryview | bytes,
+    def offer(self, purpose: str, meta: bytes, payload: memoryview | bytes,
               num_tokens: int, ttl_s: float) -> KVHandle:
         if not host_id():  # no /dev/shm here: TCP only
-            return super().offer(transfer_id, meta, payload, num_tokens, ttl_s)
+            return super().offer(purpose, meta, payload, num_tokens, ttl_s)
         view = memoryview(payload).cast("B")
         name = ""
         if self.eager:
             try:
                 name, checksum = write_segment(view)
             except OSError as exc:  # /dev/shm full: the transfer still works over TCP
-                log.warning("no shared-memory segment for %s: %s", transfer_id, exc)
-                return super().offer(transfer_id, meta, view, num_tokens, ttl_s)
-            self._segments[transfer_id] = name
-            handle = self._register(transfer_id, meta, view, checksum, num_tokens, ttl_s)
+                log.warning("no shared-memory segment for a %s offer: %s", purpose, exc)
+                return super().offer(purpose, meta, view, num_tokens, ttl_s)
+            handle = self._register(purpose, meta, view, checksum, num_tokens, ttl_s)
+            self._segments[handle.transfer_id] = name
         else:
-            handle = super().offer(transfer_id, meta, view, num_tokens, ttl_s)
+            handle = super().offer(purpose, meta, view, num_tokens, ttl_s)
         return handle.model_copy(update={"transport": "shm", "shm_name": name,
                                          "host_id": host_id()})
 
@@ -190,7 +196,8 @@ class ShmKVSender(TcpKVSender):
             name, checksum = write_segment(offer.payload)
             self._segments[transfer_id] = name  # _drop removes it, whatever happens next
             if checksum != offer.checksum:
-                raise TransferFailed(f"the payload of {transfer_id} changed after offer()")
+                raise TransferFailed(f"the payload of {short_id(transfer_id)} changed "
+                                     "after offer()")
         return name
 
     async def _drop(self, transfer_id: str, state: TransferState) -> None:
@@ -202,19 +209,15 @@ class ShmKVSender(TcpKVSender):
         for tid in list(self._segments):  # segments whose offer is gone already
             unlink_segment(self._segments.pop(tid))
 
-    async def _serve(self, conn: socket.socket, magic: bytes, tid: str) -> None:
+    async def _serve(self, ch: Channel, magic: bytes, tid: str) -> None:
         if magic != SHM_MAGIC:
-            return await super()._serve(conn, magic, tid)
-        loop = asyncio.get_running_loop()
-        offer = self._offers.get(tid)
-        if offer is None:
-            await loop.sock_sendall(conn, _HDR.pack(MAGIC, STATUS_UNKNOWN, 0, 0, 0))
-            return
+            return await super()._serve(ch, magic, tid)
+        offer = self._offers[tid]
         await self.states.set(tid, TransferState.TRANSFERRING)
         name = self._segment_for(tid).encode()
         head = _HDR.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
-        await loop.sock_sendall(conn, head + offer.meta + _U16.pack(len(name)) + name)
-        ack = await recv_exact(conn, 1)
+        await ch.sendall(head + offer.meta + _U16.pack(len(name)) + name)
+        ack = await ch.recv_exact(1)
         await self._drop(tid, TransferState.DONE if ack == b"\x01" else TransferState.FAILED)
 
 
@@ -228,8 +231,9 @@ class ShmKVReceiver(TcpKVReceiver):
     """
 
     def __init__(self, copy: bool = False,
-                 allocate: Callable[[int], bytearray | memoryview] = bytearray) -> None:
-        super().__init__(allocate)
+                 allocate: Callable[[int], bytearray | memoryview] = bytearray, *,
+                 tls: ssl.SSLContext | None = None, tls_hostname: str = "") -> None:
+        super().__init__(allocate, tls=tls, tls_hostname=tls_hostname)
         self.copy = copy
 
     def same_host(self, handle: KVHandle) -> bool:
@@ -239,36 +243,35 @@ class ShmKVReceiver(TcpKVReceiver):
         if not self.same_host(handle):
             return await super()._fetch(handle)
         try:
-            sock = await connect(handle.host, handle.port)
+            ch = await self.open(handle)
         except ConnectionRefusedError:
             unlink_segment(handle.shm_name)  # nobody serves this offer any more
             raise
         try:
-            return await self._fetch_shm(sock, handle)  # type: ignore[return-value]
+            return await self._fetch_shm(ch, handle)  # type: ignore[return-value]
         except (ConnectionError, asyncio.IncompleteReadError):
             # The sender died or dropped us mid-way. (A segment written on request is not
             # named in the handle; if we never learned its name, it is the sender's to remove.)
             unlink_segment(handle.shm_name)
             raise
         finally:
-            sock.close()
+            ch.close()
 
-    async def _fetch_shm(self, sock: socket.socket, handle: KVHandle
+    async def _fetch_shm(self, ch: Channel, handle: KVHandle
                          ) -> tuple[bytes, bytearray | memoryview]:
-        loop = asyncio.get_running_loop()
         tid = handle.transfer_id.encode()
-        await loop.sock_sendall(sock, _REQ.pack(SHM_MAGIC, len(tid)) + tid)
-        magic, status, meta_len, nbytes, checksum = _HDR.unpack(await recv_exact(sock, _HDR.size))
+        await ch.sendall(_REQ.pack(SHM_MAGIC, len(tid)) + tid)
+        magic, status, meta_len, nbytes, checksum = _HDR.unpack(await ch.recv_exact(_HDR.size))
         if magic != MAGIC or status != STATUS_OK:
-            raise TransferFailed("unknown or expired transfer id")
+            raise TransferFailed("unknown, used or expired transfer id")
         await self.states.set(handle.transfer_id, TransferState.TRANSFERRING)
-        meta = await recv_exact(sock, meta_len)
-        (name_len,) = _U16.unpack(await recv_exact(sock, _U16.size))
-        name = (await recv_exact(sock, name_len)).decode("ascii", "replace")  # checked in map
+        meta = await ch.recv_exact(meta_len)
+        (name_len,) = _U16.unpack(await ch.recv_exact(_U16.size))
+        name = (await ch.recv_exact(name_len)).decode("ascii", "replace")  # checked in map
         payload = map_segment(name, nbytes, checksum, self.allocate if self.copy else None)
         if payload is None:
-            await loop.sock_sendall(sock, b"\x00")
+            await ch.sendall(b"\x00")
             raise TransferFailed("checksum mismatch")
         unlink_segment(name)  # mapped (or copied): the name is no longer needed by anyone
-        await loop.sock_sendall(sock, b"\x01")
+        await ch.sendall(b"\x01")
         return meta, payload

@@ -1,4 +1,4 @@
-"""KV transfer over TCP: framed, checksummed, with timeouts.
+"""KV transfer over TCP: framed, checksummed, with timeouts, optionally over mutual TLS.
 
     receiver → sender   MAGIC | u16 id_len | transfer id
     sender → receiver   MAGIC | u8 status | u32 meta_len | u64 payload_len | u64 xxh3 | meta
@@ -6,28 +6,36 @@
     receiver → sender   u8 ack (1: verified)
 
 The sender keeps the payload until the receiver acknowledges a verified copy, so a
-failed transfer never loses the only copy before the receiver has another.
+failed transfer never loses the only copy before the receiver has another. The transfer
+id is a single-use capability (see base.py): an unknown, used or expired one gets
+STATUS_UNKNOWN and nothing else.
 
-Both ends drive non-blocking sockets with the loop's sock_* calls rather than streams:
+Plain TCP drives non-blocking sockets with the loop's sock_* calls rather than streams:
 streams copy every byte twice more on the receive side (into the reader's buffer, then
 out of it) and, on 3.11, re-buffer and memmove unsent data on the send side. Here the
 payload goes from the sender's buffer straight into the kernel, and from the kernel
-straight into the receiver's final bytearray.
+straight into the receiver's final bytearray. With TLS (an ssl.SSLContext on each end)
+the bytes must be encrypted anyway, so that path uses asyncio's TLS streams; the frames
+are the same.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import struct
-from typing import Callable
+from typing import Any, Callable
 
 import xxhash
 
 from shared.messages import KVHandle
-from shared.transfer.base import KVReceiver, KVSender, TransferFailed, TransferState
+from shared.tls import HANDSHAKE_TIMEOUT_S
+from shared.transfer.base import (HANDOFF, TRANSFER_ID_BYTES, Capabilities, KVReceiver, KVSender,
+                                  TransferFailed, TransferState, new_transfer_id, short_id)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,10 @@ CHUNK = 1 << 20
 # (sender → socket buffer → receiver) run between equally aligned addresses: a 37-byte
 # header before 64 MiB made loopback take 29 ms instead of 13 here.
 ALIGN = 64
+# The request (magic and id) must arrive this soon after connecting: a peer that connects
+# and stays silent must not hold a task and a socket for ever.
+REQUEST_TIMEOUT_S = 10.0
+MAX_ID_LEN = 2 * TRANSFER_ID_BYTES  # hex; anything longer is refused unread
 
 
 class _Offer:
@@ -103,13 +115,107 @@ async def connect(host: str, port: int) -> socket.socket:
     raise last
 
 
+def _host_of(peername: Any) -> str:
+    """The peer's address without its port: the port is new on every connection."""
+    if isinstance(peername, tuple) and peername:
+        return str(peername[0])
+    return str(peername or "?")
+
+
+class Channel(abc.ABC):
+    """One data-plane connection, plain or TLS: the frames are the same over either."""
+
+    peer: str = "?"
+
+    @abc.abstractmethod
+    async def recv_exact(self, nbytes: int) -> bytes: ...
+
+    @abc.abstractmethod
+    async def recv_into_exact(self, view: memoryview, hasher: Any = None) -> None: ...
+
+    @abc.abstractmethod
+    async def sendall(self, data: bytes | memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class SocketChannel(Channel):
+    """A plain non-blocking socket: the zero-copy path (see the module doc)."""
+
+    def __init__(self, sock: socket.socket, peer: str = "?") -> None:
+        self.sock, self.peer = sock, peer
+
+    async def recv_exact(self, nbytes: int) -> bytes:
+        return await recv_exact(self.sock, nbytes)
+
+    async def recv_into_exact(self, view: memoryview, hasher: Any = None) -> None:
+        await recv_into_exact(self.sock, view, hasher)
+
+    async def sendall(self, data: bytes | memoryview) -> None:
+        await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TlsChannel(Channel):
+    """asyncio's TLS streams: the handshake (and certificate checks) happened on open."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.peer = _host_of(writer.get_extra_info("peername"))
+
+    async def recv_exact(self, nbytes: int) -> bytes:
+        return await self.reader.readexactly(nbytes)
+
+    async def recv_into_exact(self, view: memoryview, hasher: Any = None) -> None:
+        got, total = 0, len(view)
+        while got < total:
+            piece = await self.reader.read(min(CHUNK, total - got))
+            if not piece:
+                raise ConnectionError(f"connection closed after {got} of {total} bytes")
+            view[got:got + len(piece)] = piece
+            if hasher is not None:
+                hasher.update(piece)
+            got += len(piece)
+
+    async def sendall(self, data: bytes | memoryview) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def open_channel(host: str, port: int, tls: ssl.SSLContext | None = None,
+                       tls_hostname: str = "") -> Channel:
+    """A connection to a sender; with `tls`, its certificate is checked against
+    `tls_hostname` (or `host`) and ours is presented."""
+    if tls is None:
+        return SocketChannel(await connect(host, port), host)
+    reader, writer = await asyncio.open_connection(
+        host, port, ssl=tls, server_hostname=tls_hostname or host,
+        ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+    return TlsChannel(reader, writer)
+
+
 class TcpKVSender(KVSender):
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "") -> None:
+    """Serves offers on host:port; with `tls` (a server context that requires client
+    certificates, see shared.tls), only over mutual TLS."""
+
+    MAGICS = frozenset({MAGIC})  # request kinds served; subclasses add theirs
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "",
+                 *, tls: ssl.SSLContext | None = None) -> None:
         super().__init__()
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
+        self.tls = tls
         self._offers: dict[str, _Offer] = {}
+        self._open = Capabilities()  # the ids of _offers not claimed by a connection yet
         self._listener: socket.socket | None = None
+        self._server: asyncio.Server | None = None
         self._accepting: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
 
@@ -117,10 +223,18 @@ class TcpKVSender(KVSender):
         self._listener = socket.create_server((self.host, self.port), backlog=128)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self._accepting = asyncio.create_task(self._accept_loop())
-        log.info("KV sender listening on %s:%d", self.host, self.port)
+        if self.tls is None:
+            self._accepting = asyncio.create_task(self._accept_loop())
+        else:
+            self._server = await asyncio.start_server(
+                self._on_tls_conn, sock=self._listener, ssl=self.tls,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+        log.info("KV sender listening on %s:%d%s", self.host, self.port,
+                 " (mutual TLS)" if self.tls else "")
 
     async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
         tasks = [t for t in (self._accepting, *self._conns) if t is not None]
         for task in tasks:
             task.cancel()
@@ -134,20 +248,23 @@ class TcpKVSender(KVSender):
     def pending(self) -> int:
         return len(self._offers)
 
-    def offer(self, transfer_id: str, meta: bytes, payload: memoryview | bytes,
+    def offer(self, purpose: str, meta: bytes, payload: memoryview | bytes,
               num_tokens: int, ttl_s: float) -> KVHandle:
         # Hashing at offer time (xxh3: ~3 ms for 64 MiB here) pins the checksum to the bytes as offered,
         # so a producer that reuses its buffer too early shows up as a mismatch, not bad KV.
         view = memoryview(payload).cast("B")
-        return self._register(transfer_id, meta, view, xxhash.xxh3_64_intdigest(view),
+        return self._register(purpose, meta, view, xxhash.xxh3_64_intdigest(view),
                               num_tokens, ttl_s)
 
-    def _register(self, transfer_id: str, meta: bytes, view: memoryview, checksum: int,
+    def _register(self, purpose: str, meta: bytes, view: memoryview, checksum: int,
                   num_tokens: int, ttl_s: float) -> KVHandle:
+        transfer_id = new_transfer_id()  # minted here: never the caller's, never guessable
         loop = asyncio.get_running_loop()
         expiry = loop.call_later(ttl_s, lambda: asyncio.ensure_future(
             self._drop(transfer_id, TransferState.FAILED)))
         self._offers[transfer_id] = _Offer(meta, view, checksum, expiry)
+        self._open.add(transfer_id)
+        self.states.label(transfer_id, purpose)
         self.states.set_initial(transfer_id, TransferState.WAITING)
         return KVHandle(transfer_id=transfer_id, host=self.advertise_host, port=self.port,
                         nbytes=len(view), num_tokens=num_tokens)
@@ -156,6 +273,7 @@ class TcpKVSender(KVSender):
         await self._drop(transfer_id, TransferState.FAILED)
 
     async def _drop(self, transfer_id: str, state: TransferState) -> None:
+        self._open.discard(transfer_id)
         offer = self._offers.pop(transfer_id, None)
         if offer is not None:
             offer.expiry.cancel()
@@ -167,44 +285,73 @@ class TcpKVSender(KVSender):
         assert self._listener is not None
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._listener)
+                conn, addr = await loop.sock_accept(self._listener)
             except OSError as exc:  # e.g. out of file descriptors: keep serving the others
                 log.warning("KV sender cannot accept: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
             tune_socket(conn)
-            task = asyncio.create_task(self._serve_conn(conn))
+            task = asyncio.create_task(self._serve_conn(SocketChannel(conn, _host_of(addr))))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
-    async def _serve_conn(self, conn: socket.socket) -> None:
+    async def _on_tls_conn(self, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> None:
+        """asyncio runs this per connection once the handshake (client certificate
+        included) has passed; tracked like the plain ones so close() ends it."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        try:
+            await self._serve_conn(TlsChannel(reader, writer))
+        finally:
+            self._conns.discard(task)
+
+    async def _read_request(self, ch: Channel) -> tuple[bytes, bytes]:
+        magic, id_len = _REQ.unpack(await ch.recv_exact(_REQ.size))
+        if magic not in self.MAGICS or id_len > MAX_ID_LEN:
+            return magic, b""  # refused without reading what a stranger sends
+        return magic, await ch.recv_exact(id_len)
+
+    async def _serve_conn(self, ch: Channel) -> None:
         tid = ""
         try:
-            magic, id_len = _REQ.unpack(await recv_exact(conn, _REQ.size))
-            tid = (await recv_exact(conn, id_len)).decode()
-            await self._serve(conn, magic, tid)
-        except (OSError, asyncio.IncompleteReadError, UnicodeDecodeError, TransferFailed) as exc:
-            log.warning("KV transfer %s failed on the sender: %s", tid or "?", exc)
+            magic, presented = await asyncio.wait_for(self._read_request(ch),
+                                                      REQUEST_TIMEOUT_S)
+            tid = self._claim(ch.peer, magic, presented) or ""
+            if not tid:
+                await ch.sendall(_HDR.pack(MAGIC, STATUS_UNKNOWN, 0, 0, 0))
+                return
+            await self._serve(ch, magic, tid)
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, struct.error,
+                TransferFailed) as exc:
+            log.warning("KV transfer %s failed on the sender (peer %s): %s",
+                        short_id(tid) if tid else "?", ch.peer, str(exc) or type(exc).__name__)
             if tid:
                 await self._drop(tid, TransferState.FAILED)
         finally:
-            conn.close()
+            ch.close()
 
-    async def _serve(self, conn: socket.socket, magic: bytes, tid: str) -> None:
-        """One request; subclasses add other request kinds by magic."""
-        if magic != MAGIC:
-            return
-        offer = self._offers.get(tid)
-        loop = asyncio.get_running_loop()
-        if offer is None:
-            await loop.sock_sendall(conn, _HDR.pack(MAGIC, STATUS_UNKNOWN, 0, 0, 0))
-            return
+    def _claim(self, peer: str, magic: bytes, presented: bytes) -> str | None:
+        """The offer's id if `presented` opens one, claimed so that it works only once;
+        None (refused, counted) otherwise. No real transfer is touched on a refusal."""
+        tid = self._open.claim(presented) if magic in self.MAGICS and presented else None
+        if tid is None or tid not in self._offers:
+            self.refusals.refused(peer, "unknown request kind" if magic not in self.MAGICS
+                                  else "unknown, used or expired transfer id")
+            return None
+        self.refusals.accepted(peer)
+        return tid
+
+    async def _serve(self, ch: Channel, magic: bytes, tid: str) -> None:
+        """One claimed request; subclasses serve their own request kinds by magic."""
+        offer = self._offers[tid]
         await self.states.set(tid, TransferState.TRANSFERRING)
         head = _HDR.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
-        await loop.sock_sendall(conn, head + offer.meta + bytes(_padding(len(offer.meta))))
+        await ch.sendall(head + offer.meta + bytes(_padding(len(offer.meta))))
         for start in range(0, len(offer.payload), CHUNK):
-            await loop.sock_sendall(conn, offer.payload[start:start + CHUNK])
-        ack = await recv_exact(conn, 1)
+            await ch.sendall(offer.payload[start:start + CHUNK])
+        ack = await ch.recv_exact(1)
         await self._drop(tid, TransferState.DONE if ack == b"\x01" else TransferState.FAILED)
 
 
@@ -214,48 +361,59 @@ class TcpKVReceiver(KVReceiver):
     A fresh 64 MiB bytearray costs ~35 ms of zero-filled page faults here, more than the
     loopback copy itself; a caller that recycles its buffers (and knows when it is done
     with one) can pass an allocator that hands them out (a writable buffer of nbytes).
+    With `tls` (a client context with this instance's certificate, see shared.tls) every
+    connection is mutual TLS, the sender's certificate checked against `tls_hostname` or
+    the handle's host.
     """
 
-    def __init__(self, allocate: Callable[[int], bytearray | memoryview] = bytearray) -> None:
+    def __init__(self, allocate: Callable[[int], bytearray | memoryview] = bytearray, *,
+                 tls: ssl.SSLContext | None = None, tls_hostname: str = "") -> None:
         super().__init__()
         self.allocate = allocate
+        self.tls, self.tls_hostname = tls, tls_hostname
 
-    async def fetch(self, handle: KVHandle, timeout_s: float) -> tuple[bytes, bytearray]:
+    async def fetch(self, handle: KVHandle, timeout_s: float,
+                    purpose: str = HANDOFF) -> tuple[bytes, bytearray]:
         tid = handle.transfer_id
+        self.states.label(tid, purpose)
         await self.states.set(tid, TransferState.WAITING)
         try:
             result = await asyncio.wait_for(self._fetch(handle), timeout_s)
         except asyncio.TimeoutError as exc:
             await self.states.set(tid, TransferState.FAILED)
-            raise TransferFailed(f"transfer {tid} timed out after {timeout_s:.1f}s") from exc
+            raise TransferFailed(f"transfer {short_id(tid)} timed out after "
+                                 f"{timeout_s:.1f}s") from exc
         except (OSError, asyncio.IncompleteReadError, TransferFailed) as exc:
             await self.states.set(tid, TransferState.FAILED)
-            raise TransferFailed(f"transfer {tid} from {handle.host}:{handle.port}: {exc}") from exc
+            raise TransferFailed(f"transfer {short_id(tid)} from {handle.host}:{handle.port}: "
+                                 f"{exc}") from exc
         await self.states.set(tid, TransferState.DONE)
         return result
 
+    async def open(self, handle: KVHandle) -> Channel:
+        return await open_channel(handle.host, handle.port, self.tls, self.tls_hostname)
+
     async def _fetch(self, handle: KVHandle) -> tuple[bytes, bytearray]:
-        loop = asyncio.get_running_loop()
-        sock = await connect(handle.host, handle.port)
+        ch = await self.open(handle)
         try:
             tid = handle.transfer_id.encode()
-            await loop.sock_sendall(sock, _REQ.pack(MAGIC, len(tid)) + tid)
+            await ch.sendall(_REQ.pack(MAGIC, len(tid)) + tid)
             magic, status, meta_len, payload_len, checksum = _HDR.unpack(
-                await recv_exact(sock, _HDR.size))
+                await ch.recv_exact(_HDR.size))
             if magic != MAGIC or status != STATUS_OK:
-                raise TransferFailed("unknown or expired transfer id")
+                raise TransferFailed("unknown, used or expired transfer id")
             await self.states.set(handle.transfer_id, TransferState.TRANSFERRING)
-            meta = (await recv_exact(sock, meta_len + _padding(meta_len)))[:meta_len]
+            meta = (await ch.recv_exact(meta_len + _padding(meta_len)))[:meta_len]
             payload = self.allocate(payload_len)
             view = memoryview(payload).cast("B")
             if len(view) != payload_len:
                 raise TransferFailed(f"allocate({payload_len}) gave {len(view)} bytes")
             hasher = xxhash.xxh3_64()
-            await recv_into_exact(sock, view, hasher)
+            await ch.recv_into_exact(view, hasher)
             if hasher.intdigest() != checksum:
-                await loop.sock_sendall(sock, b"\x00")
+                await ch.sendall(b"\x00")
                 raise TransferFailed("checksum mismatch")
-            await loop.sock_sendall(sock, b"\x01")
+            await ch.sendall(b"\x01")
             return meta, payload
         finally:
-            sock.close()
+            ch.close()

@@ -173,6 +173,8 @@ async def test_cancel_withdraws_a_handoff_nobody_fetched(nc, tiny):
                 break
             await asyncio.sleep(0.02)
         assert taken and taken[0].kv is not None
+        tid = taken[0].kv.transfer_id  # the sender's capability, not the request id
+        assert len(tid) == 32 and int(tid, 16) >= 0 and "r4" not in tid
         leased = pre.info().kv_blocks_leased
         assert leased == 3 and sender.pending == 1  # 40 tokens: 3 blocks offered
         await nc.publish(subjects.CANCEL, CancelRequest(request_id="r4").encode())

@@ -221,6 +221,7 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
     from services.prefill.args import PrefillSettings
     from services.prefill.handlers import PrefillInstance
     from shared.engine.metrics import EngineMetrics
+    from shared.transfer import TransferFailed
     from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 
     settings = PrefillSettings(instance_id="prefill-t", kv_cache_gb=4 / 1024, disk_tier_gb=0.001,
@@ -238,12 +239,14 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
                 inst.engine.step()
         inst._stats = inst.engine.stats()
 
-        handoff = sender.offer("b.1234", b"{}", b"\x01" * 65536, 40, ttl_s=10)
+        handoff = sender.offer("handoff", b"{}", b"\x01" * 65536, 40, ttl_s=10)
         meta, payload = await receiver.fetch(handoff, timeout_s=10)
         assert len(payload) == 65536
-        sender.offer("export.dead", b"{}", b"\x02" * 16, 1, ttl_s=0.05)  # never fetched
-        await sender.wait("b.1234", 5)
-        await sender.wait("export.dead", 5)
+        dead = sender.offer("prefix", b"{}", b"\x02" * 16, 1, ttl_s=0.05)  # never fetched
+        await sender.wait(handoff.transfer_id, 5)
+        await sender.wait(dead.transfer_id, 5)
+        with pytest.raises(TransferFailed):  # expired: refused, and counted
+            await receiver.fetch(dead, timeout_s=5, purpose="prefix")
         got = scrape(m.registry)
     finally:
         inst.close_engine()
@@ -264,4 +267,6 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
     assert got["halfmoon_kv_transfer_seconds_count{direction=in,purpose=handoff}"] == 1
     assert got["halfmoon_kv_transfer_seconds_sum{direction=in,purpose=handoff}"] > 0
     assert got["halfmoon_kv_transfer_failures_total{direction=out,purpose=prefix}"] == 1
+    assert got["halfmoon_kv_transfer_failures_total{direction=in,purpose=prefix}"] == 1
+    assert got["halfmoon_kv_transfer_refused_total"] == 1
     assert "halfmoon_engine_pending_imports" not in got  # prefill has no import queue

@@ -7,9 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
+from shared import tls
 from shared.messages import KVHandle
 from shared.transfer import TransferFailed, TransferState
 from shared.transfer.shm import (SHM_DIR, ShmKVReceiver, ShmKVSender, host_id, segments,
@@ -25,9 +28,35 @@ def my_segments() -> list[str]:
     return [n for n in os.listdir(SHM_DIR) if n.startswith(f"hmkv.{os.getpid()}.")]
 
 
+@dataclass
+class Plane:
+    """Senders and receivers of one data-plane set-up: plain, or its control channel (and
+    any TCP fallback) over mutual TLS. Shared memory works the same under either."""
+
+    server: Any = None
+    client: Any = None
+
+    def sender(self, **kw: Any) -> ShmKVSender:
+        return ShmKVSender(tls=self.server, **kw)
+
+    def shm(self, **kw: Any) -> ShmKVReceiver:
+        return ShmKVReceiver(tls=self.client, **kw)
+
+    def tcp(self, **kw: Any) -> TcpKVReceiver:
+        return TcpKVReceiver(tls=self.client, **kw)
+
+
+@pytest.fixture(params=["plain", "tls"])
+def plane(request) -> Plane:
+    if request.param == "plain":
+        return Plane()
+    pki = request.getfixturevalue("pki")
+    return Plane(*tls.kv_contexts(pki.cert, pki.key, pki.ca))
+
+
 @pytest.fixture
-async def sender():
-    s = ShmKVSender()
+async def sender(plane):
+    s = plane.sender()
     await s.start()
     yield s
     await s.close()
@@ -35,131 +64,131 @@ async def sender():
 
 
 @pytest.mark.parametrize("copy", [False, True])
-async def test_round_trip_and_states(sender, copy):
+async def test_round_trip_and_states(sender, copy, plane):
     payload = os.urandom(9 << 20)
-    handle = sender.offer("t1", b'{"m": 1}', payload, num_tokens=7, ttl_s=10)
+    handle = sender.offer("handoff", b'{"m": 1}', payload, num_tokens=7, ttl_s=10)
     assert handle.transport == "shm" and handle.host_id == host_id() != ""
     assert my_segments() == [handle.shm_name]  # written at offer time
-    assert sender.state("t1") == TransferState.WAITING
-    receiver = ShmKVReceiver(copy=copy)
+    assert sender.state(handle.transfer_id) == TransferState.WAITING
+    receiver = plane.shm(copy=copy)
     meta, got = await receiver.fetch(handle, timeout_s=10)
     assert meta == b'{"m": 1}' and bytes(got) == payload and len(got) == len(payload)
     assert isinstance(got, bytearray if copy else memoryview)
-    assert receiver.state("t1") == TransferState.DONE
-    assert await sender.wait("t1", 5) == TransferState.DONE
+    assert receiver.state(handle.transfer_id) == TransferState.DONE
+    assert await sender.wait(handle.transfer_id, 5) == TransferState.DONE
     assert sender.pending == 0 and my_segments() == []
     if not copy:  # the view outlives the segment's name and is ours to write
         got[0] ^= 0xFF
         assert got[0] == payload[0] ^ 0xFF
 
 
-async def test_segment_written_on_request_when_not_eager():
-    sender = ShmKVSender(eager=False)
+async def test_segment_written_on_request_when_not_eager(plane):
+    sender = plane.sender(eager=False)
     await sender.start()
     try:
         payload = os.urandom(1 << 20)
-        handle = sender.offer("lazy", b"{}", payload, 1, ttl_s=10)
+        handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
         assert handle.transport == "shm" and handle.shm_name == "" and my_segments() == []
-        _, got = await ShmKVReceiver().fetch(handle, timeout_s=10)
+        _, got = await plane.shm().fetch(handle, timeout_s=10)
         assert bytes(got) == payload
-        assert await sender.wait("lazy", 5) == TransferState.DONE
+        assert await sender.wait(handle.transfer_id, 5) == TransferState.DONE
         assert my_segments() == []
     finally:
         await sender.close()
 
 
-async def test_other_hosts_and_plain_tcp_receivers_get_it_over_tcp(sender):
+async def test_other_hosts_and_plain_tcp_receivers_get_it_over_tcp(sender, plane):
     payload = os.urandom(3 << 20)
-    handle = sender.offer("far", b"{}", payload, 1, ttl_s=10)
+    handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
     elsewhere = handle.model_copy(update={"host_id": "another-host"})
-    receiver = ShmKVReceiver()
+    receiver = plane.shm()
     assert not receiver.same_host(elsewhere)
     _, got = await receiver.fetch(elsewhere, timeout_s=10)
     assert isinstance(got, bytearray) and got == payload  # a view would mean it mapped shm
-    assert await sender.wait("far", 5) == TransferState.DONE
+    assert await sender.wait(handle.transfer_id, 5) == TransferState.DONE
     assert my_segments() == []  # the unused segment went with the offer
 
-    handle = sender.offer("old", b"{}", payload, 1, ttl_s=10)
-    _, got = await TcpKVReceiver().fetch(handle, timeout_s=10)
-    assert got == payload and await sender.wait("old", 5) == TransferState.DONE
+    handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
+    _, got = await plane.tcp().fetch(handle, timeout_s=10)
+    assert got == payload and await sender.wait(handle.transfer_id, 5) == TransferState.DONE
 
 
-async def test_receivers_fill_the_callers_buffer_when_given_an_allocator(sender):
+async def test_receivers_fill_the_callers_buffer_when_given_an_allocator(sender, plane):
     payload = os.urandom(2 << 20)
     mine = bytearray(3 << 20)
 
     def alloc(n):
         return memoryview(mine)[:n]
 
-    handle = sender.offer("into-tcp", b"{}", payload, 1, ttl_s=10)
-    _, got = await TcpKVReceiver(allocate=alloc).fetch(handle, timeout_s=10)
+    handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
+    _, got = await plane.tcp(allocate=alloc).fetch(handle, timeout_s=10)
     assert got.obj is mine and mine[:len(payload)] == payload
 
     mine[:] = bytes(len(mine))
-    handle = sender.offer("into-shm", b"{}", payload, 1, ttl_s=10)
-    _, got = await ShmKVReceiver(copy=True, allocate=alloc).fetch(handle, timeout_s=10)
+    handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
+    _, got = await plane.shm(copy=True, allocate=alloc).fetch(handle, timeout_s=10)
     assert got.obj is mine and mine[:len(payload)] == payload
 
-    handle = sender.offer("bad-alloc", b"{}", payload, 1, ttl_s=10)
-    receiver = TcpKVReceiver(allocate=lambda n: bytearray(n + 1))
+    handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
+    receiver = plane.tcp(allocate=lambda n: bytearray(n + 1))
     with pytest.raises(TransferFailed, match="allocate"):
         await receiver.fetch(handle, timeout_s=10)
-    assert await sender.wait("bad-alloc", 5) == TransferState.FAILED
+    assert await sender.wait(handle.transfer_id, 5) == TransferState.FAILED
 
 
-async def test_checksum_mismatch_fails_both_sides(sender):
+async def test_checksum_mismatch_fails_both_sides(sender, plane):
     payload = os.urandom(2 << 20)
-    handle = sender.offer("bad", b"{}", payload, 1, ttl_s=10)
+    handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
     fd = os.open(os.path.join(SHM_DIR, handle.shm_name), os.O_WRONLY)
     try:
         os.pwrite(fd, bytes([payload[12345] ^ 1]), 12345)  # one flipped bit
     finally:
         os.close(fd)
-    receiver = ShmKVReceiver()
+    receiver = plane.shm()
     with pytest.raises(TransferFailed, match="checksum"):
         await receiver.fetch(handle, timeout_s=10)
-    assert receiver.state("bad") == TransferState.FAILED
-    assert await sender.wait("bad", 5) == TransferState.FAILED
+    assert receiver.state(handle.transfer_id) == TransferState.FAILED
+    assert await sender.wait(handle.transfer_id, 5) == TransferState.FAILED
     assert my_segments() == []
 
 
 @pytest.mark.parametrize("path", ["tcp", "shm written on request"])
-async def test_a_payload_changed_after_offer_is_refused(path):
+async def test_a_payload_changed_after_offer_is_refused(path, plane):
     """The checksum is taken at offer(): a producer reusing its buffer too early is caught."""
-    sender = ShmKVSender(eager=False)
+    sender = plane.sender(eager=False)
     await sender.start()
     try:
         payload = bytearray(os.urandom(1 << 20))
-        handle = sender.offer("moved", b"{}", payload, 1, ttl_s=10)
+        handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
         payload[100] ^= 1
-        receiver = TcpKVReceiver() if path == "tcp" else ShmKVReceiver()
+        receiver = plane.tcp() if path == "tcp" else plane.shm()
         with pytest.raises(TransferFailed):
             await receiver.fetch(handle, timeout_s=10)
-        assert receiver.state("moved") == TransferState.FAILED
-        assert await sender.wait("moved", 5) == TransferState.FAILED
+        assert receiver.state(handle.transfer_id) == TransferState.FAILED
+        assert await sender.wait(handle.transfer_id, 5) == TransferState.FAILED
         assert my_segments() == []
     finally:
         await sender.close()
 
 
-async def test_expiry_unlinks_the_segment(sender):
-    handle = sender.offer("short", b"{}", b"x" * 4096, 1, ttl_s=0.05)
+async def test_expiry_unlinks_the_segment(sender, plane):
+    handle = sender.offer("handoff", b"{}", b"x" * 4096, 1, ttl_s=0.05)
     assert os.path.exists(os.path.join(SHM_DIR, handle.shm_name))
-    assert await sender.wait("short", 2) == TransferState.FAILED
+    assert await sender.wait(handle.transfer_id, 2) == TransferState.FAILED
     assert not os.path.exists(os.path.join(SHM_DIR, handle.shm_name))
     with pytest.raises(TransferFailed):
-        await ShmKVReceiver().fetch(handle, timeout_s=5)
+        await plane.shm().fetch(handle, timeout_s=5)
 
 
-async def test_close_leaves_no_segment_behind():
-    sender = ShmKVSender()
+async def test_close_leaves_no_segment_behind(plane):
+    sender = plane.sender()
     await sender.start()
-    for i in range(3):
-        sender.offer(f"c{i}", b"{}", os.urandom(1 << 20), 1, ttl_s=60)
+    handles = [sender.offer("handoff", b"{}", os.urandom(1 << 20), 1, ttl_s=60)
+               for _ in range(3)]
     assert len(my_segments()) == 3 and len(segments(os.getpid())) == 3
     await sender.close()
     assert my_segments() == []
-    assert all(sender.state(f"c{i}") == TransferState.FAILED for i in range(3))
+    assert all(sender.state(h.transfer_id) == TransferState.FAILED for h in handles)
 
 
 def test_names_from_the_network_cannot_reach_other_files(tmp_path):
@@ -176,7 +205,7 @@ from shared.transfer.shm import ShmKVSender
 async def main():
     s = ShmKVSender()
     await s.start()
-    h = s.offer("doomed", b"{}", b"k" * (4 << 20), 1, ttl_s=60)
+    h = s.offer("handoff", b"{}", b"k" * (4 << 20), 1, ttl_s=60)
     print(h.model_dump_json(), flush=True)
     await asyncio.sleep(60)
 asyncio.run(main())
@@ -211,7 +240,7 @@ async def test_stalled_then_killed_sender_fails_the_fetch_and_its_segment_goes()
         with pytest.raises(TransferFailed, match="timed out"):
             await receiver.fetch(child.handle, timeout_s=0.5)
         assert time.monotonic() - t0 < 2.5
-        assert receiver.state("doomed") == TransferState.FAILED
+        assert receiver.state(child.handle.transfer_id) == TransferState.FAILED
         assert os.path.exists(child.path)  # a stalled sender may come back: not ours to remove
 
         fetching = asyncio.create_task(receiver.fetch(child.handle, timeout_s=20))
@@ -222,7 +251,7 @@ async def test_stalled_then_killed_sender_fails_the_fetch_and_its_segment_goes()
         with pytest.raises(TransferFailed):
             await fetching
         assert time.monotonic() - t0 < 5  # the broken connection ends it, not the timeout
-        assert receiver.state("doomed") == TransferState.FAILED
+        assert receiver.state(child.handle.transfer_id) == TransferState.FAILED
         assert not os.path.exists(child.path)  # the dead sender's segment did not leak
 
 
@@ -236,7 +265,7 @@ async def test_fetch_from_a_dead_sender_fails_fast_and_removes_its_segment():
         with pytest.raises(TransferFailed):
             await receiver.fetch(child.handle, timeout_s=20)
         assert time.monotonic() - t0 < 5
-        assert receiver.state("doomed") == TransferState.FAILED
+        assert receiver.state(child.handle.transfer_id) == TransferState.FAILED
         assert not os.path.exists(child.path)
 
 
