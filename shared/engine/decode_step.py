@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.engine import kernels
-from shared.engine.linear import GEMV_MAX_ROWS, DenseLinear, Int8Linear, Linear
+from shared.engine.linear import DenseLinear, Int8Linear, Linear
 
 if TYPE_CHECKING:
     from shared.engine.model import BatchMeta, PagedLlama
@@ -50,8 +50,8 @@ class NativeDecodeStep:
     def __init__(self, model: "PagedLlama", cos: torch.Tensor, sin: torch.Tensor) -> None:
         self._fn = kernels.lib().decode_layers
         self._keep = (cos, sin)  # the tables must outlive every call
-        int8 = isinstance(model.layers[0].qkv, Int8Linear)
-        self.max_rows = GEMV_MAX_ROWS[torch.int8 if int8 else model.dtype]
+        # As many rows as every linear takes through its GEMV (the same for all of them).
+        self.max_rows = min(lin.gemv_rows for layer in model.layers for lin in layer.linears)
         layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             layers[i] = _Layer(layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr(),

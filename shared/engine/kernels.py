@@ -32,10 +32,9 @@ from shared.settings import halfmoon_home
 log = logging.getLogger(__name__)
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-# No -ffast-math: it let the compiler reassociate the int8 dequantization differently in
-# two kernels, and the GEMV and the _int_mm path must agree bit for bit. The reductions
-# vectorize through `omp simd reduction` and intrinsics instead; -std=c11 keeps FMA
-# contraction off, so every path rounds the same way.
+# No -ffast-math: results must not depend on what the compiler chose to reassociate (it
+# once made two kernels round the same formula differently). The reductions vectorize
+# through `omp simd reduction` and intrinsics instead; -std=c11 keeps FMA contraction off.
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
          "-std=c11"]
 _lock = threading.Lock()
@@ -51,11 +50,9 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "add_inplace": (None, [P, P, L, I, I]),
     "silu_mul": (None, [P, P, I, I, I, I]),
     "rope_kv_write": (None, [P, P, P, P, I, I, I, I, P, P, P, P, I, I, I]),
-    "quantize_rows": (None, [P, P, P, I, I, I, I]),
-    "dequant_rows": (None, [P, P, P, P, P, I, I, I, I]),
     "gemv_bf16": (I, [P, P, P, P, I, I, I, I]),
     "gemv_f32": (I, [P, P, P, P, I, I, I, I]),
-    "gemv_i8": (I, [P, P, P, P, P, P, I, I, I, I, I]),
+    "gemv_i8": (I, [P, I, P, P, P, P, I, I, I, I]),
     "read_bandwidth_sum": (ctypes.c_double, [P, L, I]),
     "decode_layers": (I, [P, P, P, I, P, P, P, P, I, P, I]),
 }

@@ -1,5 +1,5 @@
 /* Helpers shared by the kernels: bf16 conversion (round to nearest even, as torch does),
- * horizontal sums, and the int8 dequantization every int8 path must do the same way. */
+ * a vectorizable exp, horizontal sums. */
 #ifndef HALFMOON_COMMON_H
 #define HALFMOON_COMMON_H
 #include <math.h>
@@ -27,12 +27,6 @@ static inline uint16_t f2bf(float f) {
 
 /* x rounded to bf16 and back: what a bf16 tensor holds after torch writes x into it. */
 static inline float round_bf16(float x) { return bf2f(f2bf(x)); }
-
-/* One int32 dot product of quantized rows back to real units. Both int8 paths (the GEMV
- * and torch._int_mm + dequant_rows) call this, so they agree bit for bit. */
-static inline float dequant(int32_t acc, float sx, float sw, float bias) {
-    return (float)acc * (sx * sw) + bias;
-}
 
 /* exp(x), vectorizable (glibc's expf is scalar here): 2^(x log2 e) split into 2^i * 2^f,
  * 2^f by a degree-5 polynomial; relative error about 2e-7 (two ulps). x is clamped to

@@ -22,14 +22,12 @@ void rope_kv_write(void *qkv, const float *cos, const float *sin, const int64_t 
                    int rows, int num_q_heads, int num_kv_heads, int head_dim,
                    const int64_t *blocks, const int64_t *offsets, void *k_cache, void *v_cache,
                    int block_size, int bf16, int num_threads);
-void quantize_rows(const void *x, int8_t *q, float *scales, int rows, int dim, int bf16,
-                   int num_threads);
 int gemv_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
               int M, int N, int K, int nt);
 int gemv_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
              int nt);
-int gemv_i8(const int8_t *xq, const float *sx, const int8_t *w, const float *sw,
-            const float *bias, void *y, int y_bf16, int M, int N, int K, int nt);
+int gemv_i8(const void *x, int x_bf16, const int8_t *w, const float *sw, const float *bias,
+            void *y, int M, int N, int K, int nt);
 int paged_decode_attention_bf16(const void *q, long q_stride, int act_bf16, const void *k_cache,
                                 const void *v_cache, const int32_t *block_tables, int max_blocks,
                                 const int32_t *ctx_lens, int num_seqs, int num_q_heads,
@@ -65,14 +63,11 @@ typedef struct {
 
 static size_t act_size(const Model *m) { return m->act_bf16 ? 2 : 4; }
 
-/* y = x W^T for `rows` rows; int8 weights quantize x per row first (into q, sx). */
-static int linear(const Model *m, const Linear *lin, const void *x, void *y, int rows,
-                  int8_t *q, float *sx, int nt) {
-    if (lin->scales) {
-        quantize_rows(x, q, sx, rows, lin->in_features, m->act_bf16, nt);
-        return gemv_i8(q, sx, (const int8_t *)lin->weight, lin->scales, lin->bias, y,
-                       m->act_bf16, rows, lin->out_features, lin->in_features, nt);
-    }
+/* y = x W^T for `rows` rows (int8 weights: the ones with scales). */
+static int linear(const Model *m, const Linear *lin, const void *x, void *y, int rows, int nt) {
+    if (lin->scales)
+        return gemv_i8(x, m->act_bf16, (const int8_t *)lin->weight, lin->scales, lin->bias, y,
+                       rows, lin->out_features, lin->in_features, nt);
     if (m->act_bf16)
         return gemv_bf16((const uint16_t *)x, (const uint16_t *)lin->weight, lin->bias,
                          (uint16_t *)y, rows, lin->out_features, lin->in_features, nt);
@@ -90,16 +85,9 @@ int decode_layers(const Model *m, void *h, void *delta, int rows, const int64_t 
     const int width = (m->num_q_heads + 2 * m->num_kv_heads) * m->head_dim;
     const int attn_width = m->num_q_heads * m->head_dim;
     const size_t es = act_size(m);
-    int widest = m->hidden > width ? m->hidden : width;
-    widest = widest > 2 * m->inter ? widest : 2 * m->inter;
     char *scratch = (char *)malloc(es * (size_t)rows * (m->hidden + width + attn_width +
                                                         2 * m->inter + m->inter));
-    int8_t *q = (int8_t *)malloc((size_t)rows * widest);
-    float *sx = (float *)malloc(sizeof(float) * (size_t)rows);
-    if (!scratch || !q || !sx) {
-        free(scratch); free(q); free(sx);
-        return -2;
-    }
+    if (!scratch) return -2;
     void *x = scratch;
     void *qkv = scratch + es * rows * m->hidden;
     void *attn = (char *)qkv + es * rows * width;
@@ -110,7 +98,7 @@ int decode_layers(const Model *m, void *h, void *delta, int rows, const int64_t 
         const Layer *L = &m->layers[i];
         rms_norm(h, i ? delta : NULL, L->input_norm, x, rows, m->hidden, m->eps, m->act_bf16,
                  num_threads);
-        rc |= linear(m, &L->qkv, x, qkv, rows, q, sx, num_threads);
+        rc |= linear(m, &L->qkv, x, qkv, rows, num_threads);
         rope_kv_write(qkv, m->cos, m->sin, positions, rows, m->num_q_heads, m->num_kv_heads,
                       m->head_dim, slot_blocks, slot_offsets, L->k_cache, L->v_cache,
                       m->block_size, m->act_bf16, num_threads);
@@ -118,12 +106,12 @@ int decode_layers(const Model *m, void *h, void *delta, int rows, const int64_t 
             qkv, width, m->act_bf16, L->k_cache, L->v_cache, block_tables, max_blocks,
             ctx_lens, rows, m->num_q_heads, m->num_kv_heads, m->head_dim, m->block_size,
             m->scale, attn, num_threads);
-        rc |= linear(m, &L->o, attn, delta, rows, q, sx, num_threads);
+        rc |= linear(m, &L->o, attn, delta, rows, num_threads);
         rms_norm(h, delta, L->post_norm, x, rows, m->hidden, m->eps, m->act_bf16, num_threads);
-        rc |= linear(m, &L->gate_up, x, gate_up, rows, q, sx, num_threads);
+        rc |= linear(m, &L->gate_up, x, gate_up, rows, num_threads);
         silu_mul(gate_up, act, rows, m->inter, m->act_bf16, num_threads);
-        rc |= linear(m, &L->down, act, delta, rows, q, sx, num_threads);
+        rc |= linear(m, &L->down, act, delta, rows, num_threads);
     }
-    free(scratch); free(q); free(sx);
+    free(scratch);
     return rc;
 }

@@ -15,16 +15,16 @@
  * rows keep four independent chains in the FMA units.
  *
  * Built with -march for the CPU it runs on (kernels.py); the intrinsics used follow the
- * compiler's macros (__AVX512BF16__, __AVX512VNNI__, __AVX512F__, __AVX2__), and a plain
+ * compiler's macros (__AVX512BF16__, __AVX512F__, __AVX2__), and a plain
  * C path covers every other CPU (aarch64 included: the compiler vectorizes it).
  *
  *   x [M, K] row-major, y [M, N] row-major; needs K % 64 == 0 and N % NB == 0.
  *   bf16: x, W, y bf16 (uint16).  f32: all fp32.
- *   i8: x quantized per row (int8 and one fp32 scale per row, quantize_rows in ops.c), W
- *       int8 with one fp32 scale per output row. int32 accumulation is exact, so this
- *       kernel and torch._int_mm (used for larger M) give the same bits.
+ *   i8: W int8 with one fp32 scale per output row; x and y fp32 or bf16 (weight-only:
+ *       activations keep their precision; the products accumulate in fp32).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -156,60 +156,55 @@ static inline __attribute__((always_inline)) void f32_block(
 #endif
 }
 
-/* -------------------------------------------------------------------- int8 x int8 */
+/* ------------------------------------------------- int8 weights x fp32 activations */
+/* x is converted to fp32 once per call (to_f32_rows); each 64-byte chunk of int8 weights
+ * widens to four vectors of fp32 and meets every row of x in FMAs. The per-row scale of W
+ * multiplies the sum at the end. */
 #define CH_I8 64
 static inline __attribute__((always_inline)) void i8_block(
-    const int8_t *x, const int8_t *w, int32_t acc[MB][NB], int mb, int K) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    /* vpdpbusd multiplies unsigned by signed bytes: feed |x|, and w with x's sign. */
-    __m512i a[MB][NB];
-    for (int m = 0; m < MB; m++) for (int j = 0; j < NB; j++) a[m][j] = _mm512_setzero_si512();
+    const float *x, const int8_t *w, float acc[MB][NB], int mb, int K) {
+#if defined(__AVX512F__)
+    __m512 a[MB][NB];
+    for (int m = 0; m < MB; m++) for (int j = 0; j < NB; j++) a[m][j] = _mm512_setzero_ps();
     for (int k = 0; k < K; k += CH_I8, w += NB * CH_I8) {
         PREFETCH_BLOCK(w);
-        __m512i wv[NB];
-        for (int j = 0; j < NB; j++) wv[j] = _mm512_loadu_si512(w + j * CH_I8);
-        for (int m = 0; m < mb; m++) {
-            const __m512i xv = _mm512_loadu_si512(x + (long)m * K + k);
-            const __m512i ax = _mm512_abs_epi8(xv);
-            const __mmask64 neg = _mm512_movepi8_mask(xv);
-            for (int j = 0; j < NB; j++) {
-                const __m512i sw = _mm512_mask_sub_epi8(wv[j], neg, _mm512_setzero_si512(), wv[j]);
-                a[m][j] = _mm512_dpbusd_epi32(a[m][j], ax, sw);
-            }
-        }
-    }
-    for (int m = 0; m < mb; m++) for (int j = 0; j < NB; j++) acc[m][j] = _mm512_reduce_add_epi32(a[m][j]);
-#elif defined(__AVX2__)
-    /* maddubs: |x| (u8) times w with x's sign (s8), pairs summed into int16 (no pair can
-     * saturate, since |x|, |w| <= 127), then madd with ones widens to int32: exact. */
-    __m256i a[MB][NB];
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int m = 0; m < MB; m++) for (int j = 0; j < NB; j++) a[m][j] = _mm256_setzero_si256();
-    for (int k = 0; k < K; k += CH_I8, w += NB * CH_I8) {
-        PREFETCH_BLOCK(w);
-        for (int h = 0; h < CH_I8; h += 32) {
-            __m256i wv[NB];
-            for (int j = 0; j < NB; j++) wv[j] = _mm256_loadu_si256((const __m256i *)(w + j * CH_I8 + h));
+        for (int h = 0; h < CH_I8; h += 16) {
+            __m512 wv[NB];
+            for (int j = 0; j < NB; j++)
+                wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(w + j * CH_I8 + h))));
             for (int m = 0; m < mb; m++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (long)m * K + k + h));
-                const __m256i ax = _mm256_sign_epi8(xv, xv);
-                for (int j = 0; j < NB; j++) {
-                    const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[j], xv));
-                    a[m][j] = _mm256_add_epi32(a[m][j], _mm256_madd_epi16(p, ones));
-                }
+                const __m512 xv = _mm512_loadu_ps(x + (long)m * K + k + h);
+                for (int j = 0; j < NB; j++) a[m][j] = _mm512_fmadd_ps(xv, wv[j], a[m][j]);
             }
         }
     }
-    for (int m = 0; m < mb; m++) for (int j = 0; j < NB; j++) acc[m][j] = hsum256_epi32(a[m][j]);
+    for (int m = 0; m < mb; m++) for (int j = 0; j < NB; j++) acc[m][j] = _mm512_reduce_add_ps(a[m][j]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 a[MB][NB];
+    for (int m = 0; m < MB; m++) for (int j = 0; j < NB; j++) a[m][j] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += CH_I8, w += NB * CH_I8) {
+        PREFETCH_BLOCK(w);
+        for (int h = 0; h < CH_I8; h += 8) {
+            __m256 wv[NB];
+            for (int j = 0; j < NB; j++)
+                wv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(w + j * CH_I8 + h))));
+            for (int m = 0; m < mb; m++) {
+                const __m256 xv = _mm256_loadu_ps(x + (long)m * K + k + h);
+                for (int j = 0; j < NB; j++) a[m][j] = _mm256_fmadd_ps(xv, wv[j], a[m][j]);
+            }
+        }
+    }
+    for (int m = 0; m < mb; m++) for (int j = 0; j < NB; j++) acc[m][j] = hsum256(a[m][j]);
 #else
-    for (int m = 0; m < mb; m++) for (int j = 0; j < NB; j++) acc[m][j] = 0;
+    for (int m = 0; m < mb; m++) for (int j = 0; j < NB; j++) acc[m][j] = 0.f;
     for (int k = 0; k < K; k += CH_I8, w += NB * CH_I8) {
         PREFETCH_BLOCK(w);
         for (int m = 0; m < mb; m++)
             for (int j = 0; j < NB; j++) {
-                int32_t s = 0;
-                for (int c = 0; c < CH_I8; c++)
-                    s += (int32_t)x[(long)m * K + k + c] * (int32_t)w[j * CH_I8 + c];
+                float s = 0.f;
+                for (int c = 0; c < CH_I8; c++) s += x[(long)m * K + k + c] * (float)w[j * CH_I8 + c];
                 acc[m][j] += s;
             }
     }
@@ -230,7 +225,7 @@ static inline void NAME##_any(const XT *x, const WT *w, AT acc[MB][NB], int mb, 
 }
 DEFINE_ANY(bf16, uint16_t, uint16_t, float)
 DEFINE_ANY(f32, float, float, float)
-DEFINE_ANY(i8, int8_t, int8_t, int32_t)
+DEFINE_ANY(i8, float, int8_t, float)
 
 static inline int unsupported(int N, int K) { return N % NB != 0 || K % 64 != 0; }
 
@@ -272,24 +267,31 @@ int gemv_f32(const float *x, const float *w, const float *bias, float *y, int M,
     return 0;
 }
 
-int gemv_i8(const int8_t *xq, const float *sx, const int8_t *w, const float *sw,
-            const float *bias, void *y, int y_bf16, int M, int N, int K, int nt) {
+int gemv_i8(const void *x, int x_bf16, const int8_t *w, const float *sw, const float *bias,
+            void *y, int M, int N, int K, int nt) {
     if (unsupported(N, K)) return -1;
+    float *xf = (float *)malloc(sizeof(float) * (size_t)M * K);
+    if (!xf) return -2;
+    if (x_bf16)
+        for (long i = 0; i < (long)M * K; i++) xf[i] = bf2f(((const uint16_t *)x)[i]);
+    else
+        memcpy(xf, x, sizeof(float) * (size_t)M * K);
     #pragma omp parallel for schedule(static) num_threads(nt) if (N > 64)
     for (int b = 0; b < N / NB; b++) {
         for (int m0 = 0; m0 < M; m0 += MB) {
             const int mb = M - m0 < MB ? M - m0 : MB;
-            int32_t acc[MB][NB];
-            i8_any(xq + (long)m0 * K, w + (long)b * NB * K, acc, mb, K);
+            float acc[MB][NB];
+            i8_any(xf + (long)m0 * K, w + (long)b * NB * K, acc, mb, K);
             for (int m = 0; m < mb; m++)
                 for (int j = 0; j < NB; j++) {
                     const int n = b * NB + j;
                     const long i = (long)(m0 + m) * N + n;
-                    const float v = dequant(acc[m][j], sx[m0 + m], sw[n], bias ? bias[n] : 0.f);
-                    if (y_bf16) ((uint16_t *)y)[i] = f2bf(v);
+                    const float v = acc[m][j] * sw[n] + (bias ? bias[n] : 0.f);
+                    if (x_bf16) ((uint16_t *)y)[i] = f2bf(v);
                     else ((float *)y)[i] = v;
                 }
         }
     }
+    free(xf);
     return 0;
 }

@@ -182,42 +182,6 @@ void rope_kv_write(void *qkv, const float *cos, const float *sin, const int64_t 
     }
 }
 
-/* ---- int8 activations: each row quantized on its own --------------------------------
- * q = round(x / s), s = max|x| / 127 (1 for an all-zero row), so |q| <= 127. A row's
- * quantization depends on that row alone: a request's output never depends on what else
- * is in its batch. */
-void quantize_rows(const void *x, int8_t *q, float *scales, int rows, int dim, int bf16,
-                   int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
-    for (int r = 0; r < rows; r++) {
-        const long off = (long)r * dim;
-        float amax = 0.f;
-        for (int i = 0; i < dim; i++) {
-            const float a = fabsf(load(x, off + i, bf16));
-            amax = a > amax ? a : amax;
-        }
-        const float s = amax > 0.f ? amax / 127.f : 1.f;
-        const float inv = 1.f / s;
-        for (int i = 0; i < dim; i++) {
-            float v = nearbyintf(load(x, off + i, bf16) * inv);
-            v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-            q[off + i] = (int8_t)v;
-        }
-        scales[r] = s;
-    }
-}
-
-/* int32 products (torch._int_mm's) to real units, as the int8 GEMV does it (dequant). */
-void dequant_rows(const int32_t *acc, const float *sx, const float *sw, const float *bias,
-                  void *y, int rows, int cols, int bf16, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) {
-            const long i = (long)r * cols + c;
-            store(y, i, dequant(acc[i], sx[r], sw[c], bias ? bias[c] : 0.f), bf16);
-        }
-}
-
 /* ---- memory read bandwidth: sum a buffer (for the benchmark's roofline) --------------
  * With the same software prefetch as the GEMV, so the bound is what a tuned stream gets. */
 double read_bandwidth_sum(const float *buf, long n, int num_threads) {

@@ -79,8 +79,8 @@ static void part_generic(const Args *a, int s, int h, int b0, int b1, const Part
     const int G = a->G, D = a->head_dim, bs = a->block_size, len = a->ctx[s];
     float qv[MAX_GROUP][MAX_DIM], sc[MAX_GROUP][MAX_BLOCK], row[MAX_DIM > MAX_BLOCK ? MAX_DIM : MAX_BLOCK];
     load_q(a, s, h, qv);
-    memset(out->acc, 0, sizeof(float) * G * D);
-    for (int g = 0; g < G; g++) { out->m[g] = -INFINITY; out->l[g] = 0.f; }
+    /* `out` holds the running state: reset by the caller (reset_partial) before the first
+     * range of blocks, carried across the ranges after it. */
     const int32_t *table = a->tables + (long)s * a->max_blocks;
     for (int b = b0; b < b1; b++) {
         const long base = (long)table[b] * a->block_stride + (long)h * a->head_stride;
@@ -146,73 +146,126 @@ static inline __m512 exp512_nonpos(__m512 x) {  /* exp_nonpos, 16 lanes */
 
 #define AVX_MAX_ACC 16 /* zmm accumulators: G * head_dim / 16 */
 
+/* Up to SB blocks (64 tokens) at a time: each broadcast of a q value meets four K rows,
+ * which halved the loads per FMA (q.K was load-bound), and the softmax bookkeeping
+ * (reductions, rescaling) runs once per 64 tokens instead of once per 16. */
+#define SB 4
+
 static inline __attribute__((always_inline)) void part_avx512_g(
     const Args *a, int s, int h, int b0, int b1, const Partial *out, const int G, const int DV) {
     /* DV = head_dim / 16 zmm per head */
     const int D = DV * 16, len = a->ctx[s], bf = a->kv_bf16;
     float qv[MAX_GROUP][MAX_DIM];
-    float p[MAX_GROUP][16];
+    float p[MAX_GROUP][SB * 16];
     load_q(a, s, h, qv);
     __m512 acc[AVX_MAX_ACC];
     float m[MAX_GROUP], l[MAX_GROUP];
-    for (int i = 0; i < G * DV; i++) acc[i] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }
+    /* the running state in `out` (reset before the first range, see reset_partial) */
+    #pragma GCC unroll 16
+    for (int g = 0; g < G; g++) {
+        m[g] = out->m[g]; l[g] = out->l[g];
+        #pragma GCC unroll 16
+        for (int j = 0; j < DV; j++) acc[g * DV + j] = _mm512_loadu_ps(out->acc + g * D + j * 16);
+    }
     const int32_t *table = a->tables + (long)s * a->max_blocks;
-    for (int b = b0; b < b1; b++) {
-        const long base = (long)table[b] * a->block_stride + (long)h * a->head_stride;
-        const int rest = len - b * 16, n = rest < 16 ? rest : 16;
-        if (b + 1 < b1) {  /* the next block is elsewhere in the pool: fetch it meanwhile */
-            const long nxt = (long)table[b + 1] * a->block_stride + (long)h * a->head_stride;
-            const long bytes = (long)16 * D * (bf ? 2 : 4);
-            for (long o = 0; o < bytes; o += 64) {
-                __builtin_prefetch((const char *)a->k + nxt * (bf ? 2 : 4) + o, 0, 3);
-                __builtin_prefetch((const char *)a->v + nxt * (bf ? 2 : 4) + o, 0, 3);
+    for (int b = b0; b < b1; b += SB) {
+        const int nb = b1 - b < SB ? b1 - b : SB;
+        long base[SB];
+        #pragma GCC unroll 4
+        for (int q = 0; q < SB; q++)  /* missing blocks repeat the last one, masked below */
+            base[q] = (long)table[b + (q < nb ? q : nb - 1)] * a->block_stride + (long)h * a->head_stride;
+        __m512 sc[MAX_GROUP][SB];
+        #pragma GCC unroll 16
+        for (int g = 0; g < G; g++)
+            #pragma GCC unroll 4
+            for (int q = 0; q < SB; q++) sc[g][q] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            __m512 kr[SB];
+            #pragma GCC unroll 4
+            for (int q = 0; q < SB; q++) kr[q] = load16(a->k, base[q] + (long)d * 16, bf);
+            #pragma GCC unroll 16
+            for (int g = 0; g < G; g++) {
+                const __m512 qd = _mm512_set1_ps(qv[g][d]);
+                #pragma GCC unroll 4
+                for (int q = 0; q < SB; q++) sc[g][q] = _mm512_fmadd_ps(qd, kr[q], sc[g][q]);
             }
         }
-        __m512 sc[MAX_GROUP];
-        for (int g = 0; g < G; g++) sc[g] = _mm512_setzero_ps();
-        for (int d = 0; d < D; d++) {
-            const __m512 kr = load16(a->k, base + (long)d * 16, bf);
-            for (int g = 0; g < G; g++) sc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qv[g][d]), kr, sc[g]);
+        __mmask16 valid[SB];
+        #pragma GCC unroll 4
+        for (int q = 0; q < SB; q++) {
+            const int rest = q < nb ? len - (b + q) * 16 : 0;
+            valid[q] = rest >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rest > 0 ? rest : 0)) - 1u);
         }
-        const __mmask16 valid = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+        #pragma GCC unroll 16
         for (int g = 0; g < G; g++) {
-            const __m512 s_ = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sc[g]);
-            const float bmax = _mm512_reduce_max_ps(s_);
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            #pragma GCC unroll 4
+            for (int q = 0; q < SB; q++) {
+                sc[g][q] = _mm512_mask_blend_ps(valid[q], _mm512_set1_ps(-INFINITY), sc[g][q]);
+                mx = _mm512_max_ps(mx, sc[g][q]);
+            }
+            const float bmax = _mm512_reduce_max_ps(mx);
             const float new_m = bmax > m[g] ? bmax : m[g];
-            const float corr = expf(m[g] - new_m);
-            const __m512 e = _mm512_maskz_mov_ps(valid, exp512_nonpos(_mm512_sub_ps(s_, _mm512_set1_ps(new_m))));
-            l[g] = l[g] * corr + _mm512_reduce_add_ps(e);
+            /* inline, not libm's expf: a call makes every accumulator spill around it */
+            const float corr = exp_nonpos(m[g] - new_m);
+            __m512 sum = _mm512_setzero_ps();
+            #pragma GCC unroll 4
+            for (int q = 0; q < SB; q++) {
+                const __m512 e = _mm512_maskz_mov_ps(
+                    valid[q], exp512_nonpos(_mm512_sub_ps(sc[g][q], _mm512_set1_ps(new_m))));
+                sum = _mm512_add_ps(sum, e);
+                _mm512_storeu_ps(p[g] + q * 16, e);
+            }
+            l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
             m[g] = new_m;
-            _mm512_storeu_ps(p[g], e);
             const __m512 c = _mm512_set1_ps(corr);
+            #pragma GCC unroll 16
             for (int j = 0; j < DV; j++) acc[g * DV + j] = _mm512_mul_ps(acc[g * DV + j], c);
         }
-        for (int t = 0; t < n; t++) {
-            __m512 vr[MAX_DIM / 16];
-            for (int j = 0; j < DV; j++) vr[j] = load16(a->v, base + (long)t * D + j * 16, bf);
-            for (int g = 0; g < G; g++) {
-                const __m512 pg = _mm512_set1_ps(p[g][t]);
-                for (int j = 0; j < DV; j++) acc[g * DV + j] = _mm512_fmadd_ps(pg, vr[j], acc[g * DV + j]);
+        for (int q = 0; q < nb; q++) {
+            const int rest = len - (b + q) * 16, n = rest < 16 ? rest : 16;
+            for (int t = 0; t < n; t++) {
+                __m512 vr[MAX_DIM / 16];
+                #pragma GCC unroll 16
+                for (int j = 0; j < DV; j++) vr[j] = load16(a->v, base[q] + (long)t * D + j * 16, bf);
+                #pragma GCC unroll 16
+                for (int g = 0; g < G; g++) {
+                    const __m512 pg = _mm512_set1_ps(p[g][q * 16 + t]);
+                    #pragma GCC unroll 16
+                    for (int j = 0; j < DV; j++) acc[g * DV + j] = _mm512_fmadd_ps(pg, vr[j], acc[g * DV + j]);
+                }
             }
         }
     }
+    #pragma GCC unroll 16
     for (int g = 0; g < G; g++) {
         out->m[g] = m[g]; out->l[g] = l[g];
+        #pragma GCC unroll 16
         for (int j = 0; j < DV; j++) _mm512_storeu_ps(out->acc + g * D + j * 16, acc[g * DV + j]);
     }
 }
 
-/* The shapes worth a constant (so loops unroll and accumulators stay in registers). */
+/* The shapes worth a constant (so loops unroll and accumulators stay in registers), each
+ * its own function: inlined together into one, they spilled each other's registers. */
+#define SHAPE(G_, DV_) \
+    static __attribute__((noinline)) void part_g##G_##_dv##DV_(                         \
+        const Args *a, int s, int h, int b0, int b1, const Partial *out) {                  \
+        part_avx512_g(a, s, h, b0, b1, out, G_, DV_);                                       \
+    }
+SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(1, 8) SHAPE(2, 8)
+
 static int part_avx512(const Args *a, int s, int h, int b0, int b1, const Partial *out) {
     if (a->block_size != 16) return 0;
-    if (a->G == 3 && a->head_dim == 64) { part_avx512_g(a, s, h, b0, b1, out, 3, 4); return 1; }
-    if (a->G == 4 && a->head_dim == 64) { part_avx512_g(a, s, h, b0, b1, out, 4, 4); return 1; }
-    if (a->G == 2 && a->head_dim == 64) { part_avx512_g(a, s, h, b0, b1, out, 2, 4); return 1; }
-    if (a->G == 1 && a->head_dim == 64) { part_avx512_g(a, s, h, b0, b1, out, 1, 4); return 1; }
-    if (a->G == 2 && a->head_dim == 128) { part_avx512_g(a, s, h, b0, b1, out, 2, 8); return 1; }
-    if (a->G == 1 && a->head_dim == 128) { part_avx512_g(a, s, h, b0, b1, out, 1, 8); return 1; }
-    return 0;
+    const int dv = a->head_dim / 16;
+    if (a->head_dim % 16) return 0;
+    if (dv == 4 && a->G == 3) part_g3_dv4(a, s, h, b0, b1, out);
+    else if (dv == 4 && a->G == 4) part_g4_dv4(a, s, h, b0, b1, out);
+    else if (dv == 4 && a->G == 2) part_g2_dv4(a, s, h, b0, b1, out);
+    else if (dv == 4 && a->G == 1) part_g1_dv4(a, s, h, b0, b1, out);
+    else if (dv == 8 && a->G == 2) part_g2_dv8(a, s, h, b0, b1, out);
+    else if (dv == 8 && a->G == 1) part_g1_dv8(a, s, h, b0, b1, out);
+    else return 0;
+    return 1;
 }
 #endif
 
@@ -249,42 +302,63 @@ static void finish(const Args *a, float *scratch, long first, int num_parts, int
     }
 }
 
+static void reset_partial(const Partial *p, int G, int D) {
+    for (int g = 0; g < G; g++) { p->m[g] = -INFINITY; p->l[g] = 0.f; }
+    memset(p->acc, 0, sizeof(float) * G * D);
+}
+
+/* Blocks per visit of one head: all of a sequence's heads are walked together, a few
+ * blocks at a time, so each block's K and V (all heads side by side in the pool) are read
+ * from memory once, in order, rather than a head's slice at a time by different threads
+ * (that ran at about half the bandwidth). */
+#define BLOCKS_PER_VISIT 4
+
 static int attention(const Args *a, int num_seqs, void *out, int num_threads) {
     if (a->G > MAX_GROUP || a->head_dim > MAX_DIM || a->block_size > MAX_BLOCK) return -1;
-    /* Parts per (sequence, head): enough work items for every thread, but at least a few
-     * blocks each, and the same for all sequences (the longest context decides). */
+    /* Parts per sequence: enough work items for every thread, but at least a few blocks
+     * each, and the same for all sequences (the longest context decides). */
     int longest = 0;
     for (int s = 0; s < num_seqs; s++) longest = a->ctx[s] > longest ? a->ctx[s] : longest;
     const int max_blocks = (longest + a->block_size - 1) / a->block_size;
-    const int items = num_seqs * a->num_kv_heads;
-    int parts = (4 * num_threads + items - 1) / items;
+    int parts = (4 * num_threads + num_seqs - 1) / num_seqs;
     const int by_len = max_blocks / MIN_BLOCKS_PER_PART;
     parts = parts > by_len ? by_len : parts;
     parts = parts < 1 ? 1 : (parts > 64 ? 64 : parts);
-    const int G = a->G, D = a->head_dim;
-    float *scratch = (float *)malloc(sizeof(float) * (size_t)items * parts * (2 * G + G * D));
+    const int G = a->G, D = a->head_dim, H = a->num_kv_heads;
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)num_seqs * H * parts * (2 * G + G * D));
     if (!scratch) return -2;
     #pragma omp parallel num_threads(num_threads)
     {
-        #pragma omp for collapse(3) schedule(dynamic)
+        #pragma omp for collapse(2) schedule(dynamic)
         for (int s = 0; s < num_seqs; s++)
-            for (int h = 0; h < a->num_kv_heads; h++)
-                for (int p = 0; p < parts; p++) {
-                    const int nb = (a->ctx[s] + a->block_size - 1) / a->block_size;
-                    const int per = (nb + parts - 1) / parts;
-                    const int b0 = p * per < nb ? p * per : nb, b1 = b0 + per < nb ? b0 + per : nb;
-                    const Partial dst = partial_at(scratch, ((long)s * a->num_kv_heads + h) * parts + p, G, D);
-                    if (b0 >= b1) {  /* an empty part (a shorter sequence): neutral state */
-                        for (int g = 0; g < G; g++) { dst.m[g] = -INFINITY; dst.l[g] = 0.f; }
-                        memset(dst.acc, 0, sizeof(float) * G * D);
-                    } else {
-                        run_part(a, s, h, b0, b1, &dst);
+            for (int p = 0; p < parts; p++) {
+                const int nb = (a->ctx[s] + a->block_size - 1) / a->block_size;
+                const int per = (nb + parts - 1) / parts;
+                const int b0 = p * per < nb ? p * per : nb, b1 = b0 + per < nb ? b0 + per : nb;
+                for (int h = 0; h < H; h++) {  /* an empty part stays the neutral state */
+                    const Partial dst = partial_at(scratch, ((long)s * H + h) * parts + p, G, D);
+                    reset_partial(&dst, G, D);
+                }
+                const int32_t *table = a->tables + (long)s * a->max_blocks;
+                const long block_bytes = a->block_stride * (a->kv_bf16 ? 2 : 4);
+                for (int b = b0; b < b1; b += BLOCKS_PER_VISIT) {
+                    const int e = b + BLOCKS_PER_VISIT < b1 ? b + BLOCKS_PER_VISIT : b1;
+                    /* the next visit's blocks are elsewhere in the pool: fetch them meanwhile */
+                    for (int nb2 = e; nb2 < e + BLOCKS_PER_VISIT && nb2 < b1; nb2++)
+                        for (long o = 0; o < block_bytes; o += 64) {
+                            __builtin_prefetch((const char *)a->k + table[nb2] * block_bytes + o, 0, 3);
+                            __builtin_prefetch((const char *)a->v + table[nb2] * block_bytes + o, 0, 3);
+                        }
+                    for (int h = 0; h < H; h++) {
+                        const Partial dst = partial_at(scratch, ((long)s * H + h) * parts + p, G, D);
+                        run_part(a, s, h, b, e, &dst);
                     }
                 }
+            }
         #pragma omp for collapse(2) schedule(static)
         for (int s = 0; s < num_seqs; s++)
-            for (int h = 0; h < a->num_kv_heads; h++)
-                finish(a, scratch, ((long)s * a->num_kv_heads + h) * parts, parts, s, h, out);
+            for (int h = 0; h < H; h++)
+                finish(a, scratch, ((long)s * H + h) * parts, parts, s, h, out);
     }
     free(scratch);
     return 0;
