@@ -27,7 +27,7 @@ class Limits:
                 **{f"peak_{k}_gflop_s": v / 1e9 for k, v in self.peak_flops.items()}}
 
 
-def read_bandwidth(nbytes: int, passes: int = 5) -> float:
+def read_bandwidth(nbytes: int, passes: int = 8) -> float:
     n = max(nbytes, 1 << 30) // 4
     buf = torch.ones(n, dtype=torch.float32)
     best = float("inf")

@@ -28,7 +28,8 @@ def render(r: dict[str, Any]) -> str:
             f"machine limits (this run): read bandwidth {lim['read_bandwidth_gb_s']:.1f} GB/s; "
             f"peak matmul GFLOP/s: {peaks}", "",
             f"single stream ({r['workload']['single_prompts']} prompts of 128-512 tokens, one at "
-            f"a time, {r['workload']['new_tokens']} new tokens)",
+            f"a time, {r['workload']['new_tokens']} new tokens; bounds at the best bandwidth "
+            "measured so far in the run)",
             f"{'precision':10}{'step ms':>9}{'tok/s':>8}{'bound ms':>10}{'of bound':>10}"
             f"{'vs generate b1':>16}"]
     for name, p in r["precisions"].items():
