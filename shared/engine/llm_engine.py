@@ -1,7 +1,16 @@
 """The engine: scheduler + block manager (bookkeeping) around the paged model (tensors).
 
-Not thread-safe by design: an instance calls every method from its one engine thread,
-which also serializes additions and aborts with steps.
+Concurrency contract. Two threads touch an engine:
+- the engine thread (the instance's one executor) calls everything that changes it:
+  add_request, add_prefilled, add_recompute, import_prefix, abort, step, prompt_logprobs;
+- an exporter thread may call export_prefix at any time, so a prefix pull never waits for
+  a long prefill chunk.
+`_book` guards the block bookkeeping and every KV write into a block an export could
+name (a cached, hashed block). Every method above holds it while it changes either, and
+none releases it inside: step() takes it to plan, drops it for the forward pass, takes it
+again to account for the results. The forward pass writes only slots of blocks that
+running sequences hold (freshly allocated, or partly filled and so without a hash),
+which no export can name; hashed blocks are complete and are never written.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ from shared.engine.model import PagedLlama
 from shared.engine.output import OutputTracker, decode_all, make_detokenizer
 from shared.engine.runner import LoadedModel
 from shared.engine.sampling import SampleRow, sample
-from shared.engine.scheduler import PoolTooSmall, ScheduledSeq, Scheduler, SchedulerConfig
+from shared.engine.scheduler import (PoolTooSmall, ScheduledSeq, Scheduler, SchedulerConfig,
+                                     SchedulerOutput)
 from shared.engine.sequence import Sequence
 from shared.hashing import block_hashes
 from shared.messages import CostSample, FinishReason, SamplingParams
@@ -133,9 +143,10 @@ class LLMEngine:
         self._check_fits(len(prompt_token_ids), params)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, salt,
                        stop_after_first_token)
-        self._register(seq)
-        self._load_from_disk(seq)
-        self.scheduler.add(seq)
+        with self._book:
+            self._register(seq)
+            self._load_from_disk(seq)
+            self.scheduler.add(seq)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                       params: SamplingParams, kv: KVExport, emitted_text: str = "",
@@ -145,10 +156,13 @@ class LLMEngine:
         check_compatible(kv.meta, self.kv, self.lm.name, self.config.quantization)
         seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
                        len(prompt_token_ids), params, salt)
-        if not import_sequence(self.kv, self.blocks, seq, kv, on_allocate=self._spill):
-            return False
-        self._register(seq, output_token_ids, emitted_text)
-        self.scheduler.add_running(seq)
+        with self._book:
+            if seq.request_id in self.requests:
+                raise ValueError(f"duplicate request id {seq.request_id}")
+            if not import_sequence(self.kv, self.blocks, seq, kv, on_allocate=self._spill):
+                return False
+            self._register(seq, output_token_ids, emitted_text)
+            self.scheduler.add_running(seq)
         return True
 
     def add_recompute(self, request_id: str, prompt_token_ids: list[int],
@@ -160,14 +174,14 @@ class LLMEngine:
         self._check_fits(len(prompt_token_ids), params)
         seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
                        len(prompt_token_ids), params, salt)
-        self._register(seq, output_token_ids, emitted_text)
-        self._load_from_disk(seq)
-        self.scheduler.add(seq)
+        with self._book:
+            self._register(seq, output_token_ids, emitted_text)
+            self._load_from_disk(seq)
+            self.scheduler.add(seq)
 
     def export_prefix(self, hashes: list[int]) -> KVExport | None:
         """Cached blocks of a prefix, for an instance that wants to reuse them. Safe from any
-        thread: it copies under the bookkeeping lock, which a step holds only between
-        forward passes."""
+        thread: it looks up and copies under the bookkeeping lock (see the module doc)."""
         with self._book:
             return export_cached(self.kv, self.blocks, hashes, self.lm.name,
                                  self.config.quantization)
@@ -185,9 +199,10 @@ class LLMEngine:
             raise ValueError("pulled KV blocks do not match this prompt's prefix hashes")
         seq = Sequence(f"import:{expected[-1]:x}", list(token_ids[:n_tokens]), n_tokens,
                        SamplingParams(max_tokens=1), salt)
-        if not import_sequence(self.kv, self.blocks, seq, export, on_allocate=self._spill):
-            return 0
-        self.blocks.free(seq)  # unreferenced but cached: the next match_prefix finds them
+        with self._book:  # the allocation may evict a block an export is about to copy
+            if not import_sequence(self.kv, self.blocks, seq, export, on_allocate=self._spill):
+                return 0
+            self.blocks.free(seq)  # unreferenced but cached: the next match_prefix finds them
         return n_tokens
 
     def prompt_logprobs(self, token_ids: list[int], top_k: int = 0) -> PromptScores:
@@ -201,22 +216,23 @@ class LLMEngine:
         out: list[torch.Tensor] = []
         tops: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
-            with self._book:
-                while seq.num_computed_tokens < seq.num_tokens:
-                    n = min(self.config.max_num_batched_tokens, seq.num_uncomputed_tokens)
+            while seq.num_computed_tokens < seq.num_tokens:
+                n = min(self.config.max_num_batched_tokens, seq.num_uncomputed_tokens)
+                with self._book:
                     if not self.blocks.allocate(seq, n):
                         raise ValueError("the KV pool has no room to score this text now")
-                    item = ScheduledSeq(seq, n)
-                    batch, _ = build_batch([item], self.config.block_size, self.lm.device,
-                                           all_logits=True)
-                    logits = self.model.forward(batch).float()
-                    pos = seq.num_computed_tokens
-                    targets = torch.tensor(token_ids[pos + 1:pos + n + 1], dtype=torch.long)
-                    logprobs = torch.log_softmax(logits[:len(targets)], dim=-1)
-                    out.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1))
-                    if top_k:
-                        top = torch.topk(logprobs, top_k, dim=-1)
-                        tops.append((top.indices, top.values))
+                item = ScheduledSeq(seq, n)
+                batch, _ = build_batch([item], self.config.block_size, self.lm.device,
+                                       all_logits=True)
+                logits = self.model.forward(batch).float()
+                pos = seq.num_computed_tokens
+                targets = torch.tensor(token_ids[pos + 1:pos + n + 1], dtype=torch.long)
+                logprobs = torch.log_softmax(logits[:len(targets)], dim=-1)
+                out.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1))
+                if top_k:
+                    top = torch.topk(logprobs, top_k, dim=-1)
+                    tops.append((top.indices, top.values))
+                with self._book:
                     self.scheduler.postprocess(item)
         finally:
             with self._book:
@@ -252,10 +268,11 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        self.scheduler.finish(req.seq)
+        with self._book:
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                return False
+            self.scheduler.finish(req.seq)
         return True
 
     def has_work(self) -> bool:
@@ -263,34 +280,43 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        # Bookkeeping is locked; the forward pass is not (see _run), so that an export of
-        # cached blocks from another thread never waits for a long prefill chunk.
-        with self._book:
-            return self._step()
-
-    def _step(self) -> list[RequestOutput]:
+        """Plan under the lock, run the forward pass without it (an export from another
+        thread never waits for a long prefill chunk), account for the results under it."""
         t0 = time.perf_counter()
+        with self._book:
+            try:
+                sched = self._schedule()
+            except PoolTooSmall as exc:
+                return [self._fail(exc.seq.request_id, str(exc))]
+        outputs: list[RequestOutput] = []
+        if sched.scheduled:
+            batch, order = build_batch(sched.scheduled, self.config.block_size, self.lm.device)
+            t_forward = time.perf_counter()
+            logits = self.model.forward(batch)
+            with self._book:
+                outputs = self._finish_step(order, logits, time.perf_counter() - t_forward)
+        with self._book:
+            self._record_step(sched, time.perf_counter() - t0)
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
         self.blocks.now = time.monotonic()
         if self.config.eviction == "watermark":
             self.blocks.evict_to_watermark(self.config.high_watermark, self.config.evict_ratio)
-        try:
-            sched = self.scheduler.schedule()
-        except PoolTooSmall as exc:
-            return [self._fail(exc.seq.request_id, str(exc))]
+        sched = self.scheduler.schedule()
         self._spill()  # evicted blocks go to disk before this step's KV overwrites them
-        outputs: list[RequestOutput] = []
-        if sched.scheduled:
-            outputs = self._run(sched.scheduled)
+        return sched
+
+    def _record_step(self, sched: SchedulerOutput, seconds: float) -> None:
         stored, evicted = self.blocks.drain_events()
         disk_stored, self._disk_stored = self._disk_stored, []
         disk_removed = self.disk.drain_removed() if self.disk else []
         self.num_preemptions += len(sched.preempted)
-        self.last_step = StepStats(sched.num_tokens, len(sched.scheduled),
-                                   time.perf_counter() - t0, len(sched.preempted), stored, evicted,
-                                   disk_stored, disk_removed)
+        self.last_step = StepStats(sched.num_tokens, len(sched.scheduled), seconds,
+                                   len(sched.preempted), stored, evicted, disk_stored,
+                                   disk_removed)
         if self.on_step is not None:
             self.on_step(self.last_step)
-        return outputs
 
     # -- disk tier ------------------------------------------------------------------------
     def _spill(self) -> None:
@@ -337,20 +363,11 @@ class LLMEngine:
             loaded += 1
         return loaded
 
-    def _run(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
-        batch, order = build_batch(scheduled, self.config.block_size, self.lm.device)
-        t_forward = time.perf_counter()
-        # Unlocked: the forward only writes this step's freshly allocated blocks, and every
-        # block with a hash (what exports read) is complete and cannot be reallocated until
-        # the next schedule, which takes the lock again.
-        self._book.release()
-        try:
-            logits = self.model.forward(batch)
-        finally:
-            self._book.acquire()
+    def _finish_step(self, order: list[ScheduledSeq], logits: torch.Tensor,
+                     forward_s: float) -> list[RequestOutput]:
         completing = [item for item in order if item.completes]
         tokens = self._sample(completing, logits)
-        self._account(order, time.perf_counter() - t_forward)
+        self._account(order, forward_s)
         for item in order:
             self.scheduler.postprocess(item)
         return [self._emit(item.seq, tok) for item, tok in zip(completing, tokens)]
