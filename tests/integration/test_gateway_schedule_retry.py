@@ -2,6 +2,10 @@
 
 Asking again is safe only when nobody took the request (no responders, or a deposed
 leader's "not_leader"); a timeout may mean it was dispatched, so it is not retried.
+
+Nothing here waits on the clock: each placement call's attempts are recorded (`Attempts`),
+the stand-in conductor appears once the gateway has been refused, and "nothing more was
+sent" is checked behind a marker sent after it on the same connection.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import types
 import nats
 import pytest
 
+from services.gateway import handlers
 from services.gateway.args import GatewaySettings
 from services.gateway.handlers import Gateway
 from shared import bus, errors, subjects
 from shared.messages import GenerateRequest, Placement, SamplingParams
+from tests.waiting import until
 
 
 def request(rid: str) -> GenerateRequest:
@@ -38,6 +44,42 @@ def gateway(nc, retry_s: float, timeout_s: float = 2.0) -> Gateway:
     return Gateway(settings, nc, None, types.SimpleNamespace(model_name="m"), "gw-test")
 
 
+class Attempts:
+    """Every placement request the gateway sends, with its outcome and how long it took."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, refused_after: int = 0) -> None:
+        self.outcomes: list[str] = []
+        self.durations: list[float] = []
+        self.refused = asyncio.Event()  # set after `refused_after` refusals
+        self.refused_after = refused_after
+        request = bus.request
+
+        async def recorded(*args, **kwargs):
+            t0 = time.monotonic()
+            try:
+                reply = await request(*args, **kwargs)
+            except errors.HalfmoonError as exc:
+                self.outcomes.append(exc.code)
+                if self.refused_after and self.outcomes.count(exc.code) >= self.refused_after:
+                    self.refused.set()
+                raise
+            finally:
+                self.durations.append(time.monotonic() - t0)
+            self.outcomes.append("placed")
+            return reply
+
+        monkeypatch.setattr(handlers.bus, "request", recorded)
+
+
+async def behind_a_marker(nc, subject: str, got: list[str], marker: str, encoded: bytes) -> None:
+    """Publish a marker after everything this connection sent on `subject`, and wait until
+    the subscriber has it: one subscription's messages arrive in order, so by then it has
+    seen whatever was sent before."""
+    await nc.publish(subject, encoded)
+    await until(lambda: marker in got, what=f"the marker on {subject}")
+    got.remove(marker)
+
+
 async def conductor(nc, replies: list, seen: list[str]):
     """A stand-in conductor answering with `replies` in turn (None: never answers)."""
 
@@ -52,30 +94,45 @@ async def conductor(nc, replies: list, seen: list[str]):
     return sub
 
 
-async def test_no_conductor_fails_with_503_after_the_retry_window(client):
-    gw = gateway(client, retry_s=1.0)
+async def test_no_conductor_fails_with_503_after_the_retry_window(client, monkeypatch):
+    retry_s = 1.0
+    # A long placement timeout: treating "no responders" as a silent conductor would take
+    # 30 s, and asking forever would never end (wait_for turns that into a failure).
+    gw = gateway(client, retry_s=retry_s, timeout_s=30.0)
+    attempts = Attempts(monkeypatch)
     t0 = time.monotonic()
     with pytest.raises(errors.Unavailable) as exc:
-        await gw._ask_conductor(request("r-none"))
+        await asyncio.wait_for(gw._ask_conductor(request("r-none")), 10 * retry_s + 30)
     took = time.monotonic() - t0
     assert exc.value.status == 503 and exc.value.code == "no_conductor"
     assert "no conductor is placing requests" in exc.value.message
-    assert 0.5 <= took <= 2.0, took
+    assert len(attempts.outcomes) >= 2 and set(attempts.outcomes) == {"no_responders"}
+    # It asks until the window is over (its pauses grow to 0.5 s: it stops when the next
+    # one would overrun), then gives up: a second past the window, plus ten of the slowest
+    # attempts measured here, is room for a slow machine's timers.
+    slack = 1.0 + 10 * max(attempts.durations)
+    assert retry_s - 0.5 <= took <= retry_s + slack, (took, attempts.durations)
 
 
-async def test_a_conductor_that_appears_meanwhile_gets_the_request(client):
-    gw = gateway(client, retry_s=5.0)
+async def test_a_conductor_that_appears_meanwhile_gets_the_request(client, monkeypatch):
+    gw = gateway(client, retry_s=30.0)
     seen: list[str] = []
     placement = Placement(request_id="r-late", prefill_id="p0", decode_id="d0")
+    attempts = Attempts(monkeypatch, refused_after=2)
+    refused_before: list[int] = []
 
     async def late_leader():
-        await asyncio.sleep(0.8)  # the standby takes over
-        return await conductor(client, [placement], seen)
+        await attempts.refused.wait()  # the gateway has been refused twice: no leader yet
+        sub = await conductor(client, [placement], seen)  # a standby takes over
+        refused_before.append(len(attempts.outcomes))
+        return sub
 
-    t0 = time.monotonic()
     leader, got = await asyncio.gather(late_leader(), gw._ask_conductor(request("r-late")))
     assert got.prefill_id == "p0" and seen == ["r-late"]
-    assert 0.8 <= time.monotonic() - t0 <= 2.0
+    assert attempts.outcomes[-1] == "placed"
+    assert set(attempts.outcomes[:-1]) == {"no_responders"}
+    # The leader is found by the next attempt (one may have been on its way meanwhile).
+    assert 2 <= len(attempts.outcomes) - 1 <= refused_before[0] + 1, attempts.outcomes
     await leader.unsubscribe()
 
 
@@ -91,17 +148,17 @@ async def test_a_deposed_leaders_refusal_is_asked_again(client):
 
 
 async def test_other_refusals_and_timeouts_are_not_retried(client):
-    gw = gateway(client, retry_s=5.0, timeout_s=0.5)
     seen: list[str] = []
     sub = await conductor(client, [errors.Unavailable("no live prefill and decode instances"),
                                    None], seen)
     with pytest.raises(errors.Unavailable) as exc:
-        await gw._ask_conductor(request("r-busy"))
+        await gateway(client, retry_s=5.0, timeout_s=30.0)._ask_conductor(request("r-busy"))
     assert exc.value.code == "unavailable" and seen == ["r-busy"]
     # It may have been dispatched before the conductor went quiet: never placed twice.
     with pytest.raises(errors.Timeout):
-        await gw._ask_conductor(request("r-quiet"))
-    await asyncio.sleep(0.3)
+        await gateway(client, retry_s=5.0, timeout_s=0.5)._ask_conductor(request("r-quiet"))
+    await behind_a_marker(client, subjects.CONDUCTOR_SCHEDULE, seen, "marker",
+                          request("marker").encode())
     assert seen == ["r-busy", "r-quiet"]
     await sub.unsubscribe()
 
@@ -112,7 +169,9 @@ async def test_a_placement_that_times_out_is_cancelled_and_placed_as_a_new_attem
     which the token stream follows from its first event."""
     from services.gateway.handlers import RequestLife
 
-    gw = gateway(client, retry_s=5.0, timeout_s=0.5)
+    # The first ask is never answered; the timeout is also all the second (answered at once)
+    # may take, so it is generous.
+    gw = gateway(client, retry_s=5.0, timeout_s=2.0)
     seen: list[str] = []
     cancels: list[str] = []
     retargets: list[tuple[str, int]] = []
@@ -129,8 +188,8 @@ async def test_a_placement_that_times_out_is_cancelled_and_placed_as_a_new_attem
 
     life = RequestLife("r-died", time.time())
     got = await gw._place(request("r-died"), life, retarget)
-    await client.flush()
-    await asyncio.sleep(0.1)
+    await behind_a_marker(client, subjects.CANCEL, cancels, "marker",
+                          json.dumps({"request_id": "marker"}).encode())
     assert (got.request_id, got.prefill_id) == ("r-died-t1", "p2")
     assert seen == ["r-died", "r-died-t1"] and retargets == [("r-died-t1", 0)]
     assert cancels == ["r-died"] and life.dispatch_time is not None
