@@ -107,8 +107,8 @@ class InstanceInfo(Message):
     kv_blocks_total: int = 0  # DRAM tier; free blocks may still hold cached prefixes
     kv_blocks_free: int = 0
     kv_blocks_cached: int = 0
-    # Blocks' worth of KV held outside the pool for a request: offered for a transfer and not
-    # fetched yet (prefill), or fetched and waiting for room (decode). Back to 0 when idle.
+    # Blocks' worth of KV held for a transfer: offered and not fetched yet (prefill), or
+    # reserved in the pool for KV still arriving (decode). Back to 0 when idle.
     kv_blocks_leased: int = 0
     disk_blocks_used: int = 0  # disk tier (0 and 0 without one)
     disk_blocks_free: int = 0

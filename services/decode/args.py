@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from pydantic import Field
+
 from shared.engine.instance import WorkerSettings
 from shared.settings import parse_settings
 
 
 class DecodeSettings(WorkerSettings):
-    """Decode uses the shared worker settings (pool size, batch size) as they are."""
+    """The shared worker settings (pool size, batch size), and the handoff queue's bound."""
+
+    max_queued_handoffs: int = Field(
+        256, gt=0, description="handoffs waiting for KV pool room (not fetched yet) at most; "
+        "further ones are refused, so the conductor places them elsewhere")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> DecodeSettings:

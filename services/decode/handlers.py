@@ -1,5 +1,13 @@
-"""Decode: pull each request's prompt KV from its prefill instance into the pool, then
-continue it in the engine's running batch, streaming every token."""
+"""Decode: admit each request's prompt KV from its prefill instance into the pool, then
+continue it in the engine's running batch, streaming every token.
+
+Admission follows SGLang's decode prealloc queue: a handoff first waits in a bounded
+queue, holding nothing; when the pool has room, the engine reserves the blocks for its KV
+and only then is the transfer started, straight into those blocks. So a full pool never
+fetches KV it cannot place (the old way parked fetched KV in an unbounded deque), a
+transfer can never find its destination taken, and a full queue refuses new handoffs
+instead of growing without bound.
+"""
 
 from __future__ import annotations
 
@@ -30,9 +38,8 @@ class DecodeInstance(EngineInstance):
         super().__init__(settings, nc, lm)
         self.settings: DecodeSettings = settings
         self.receiver = receiver
-        self.pending: deque[tuple[DecodeJob, KVExport]] = deque()  # fetched, waiting for room
+        self.queue: deque[DecodeJob] = deque()  # waiting for pool room: nothing fetched yet
         self._fetches: set[asyncio.Task] = set()
-        self._admitting: set[str] = set()  # request ids whose KV is being fetched
 
     async def on_submit(self, msg: Msg) -> None:
         try:
@@ -40,31 +47,73 @@ class DecodeInstance(EngineInstance):
         except ValueError as exc:
             await bus.respond(msg, errors.InvalidRequest(f"bad decode job: {exc}"))
             return
-        task = asyncio.create_task(self.admit(job))
-        self._fetches.add(task)
-        task.add_done_callback(self._fetches.discard)
+        if len(self.queue) >= self.settings.max_queued_handoffs and \
+                not self.known(job.request.request_id):
+            await bus.respond(msg, errors.Rejected("decode handoff queue is full",
+                                                   retry_after_s=1.0))
+            return
+        await self.admit(job)
         await bus.respond(msg, Ack())
 
     async def admit(self, job: DecodeJob) -> None:
-        """Pull the KV from prefill (data plane), then join the batch when there is room.
-        With no KV to pull (a re-placed request), or a pull that failed, recompute it here."""
+        """Queue a handoff; the engine loop reserves its blocks and starts its transfer
+        between steps (after_step). A job delivered twice runs once."""
         req = job.request
-        rid = req.request_id
-        if self.known(rid) or rid in self._admitting:  # a job delivered twice runs once
+        if self.known(req.request_id):
             return
-        self._admitting.add(rid)
-        try:
-            export = await self._fetch(job) if job.kv is not None else None
-        finally:
-            self._admitting.discard(rid)
-        if rid in self.cancelled:
+        self.streams[req.request_id] = Stream(req, job.events_sent, job.cached_tokens)
+        self.queue.append(job)
+        self.wake()
+
+    async def after_step(self) -> None:
+        """Between steps: reserve blocks for queued handoffs in arrival order, and start each
+        reserved one's transfer. The head waits while the pool is full."""
+        while self.queue:
+            job = self.queue[0]
+            req = job.request
+            if req.request_id not in self.streams:  # cancelled while it waited
+                self.queue.popleft()
+                continue
+            if job.kv is None:  # re-placed with no KV to pull: recompute it here
+                self.queue.popleft()
+                await self._recompute(job)
+                continue
+            try:
+                ok = await self.run_engine(self.engine.reserve, req.request_id,
+                                           req.prompt_token_ids, job.output_token_ids,
+                                           req.sampling, job.kv.num_tokens, req.tenant)
+            except ValueError as exc:
+                self.queue.popleft()
+                await self.finish_with_error(req.request_id, "invalid_request", str(exc))
+                continue
+            if not ok:
+                return  # the pool is full: try again after the next step
+            self.queue.popleft()
+            self._stats = self.engine.stats()
+            task = asyncio.create_task(self._transfer(job))
+            self._fetches.add(task)
+            task.add_done_callback(self._fetches.discard)
+
+    async def _transfer(self, job: DecodeJob) -> None:
+        """Fetch into the reserved blocks and join the batch; on a failed transfer give the
+        blocks back and recompute, so nothing is lost."""
+        rid = job.request.request_id
+        export = await self._fetch(job)
+        if rid not in self.streams:  # cancelled during the transfer
+            await self.run_engine(self.engine.release, rid)
             return
-        self.streams[rid] = Stream(req, job.events_sent, job.cached_tokens)
         if export is None:
+            await self.run_engine(self.engine.release, rid)
             await self._recompute(job)
             return
-        self.pending.append((job, export))
-        self.wake()  # the engine loop admits it between steps (one admitter, no races)
+        try:
+            await self.run_engine(self.engine.add_reserved, rid, export, job.output_token_ids,
+                                  job.emitted_text)
+        except ValueError as exc:
+            await self.finish_with_error(rid, "kv_transfer_failed", str(exc))
+            return
+        self._stats = self.engine.stats()
+        self.wake()
 
     async def _fetch(self, job: DecodeJob) -> KVExport | None:
         """The prefilled KV, or None if the transfer failed or timed out."""
@@ -91,38 +140,20 @@ class DecodeInstance(EngineInstance):
         self._stats = self.engine.stats()
         self.wake()
 
-    async def after_step(self) -> None:
-        while self.pending:
-            # Off the queue while the engine adds it: a cancel meanwhile (release) rebuilds
-            # the queue and must not see, or shift, the one in flight.
-            job, export = self.pending.popleft()
-            req = job.request
-            if req.request_id not in self.streams:  # cancelled while waiting
-                continue
-            try:
-                ok = await self.run_engine(self.engine.add_prefilled, req.request_id,
-                                           req.prompt_token_ids, job.output_token_ids,
-                                           req.sampling, export, job.emitted_text, req.tenant)
-            except ValueError as exc:
-                await self.finish_with_error(req.request_id, "kv_transfer_failed", str(exc))
-                continue
-            if not ok:
-                self.pending.appendleft((job, export))
-                return  # the pool is full: try again after the next step
-            self._stats = self.engine.stats()
-            self.wake()
-
     async def on_output(self, out: RequestOutput) -> None:
         await self.publish_output(out)
 
     async def release(self, request_id: str) -> bool:
-        before = len(self.pending)
-        self.pending = deque((j, e) for j, e in self.pending if j.request.request_id != request_id)
-        return len(self.pending) < before
+        """A cancel: drop it from the queue, or give back its reservation."""
+        before = len(self.queue)
+        self.queue = deque(j for j in self.queue if j.request.request_id != request_id)
+        released = await self.run_engine(self.engine.release, request_id)
+        return released or len(self.queue) < before
 
     def leased_blocks(self) -> int:
-        return sum(export.meta.num_blocks for _, export in self.pending)
+        """Blocks reserved for KV still in transfer."""
+        return int(self._stats.get("kv_blocks_reserved", 0))
 
     async def fail_running(self, why: str) -> None:
-        self.pending.clear()
+        self.queue.clear()
         await self.fail_all(why)

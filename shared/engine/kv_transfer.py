@@ -101,17 +101,25 @@ def check_compatible(meta: KVMeta, kv: KVCache, model: str, quantization: str = 
 def import_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, export: KVExport,
                     on_allocate: Callable[[], None] | None = None) -> bool:
     """Place `export` into freshly allocated blocks of `seq`; False if the pool is short."""
+    if export.meta.num_tokens > seq.num_tokens:
+        raise ValueError("KV covers more tokens than the sequence has")
+    if not blocks.allocate(seq, export.meta.num_tokens):
+        return False
+    if on_allocate is not None:
+        on_allocate()  # e.g. spill what the allocation evicted, before it is overwritten
+    fill_sequence(kv, blocks, seq, export)
+    return True
+
+
+def fill_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, export: KVExport) -> None:
+    """Write `export` into the blocks `seq` already holds (allocated, or reserved before
+    the transfer started) and register them in the prefix cache."""
     meta = export.meta
     expected = meta.num_blocks * kv.shape.block_nbytes // kv.shape.dtype.itemsize
     if export.data.numel() != expected:
         raise ValueError(f"KV payload has {export.data.numel()} values, metadata says {expected}")
-    if meta.num_tokens > seq.num_tokens:
-        raise ValueError("KV covers more tokens than the sequence has")
-    if not blocks.allocate(seq, meta.num_tokens):
-        return False
-    if on_allocate is not None:
-        on_allocate()  # e.g. spill what the allocation evicted, before it is overwritten
-    kv.import_blocks(seq.block_table, export.data)
+    if meta.num_tokens > seq.num_tokens or meta.num_blocks > len(seq.block_table):
+        raise ValueError("KV covers more tokens than the sequence holds blocks for")
+    kv.import_blocks(seq.block_table[:meta.num_blocks], export.data)
     seq.num_computed_tokens = meta.num_tokens
     blocks.commit(seq)  # the imported prompt is now this instance's prefix cache too
-    return True

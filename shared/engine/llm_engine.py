@@ -31,7 +31,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.disk_tier import DiskTier
 from shared.engine.kv_cache import KVCache
 from shared.engine.kv_transfer import (KVExport, check_compatible, export_cached,
-                                       export_sequence, import_sequence)
+                                       export_sequence, fill_sequence, import_sequence)
 from shared.engine.model import PagedLlama
 from shared.engine.output import OutputTracker, decode_all, make_detokenizer
 from shared.engine.runner import LoadedModel
@@ -115,6 +115,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
                                                    config.max_num_batched_tokens), self.blocks)
         self.requests: dict[str, _Request] = {}
+        # Decode admission: pool blocks held for a request whose KV is still in transfer.
+        self.reserved: dict[str, Sequence] = {}
         self.last_step = StepStats()
         self._book = threading.Lock()  # block bookkeeping: steps vs. exports (export_prefix)
         self.disk: DiskTier | None = None
@@ -178,6 +180,51 @@ class LLMEngine:
             self._register(seq, output_token_ids, emitted_text)
             self._load_from_disk(seq)
             self.scheduler.add(seq)
+
+    # -- decode admission: KV slots reserved before a transfer starts ---------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                params: SamplingParams, num_kv_tokens: int, salt: str = "") -> bool:
+        """Hold pool blocks for a request's KV before fetching it (as SGLang's decode
+        prealloc queue does); False, holding nothing, if the pool has no room now."""
+        self._check_fits(len(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
+                       len(prompt_token_ids), params, salt)
+        if not 0 < num_kv_tokens <= seq.num_tokens:
+            raise ValueError(f"KV of {num_kv_tokens} tokens for a sequence of {seq.num_tokens}")
+        with self._book:
+            if request_id in self.requests or request_id in self.reserved:
+                raise ValueError(f"duplicate request id {request_id}")
+            if not self.blocks.allocate(seq, num_kv_tokens):
+                return False
+            self._spill()  # what the allocation evicted goes to disk before it is overwritten
+            self.reserved[request_id] = seq
+        return True
+
+    def add_reserved(self, request_id: str, kv: KVExport, output_token_ids: list[int],
+                     emitted_text: str = "") -> None:
+        """Continue a reserved request with its fetched KV: written into its blocks, then
+        into the running batch. On a bad payload its blocks go back to the pool."""
+        check_compatible(kv.meta, self.kv, self.lm.name, self.config.quantization)
+        with self._book:
+            seq = self.reserved.pop(request_id, None)
+            if seq is None:
+                raise ValueError(f"request {request_id} has no reservation")
+            try:
+                fill_sequence(self.kv, self.blocks, seq, kv)
+            except ValueError:
+                self.blocks.free(seq)
+                raise
+            self._register(seq, output_token_ids, emitted_text)
+            self.scheduler.add_running(seq)
+
+    def release(self, request_id: str) -> bool:
+        """Give back a reservation (cancelled, or its transfer failed)."""
+        with self._book:
+            seq = self.reserved.pop(request_id, None)
+            if seq is None:
+                return False
+            self.blocks.free(seq)
+        return True
 
     def export_prefix(self, hashes: list[int]) -> KVExport | None:
         """Cached blocks of a prefix, for an instance that wants to reuse them. Safe from any
@@ -433,4 +480,5 @@ class LLMEngine:
                                  if decoding else 0.0),
                 "kv_blocks_total": self.blocks.num_blocks,
                 "kv_blocks_free": self.blocks.num_free_blocks,
+                "kv_blocks_reserved": sum(len(s.block_table) for s in self.reserved.values()),
                 "kv_blocks_cached": self.blocks.num_cached_blocks}

@@ -74,11 +74,11 @@ class EngineMetrics:
                     float(s["waiting"]))
         yield gauge("halfmoon_engine_running_requests", "Sequences in the running batch",
                     float(s["running"]))
-        pending = getattr(inst, "pending", None)  # decode: KV fetched, waiting for pool room
-        if pending is not None:
+        queue = getattr(inst, "queue", None)  # decode: handoffs waiting for pool room
+        if queue is not None:
             yield gauge("halfmoon_engine_pending_imports",
-                        "Decode: requests whose KV arrived, waiting for room in the pool",
-                        float(len(pending)))
+                        "Decode: handoffs waiting for room in the pool (not fetched yet)",
+                        float(len(queue)))
         yield from self._kv_families(s)
         yield counter("halfmoon_prefix_cache_hit_tokens", "Prompt tokens served from the prefix "
                       "cache (local, disk or pulled blocks)", engine.num_prefix_hit_tokens)

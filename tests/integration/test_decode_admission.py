@@ -1,0 +1,121 @@
+"""Decode admission: KV slots are reserved before a transfer starts (SGLang's prealloc queue).
+
+A decode instance whose pool holds two requests gets six handoffs from a real prefill
+instance over real NATS and TCP: it fetches no more than it can place, queues the rest
+without fetching them, takes them as blocks free up, and every request ends with the
+tokens transformers would give. A full queue refuses further handoffs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.decode.args import DecodeSettings
+from services.decode.handlers import DecodeInstance
+from services.prefill.args import PrefillSettings
+from services.prefill.handlers import PrefillInstance
+from shared import bus, errors, subjects
+from shared.engine.llm_engine import EngineConfig, LLMEngine
+from shared.messages import Ack, DecodeJob, PrefillJob
+from shared.transfer.base import HANDOFF
+from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
+from tests.integration.test_instance_faults import (PROMPT, TOKENS, Events, gen, nc, params,  # noqa: F401
+                                                    reference, running, tiny)
+
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x dim x block x fp32
+
+
+class RecordingReceiver(TcpKVReceiver):
+    """The real receiver, noting which transfers decode started and when."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fetched: list[str] = []
+
+    async def fetch(self, handle, timeout_s, purpose=HANDOFF):  # type: ignore[no-untyped-def,override]
+        self.fetched.append(handle.transfer_id)
+        return await super().fetch(handle, timeout_s, purpose)
+
+
+async def wait_until(cond, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_free(nc, tiny):
+    ref = reference(tiny)
+    sender, receiver = TcpKVSender(), RecordingReceiver()
+    await sender.start()
+    # 40-token prompts + 8 tokens: 3 blocks each; 7 blocks hold two requests at a time.
+    dec = DecodeInstance(DecodeSettings(instance_id="decode-small", kv_cache_gb=7 * BLOCK_BYTES / 2**30,
+                                        transfer_timeout_s=30.0), nc, tiny, receiver)
+    pre = PrefillInstance(PrefillSettings(instance_id="prefill-big", kv_cache_gb=4 / 1024,
+                                          transfer_timeout_s=30.0), nc, tiny, sender,
+                          TcpKVReceiver())
+    assert dec.engine.blocks.num_blocks == 7
+    events = {f"q{i}": Events() for i in range(6)}
+    for rid, ev in events.items():
+        await nc.subscribe(subjects.tokens(rid), cb=ev.on_msg)
+    queued_unfetched = []
+    async with running(dec), running(pre):
+        await nc.subscribe(subjects.decode_submit("decode-small"), cb=dec.on_submit)
+        await nc.subscribe(subjects.prefill_submit("prefill-big"), cb=pre.on_submit)
+        for rid in events:
+            await bus.request(nc, subjects.prefill_submit("prefill-big"),
+                              PrefillJob(request=gen(rid), decode_id="decode-small"), Ack, 5.0)
+        # The pool fills: the rest wait in the queue, their KV still on the prefill side.
+        await wait_until(lambda: len(dec.queue) >= 1 and len(receiver.fetched) >= 2)
+        while dec.queue or any(not ev.finished.is_set() for ev in events.values()):
+            held = dec.engine.blocks.num_blocks - dec.engine.blocks.num_free_blocks
+            assert held <= 7
+            for job in list(dec.queue):
+                assert job.kv is not None and job.kv.transfer_id not in receiver.fetched
+                queued_unfetched.append(job.request.request_id)
+            await asyncio.sleep(0.005)
+            if all(ev.finished.is_set() for ev in events.values()):
+                break
+        await asyncio.wait_for(asyncio.gather(*(ev.finished.wait() for ev in events.values())), 60)
+    await sender.close()
+    assert queued_unfetched, "some handoffs must have waited in the queue"
+    assert len(receiver.fetched) == 6  # each fetched once, when it had room
+    for rid, ev in events.items():
+        tokens = [t for e in ev.got for t in e.token_ids]
+        assert tokens == ref, rid  # the first from prefill, the rest from decode
+        assert ev.got[-1].usage is not None and ev.got[-1].usage.completion_tokens == TOKENS
+    assert not dec.queue and not dec.engine.reserved and dec.info().kv_blocks_leased == 0
+
+
+async def test_a_full_handoff_queue_refuses_with_a_clear_error(nc, tiny):
+    """With the queue's bound at one and nothing taking jobs off it yet, the second
+    handoff is refused, naming why, and the first stays queued."""
+    sender = TcpKVSender()
+    await sender.start()
+    maker = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20))
+    jobs = []
+    for i in range(3):
+        rid = f"f{i}"
+        maker.add_request(rid, PROMPT, params(), stop_after_first_token=True)
+        out = [o for o in maker.step()][0]
+        while out.handoff is None:
+            out = [o for o in maker.step()][0]
+        h = sender.offer(HANDOFF, out.handoff.meta.model_dump_json().encode(),
+                         out.handoff.payload(), out.handoff.meta.num_tokens, ttl_s=30.0)
+        jobs.append(DecodeJob(request=gen(rid), prefill_id="p", kv=h,
+                              output_token_ids=out.new_token_ids, events_sent=1))
+    dec = DecodeInstance(DecodeSettings(instance_id="decode-one", kv_cache_gb=3 * BLOCK_BYTES / 2**30,
+                                        transfer_timeout_s=30.0, max_queued_handoffs=1, max_num_seqs=1),
+                         nc, tiny, TcpKVReceiver())
+    await nc.subscribe(subjects.decode_submit("decode-one"), cb=dec.on_submit)
+    # not serving yet: nothing leaves the queue, so its bound is what answers
+    await bus.request(nc, subjects.decode_submit("decode-one"), jobs[0], Ack, 5.0)
+    with pytest.raises(errors.HalfmoonError, match="decode handoff queue is full"):
+        await bus.request(nc, subjects.decode_submit("decode-one"), jobs[1], Ack, 5.0)
+    assert [j.request.request_id for j in dec.queue] == ["f0"]
+    dec.close_engine()
+    await sender.close()
