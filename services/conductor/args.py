@@ -19,17 +19,14 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
                               "this share of their SLOs (predictions err)")
     cost_model: str = Field("", description="fitted cost model JSON (empty: HALFMOON_HOME/costmodel.json)")
     balancing_threshold: float = Field(1.5, gt=1, description="kvcentric pulls a prefix when its "
-                                       "holder has this many times more blocks")
-    pull_prefixes: bool = Field(True, description="pull a longer prefix from another prefill "
-                                "instance whatever the policy")
+                                       "holder has this many times more blocks (inf: never; "
+                                       "the other policies never pull)")
     layout: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="colocated: the (prefill) instance chosen for a request "
         "decodes it too, and there are no decode instances")
     heartbeat_expiry_s: float = Field(3.0, gt=0, description="an instance silent this long is dead")
     dispatch_timeout_s: float = Field(5.0, gt=0, description="wait for a prefill instance to take a job")
     kv_match_timeout_s: float = Field(0.2, gt=0, description="wait for the KV manager's prefix match")
-    min_pull_blocks: int = Field(2, ge=1, description="pull a prefix from another instance when it "
-                                 "holds at least this many more blocks")
     instance_record_interval_s: float = Field(5.0, gt=0, description="SQL refresh of instance rows "
                                               "and of load samples (one per instance per interval)")
     load_retention_s: float = Field(24 * 3600.0, gt=0, description="load samples older than this "

@@ -19,7 +19,7 @@ from services.conductor import snapshot
 from services.conductor.calibration import Calibrator
 from services.conductor.costmodel import CostModel, load_cost_model, prior_for
 from services.conductor.metrics import ConductorMetrics
-from services.conductor.policy import Candidate, Decision, make_policy
+from services.conductor.policy import Decision, make_policy
 from services.conductor.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,6 @@ class Conductor:
                 raise errors.Rejected(f"rejected: {decision.rejected}", code="slo_unattainable",
                                       retry_after_s=retry)
             assert decision.prefill is not None
-            self._add_pull(decision.prefill, matches)
             if not self.leading():
                 # Deposed while deciding: another conductor may be placing by now. Nothing
                 # was dispatched, so the gateway can safely ask the new leader.
@@ -160,17 +159,6 @@ class Conductor:
         return Placement(request_id=req.request_id, prefill_id=decision.prefill.instance_id,
                          decode_id=decision.decode_id, policy=decision.policy,
                          predicted_ttft_ms=decision.ttft_s * 1e3)
-
-    def _add_pull(self, chosen: Candidate, matches: dict[str, int]) -> None:
-        """Cache load balancing for any policy: if another prefill holds clearly more of the
-        prefix than the chosen one, have the chosen one pull it instead of recomputing."""
-        if chosen.pull_from or not self.settings.pull_prefixes:
-            return
-        own = matches.get(chosen.instance_id, 0)
-        best, holder = max(((n, i) for i, n in matches.items() if i != chosen.instance_id),
-                           default=(0, ""))
-        if best - own >= self.settings.min_pull_blocks:
-            chosen.pull_from, chosen.prefix_blocks = holder, best
 
     def _record(self, req: GenerateRequest, d: Decision, now: float) -> None:
         if self.records is None:
@@ -201,18 +189,30 @@ class Conductor:
 
     async def _dispatch(self, req: GenerateRequest, d: Decision) -> None:
         assert d.prefill is not None
-        job = PrefillJob(request=req, decode_id=d.decode_id, prefix_from=d.prefill.pull_from,
-                         prefix_blocks=d.prefill.prefix_blocks if d.prefill.pull_from else 0)
+        job = prefill_job(req, d)
         # Count the work before awaiting the ack, so decisions made meanwhile see it.
-        self.registry.dispatched(d.prefill.instance_id, d.prefill.prefill_s)
-        decode_id = d.decode_id or d.prefill.instance_id  # colocated: the same instance
-        self.registry.dispatched(decode_id, tokens=len(req.prompt_token_ids),
-                                 count=1 if d.decode_id else 0)
+        self._account(req, d, +1)
         try:
             await bus.request(self.nc, subjects.prefill_submit(d.prefill.instance_id), job, Ack,
                               timeout_s=self.settings.dispatch_timeout_s)
         except errors.HalfmoonError:
-            self.registry.dispatched(d.prefill.instance_id, -d.prefill.prefill_s, count=-1)
-            self.registry.dispatched(decode_id, tokens=-len(req.prompt_token_ids),
-                                     count=-1 if d.decode_id else 0)
+            self._account(req, d, -1)
             raise
+
+    def _account(self, req: GenerateRequest, d: Decision, sign: int) -> None:
+        """Add (+1) or take back (-1) a dispatch: the prefill's predicted work, and the
+        decode's new sequence, its prompt tokens and the KV blocks it will take."""
+        assert d.prefill is not None
+        self.registry.dispatched(d.prefill.instance_id, sign * d.prefill.prefill_s, count=sign)
+        decode_id = d.decode_id or d.prefill.instance_id  # colocated: the same instance
+        self.registry.dispatched(decode_id, tokens=sign * len(req.prompt_token_ids),
+                                 count=sign if d.decode_id else 0,
+                                 blocks=sign * d.decode_blocks)
+
+
+def prefill_job(req: GenerateRequest, d: Decision) -> PrefillJob:
+    """The job that carries out decision `d`: its prefill pull, exactly as decided."""
+    assert d.prefill is not None
+    pull = d.prefill.pull_from
+    return PrefillJob(request=req, decode_id=d.decode_id, prefix_from=pull,
+                      prefix_blocks=d.prefill.prefix_blocks if pull else 0)

@@ -2,10 +2,18 @@
 so the live conductor and the simulator run the very same code.
 
 Every policy returns a Decision with its candidates' predicted times, so an operator can
-see why a request went where it went. `kvcentric` is Mooncake's Algorithm 1: for each
-prefill instance, TTFT = transfer of a remote prefix (if pulling beats its own cache)
-+ queue time + predicted prefill time; the lowest TTFT wins; decode by predicted TBT;
-a request whose predictions miss its SLOs is rejected before any compute.
+see why a request went where it went. The Decision is the whole decision: the prefix pull
+(`Candidate.pull_from`, `prefix_blocks`, `transfer_s`) is in it, so the prediction, the
+SQL record, the job dispatched and the simulator all see the same one; nothing adds a
+pull afterwards.
+
+`kvcentric` is Mooncake's Algorithm 1, and the only policy that pulls: for each prefill
+instance, TTFT = transfer of a remote prefix (when the best holder has more than
+`balancing_threshold` times its blocks) + queue time + predicted prefill time; the lowest
+TTFT wins. The baselines (random, round_robin, least_loaded, largest_prefix) place with
+their own rule and reuse only the chosen instance's own cache, as the paper's baselines
+do. Every policy then picks decode by predicted TBT among the instances with room for the
+request's KV, and rejects before any compute what misses its SLOs.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ class InstanceView:
     running: int = 0  # decode: sequences in the batch
     mean_context: float = 0.0  # decode: average tokens per running sequence
     load: int = 0  # queued + running requests (for least_loaded)
+    # decode: KV blocks it can still give a new request (free, less those promised to
+    # requests dispatched since its report); None when unknown: assumed to have room.
+    kv_blocks_free: int | None = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,7 @@ class RequestView:
     prefix_blocks: dict[str, int]  # instance -> cached leading blocks of this prompt
     ttft_slo_s: float
     tbt_slo_s: float
+    max_tokens: int = 0  # output tokens it may generate: their KV must fit on decode too
 
 
 @dataclass(slots=True)
@@ -57,6 +69,7 @@ class Decision:
     tbt_s: float = 0.0
     candidates: list[Candidate] = field(default_factory=list)
     rejected: str = ""  # why, when the request is refused
+    decode_blocks: int = 0  # KV blocks the request takes on decode (reserved at dispatch)
 
     @property
     def ttft_s(self) -> float:
@@ -81,7 +94,8 @@ def best_holder(req: RequestView) -> tuple[str, int]:
 
 def candidate(snap: Snapshot, req: RequestView, inst: InstanceView, pull: bool,
               best: tuple[str, int] | None = None) -> Candidate:
-    """Predicted TTFT parts on `inst`, with or without pulling the best holder's prefix."""
+    """Predicted TTFT parts on `inst`, with or without pulling the best holder's prefix
+    (the pull's transfer time is part of the candidate's TTFT)."""
     bs = snap.cost.block_size
     own = req.prefix_blocks.get(inst.instance_id, 0)
     best_id, best = best if best is not None else best_holder(req)
@@ -101,10 +115,23 @@ def joined_tbt(snap: Snapshot, req: RequestView, d: InstanceView) -> float:
     return snap.cost.decode_step_s(d.running + 1, ctx)
 
 
+def kv_blocks_needed(snap: Snapshot, req: RequestView) -> int:
+    """Decode blocks for the prompt and every token it may generate."""
+    return -(-(req.prompt_tokens + req.max_tokens) // snap.cost.block_size)
+
+
+def has_room(d: InstanceView, blocks: int) -> bool:
+    return d.kv_blocks_free is None or d.kv_blocks_free >= blocks
+
+
 def select_decode(snap: Snapshot, req: RequestView) -> tuple[str, float]:
-    """The decode instance with the lowest predicted time between tokens once it joins."""
+    """The decode instance with the lowest predicted time between tokens once it joins,
+    among those with room for the request's KV; ("", inf) when none has room."""
+    need = kv_blocks_needed(snap, req)
     best_id, best_tbt = "", float("inf")
     for d in sorted(snap.decodes, key=lambda x: x.instance_id):
+        if not has_room(d, need):
+            continue
         tbt = joined_tbt(snap, req, d)
         if tbt < best_tbt:
             best_id, best_tbt = d.instance_id, tbt
@@ -124,9 +151,11 @@ def finish(policy: str, snap: Snapshot, req: RequestView, chosen: Candidate,
     """Pick decode, then apply the SLOs: early rejection shared by every policy."""
     decode_id, tbt = (colocated_decode(snap, req, chosen) if snap.colocated
                       else select_decode(snap, req))
-    d = Decision(policy, chosen, decode_id, tbt, candidates)
+    d = Decision(policy, chosen, decode_id, tbt, candidates,
+                 decode_blocks=0 if snap.colocated else kv_blocks_needed(snap, req))
     if not decode_id and not snap.colocated:
-        d.rejected = "no decode instance"
+        d.rejected = ("no decode instance" if not snap.decodes else
+                      f"no decode instance with room for {d.decode_blocks} KV blocks")
     elif chosen.ttft_s > req.ttft_slo_s * snap.slo_margin:
         d.rejected = (f"predicted TTFT {chosen.ttft_s:.2f}s exceeds {_share(snap)}the SLO of "
                       f"{req.ttft_slo_s:.2f}s")
@@ -141,6 +170,9 @@ def _share(snap: Snapshot) -> str:
 
 
 class Policy:
+    """A baseline: `choose` picks among candidates that all use their own cache only (no
+    pull: the baselines compare placement rules, as the paper's do)."""
+
     name = "base"
 
     def decide(self, snap: Snapshot, req: RequestView) -> Decision:
@@ -155,6 +187,8 @@ class Policy:
 
 
 class RandomPolicy(Policy):
+    """Any instance, seeded. Never pulls a prefix."""
+
     name = "random"
 
     def __init__(self, seed: int = 0) -> None:
@@ -165,6 +199,8 @@ class RandomPolicy(Policy):
 
 
 class RoundRobinPolicy(Policy):
+    """Each instance in turn, by id. Never pulls a prefix."""
+
     name = "round_robin"
 
     def __init__(self) -> None:
@@ -178,7 +214,8 @@ class RoundRobinPolicy(Policy):
 
 
 class LeastLoadedPolicy(Policy):
-    """Shortest predicted queue; ties by id. Ignores the cache (the load-balancing baseline)."""
+    """Shortest predicted queue; ties by id. Ignores the cache and never pulls a prefix
+    (the paper's load-balancing baseline)."""
 
     name = "least_loaded"
 
@@ -187,7 +224,8 @@ class LeastLoadedPolicy(Policy):
 
 
 class LargestPrefixPolicy(Policy):
-    """Most cached prefix blocks on the instance itself (local cache-aware); ties: queue."""
+    """Most cached prefix blocks on the instance itself; ties: queue. Never pulls a prefix
+    (local cache-aware: the paper's baseline for global cache-aware kvcentric)."""
 
     name = "largest_prefix"
 
@@ -195,8 +233,16 @@ class LargestPrefixPolicy(Policy):
         return min(cands, key=lambda c: (-c.prefix_blocks, c.queue_s, c.instance_id))
 
 
+def pulls(snap: Snapshot, own_blocks: int, best_blocks: int) -> bool:
+    """Algorithm 1's cache load balancing: pull when best_len / prefix_len > threshold
+    (an instance with nothing cached counts as 1 block: at the default 1.5, 2 remote
+    blocks qualify)."""
+    return best_blocks > own_blocks and best_blocks / max(own_blocks, 1) > snap.balancing_threshold
+
+
 class KVCentricPolicy(Policy):
-    """Algorithm 1: lowest predicted TTFT, pulling the best prefix when it is much longer."""
+    """Algorithm 1: lowest predicted TTFT, each candidate pulling the best holder's prefix
+    when that is more than `balancing_threshold` times its own (`pulls`)."""
 
     name = "kvcentric"
 
@@ -208,8 +254,7 @@ class KVCentricPolicy(Policy):
         cands = []
         for p in snap.prefills:
             own = req.prefix_blocks.get(p.instance_id, 0)
-            pull = best > own and best / max(own, 1) > snap.balancing_threshold
-            cands.append(candidate(snap, req, p, pull, holder))
+            cands.append(candidate(snap, req, p, pulls(snap, own, best), holder))
         chosen = min(cands, key=lambda c: (c.ttft_s, c.instance_id))
         return finish(self.name, snap, req, chosen, cands)
 

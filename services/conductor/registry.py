@@ -16,6 +16,7 @@ class InstanceState:
     dispatched_since_beat: int = 0
     pending_s: float = 0.0  # predicted work of those dispatches
     pending_tokens: int = 0  # and their prompt tokens (decode context)
+    pending_blocks: int = 0  # and the KV blocks they will take (decode room)
 
     @property
     def load(self) -> int:
@@ -35,13 +36,14 @@ class Registry:
         return is_new
 
     def dispatched(self, instance_id: str, predicted_s: float = 0.0, tokens: int = 0,
-                   count: int = 1) -> None:
+                   count: int = 1, blocks: int = 0) -> None:
         """Account a dispatch (or, with negative values, take a failed one back)."""
         state = self._instances.get(instance_id)
         if state is not None:
             state.dispatched_since_beat += count
             state.pending_s += predicted_s
             state.pending_tokens += tokens
+            state.pending_blocks += blocks
 
     def alive(self, role: Role, now: float) -> list[InstanceState]:
         return [s for s in self._instances.values()

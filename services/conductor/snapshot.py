@@ -17,10 +17,18 @@ def prefill_view(state: InstanceState, cost: CostModel) -> InstanceView:
 
 
 def decode_view(state: InstanceState) -> InstanceView:
-    running = state.info.running + state.dispatched_since_beat
-    context = state.info.mean_context * state.info.running + state.pending_tokens
-    return InstanceView(state.info.instance_id, running=running, load=state.load,
-                        mean_context=context / running if running else 0.0)
+    """Batch and context as reported plus what was sent since. Room: free blocks, less
+    those held for imports waiting for room and those promised to dispatches since the
+    report (so two quick decisions do not both count the same blocks); unknown (None)
+    for an instance that reports no pool."""
+    info = state.info
+    running = info.running + state.dispatched_since_beat
+    context = info.mean_context * info.running + state.pending_tokens
+    room = (info.kv_blocks_free - info.kv_blocks_leased - state.pending_blocks
+            if info.kv_blocks_total else None)
+    return InstanceView(info.instance_id, running=running, load=state.load,
+                        mean_context=context / running if running else 0.0,
+                        kv_blocks_free=room)
 
 
 def build(prefills: list[InstanceState], decodes: list[InstanceState], cost: CostModel,
@@ -33,4 +41,5 @@ def request_view(req: GenerateRequest, matches: dict[str, int], ttft_slo_s: floa
                  tbt_slo_s: float) -> RequestView:
     ttft = req.ttft_slo_ms / 1e3 if req.ttft_slo_ms else ttft_slo_s
     tbt = req.tbt_slo_ms / 1e3 if req.tbt_slo_ms else tbt_slo_s
-    return RequestView(req.request_id, len(req.prompt_token_ids), matches, ttft, tbt)
+    return RequestView(req.request_id, len(req.prompt_token_ids), matches, ttft, tbt,
+                       req.sampling.max_tokens)

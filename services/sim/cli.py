@@ -63,9 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prewarm", action="store_true",
                    help="start with empty pools (default: the blocks every request begins "
                    "with, the system prompt, are cached on every prefill instance)")
-    p.add_argument("--pull-all", action="store_true",
-                   help="any policy pulls a longer remote prefix (the live conductor's "
-                   "pull_prefixes); off by default so the baselines use local caches only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -106,7 +103,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         eviction=args.eviction, cost=cost_from_args(args), block_tokens=args.block_tokens,
         time_scale=args.time_scale, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_ms / 1e3,
         slo_margin=args.slo_margin, balancing_threshold=args.balancing_threshold,
-        reject=not args.no_reject, pull_all=args.pull_all, prewarm=not args.no_prewarm)
+        reject=not args.no_reject, prewarm=not args.no_prewarm)
 
 
 def ttft_ratio(results: Sequence[SimResult]) -> float | None:

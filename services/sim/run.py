@@ -21,7 +21,7 @@ from typing import Sequence
 
 from services.bench.stats import percentile
 from services.conductor.costmodel import CostModel
-from services.conductor.policy import Candidate, Policy, RequestView, Snapshot, make_policy
+from services.conductor.policy import Policy, RequestView, Snapshot, make_policy
 from services.kvmanager.index import KVIndex
 from services.kvmanager.replay import TraceRequest, _runs, make_policy as make_pool
 from services.sim.model import (DecodeInstance, Outcome, PrefillInstance, PrefillJob,
@@ -48,8 +48,6 @@ class SimConfig:
     slo_margin: float = 1.0
     balancing_threshold: float = 1.5
     reject: bool = True  # False: place even what the policy rejects (and count it)
-    pull_all: bool = False  # the live conductor's pull_prefixes: any policy pulls
-    min_pull_blocks: int = 2
     # Start with the blocks every request begins with (the system prompt) cached on every
     # prefill instance, as a deployment would. Without it the t=0 burst seeds block 0 on
     # a few instances only, and largest_prefix (which ranks by local match first) never
@@ -97,7 +95,7 @@ class Cluster:
                         [d.view() for d in self.decodes.values()], self.cost,
                         self.cfg.balancing_threshold, self.cfg.slo_margin)
         view = RequestView(str(req.index), req.input_length, dict(matches),
-                           self.cfg.ttft_slo_s, self.cfg.tbt_slo_s)
+                           self.cfg.ttft_slo_s, self.cfg.tbt_slo_s, req.output_length)
         decision = self.policy.decide(snap, view)
         out = Outcome(req, predicted_ttft_s=decision.ttft_s)
         self.outcomes.append(out)
@@ -106,10 +104,8 @@ class Cluster:
             out.rejected = decision.rejected
             return
         self.num_placed_over_slo += bool(decision.rejected)
-        chosen = decision.prefill
+        chosen = decision.prefill  # its pull (if any) is the policy's, as in the live conductor
         assert chosen is not None
-        if self.cfg.pull_all:
-            _add_pull(chosen, view.prefix_blocks, self.cfg.min_pull_blocks)
         out.prefill_id, out.decode_id = chosen.instance_id, decision.decode_id
         self.decodes[out.decode_id].assign(req.input_length + 1)
         inst = self.prefills[chosen.instance_id]
@@ -182,18 +178,6 @@ class Cluster:
             d.advance(math.inf)
         if any(d.busy or d.assigned or d.waiting for d in self.decodes.values()):
             raise RuntimeError("decode instances still hold work after the drain")
-
-
-def _add_pull(chosen: Candidate, matches: dict[str, int], min_pull_blocks: int) -> None:
-    """The live conductor's `pull_prefixes` (handlers.Conductor._add_pull), for any
-    policy: pull a clearly longer prefix held elsewhere instead of recomputing it."""
-    if chosen.pull_from:
-        return
-    own = matches.get(chosen.instance_id, 0)
-    best, holder = max(((n, i) for i, n in matches.items() if i != chosen.instance_id),
-                       default=(0, ""))
-    if best - own >= min_pull_blocks:
-        chosen.pull_from, chosen.prefix_blocks = holder, best
 
 
 def common_prefix(requests: Sequence[SimRequest]) -> list[int]:

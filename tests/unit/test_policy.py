@@ -2,8 +2,10 @@
 
 import pytest
 
+from services.conductor import snapshot
 from services.conductor.costmodel import CostModel
-from services.conductor.policy import (POLICIES, InstanceView, RequestView, Snapshot, make_policy)
+from services.conductor.policy import (POLICIES, InstanceView, RequestView, Snapshot,
+                                       kv_blocks_needed, make_policy)
 from services.conductor.registry import Registry
 from shared.messages import InstanceInfo, Role
 
@@ -97,3 +99,115 @@ def test_colocated_decodes_on_the_chosen_instance_and_checks_its_own_batch():
     assert d.prefill.instance_id == "a" and d.decode_id == "" and not d.rejected
     assert d.tbt_s == pytest.approx(0.01 + 201e-3)
     assert "TBT" in make_policy("least_loaded").decide(s, req(tbt=0.1)).rejected
+
+
+# ---- prefix pulls: part of the decision, kvcentric's alone -------------------------------
+
+
+def test_kvcentric_pulls_only_past_the_balancing_threshold():
+    kv = make_policy("kvcentric")
+    busy_holder = [("a", 5.0), ("b", 0.0)]
+    # 90 / 60 = 1.5 is not above 1.5: b computes on its own 60 blocks
+    c = kv.decide(snap(busy_holder), req({"a": 90, "b": 60})).prefill
+    assert (c.instance_id, c.pull_from, c.prefix_blocks, c.transfer_s) == ("b", "", 60, 0.0)
+    # 90 / 59 is: b pulls the 31 blocks it lacks, and the transfer is in its TTFT
+    c = kv.decide(snap(busy_holder), req({"a": 90, "b": 59})).prefill
+    assert (c.instance_id, c.pull_from, c.prefix_blocks) == ("b", "a", 90)
+    assert c.transfer_s == pytest.approx(31 * 2e-3)
+    assert c.ttft_s == pytest.approx(31 * 2e-3 + (1600 - 1440) * 1e-3)
+    # nothing cached counts as one block: a 1-block holder is not worth a pull, 2 are
+    assert kv.decide(snap(busy_holder), req({"a": 1})).prefill.pull_from == ""
+    assert kv.decide(snap(busy_holder), req({"a": 2})).prefill.pull_from == "a"
+
+
+def test_every_candidate_carries_its_own_pull_and_the_decision_its_transfer():
+    d = make_policy("kvcentric").decide(snap([("a", 5.0), ("b", 0.0), ("c", 0.0)]),
+                                        req({"a": 90, "c": 70}))
+    by = {c.instance_id: c for c in d.candidates}
+    assert (by["a"].pull_from, by["b"].pull_from, by["c"].pull_from) == ("", "a", "")
+    assert by["b"].transfer_s == pytest.approx(0.18) and by["c"].transfer_s == 0.0
+    # b pulls (0.18 + 0.16 s) and beats c's own 70 blocks (0.48 s); the decision's TTFT
+    # is b's, transfer included
+    assert d.prefill is by["b"] and d.ttft_s == pytest.approx(0.18 + 0.16)
+
+
+def test_an_infinite_threshold_never_pulls():
+    s = Snapshot([InstanceView("a", queue_s=5.0), InstanceView("b")], [InstanceView("d0")],
+                 COST, balancing_threshold=float("inf"))
+    d = make_policy("kvcentric").decide(s, req({"a": 90}))
+    assert all(c.pull_from == "" and c.transfer_s == 0.0 for c in d.candidates)
+
+
+@pytest.mark.parametrize("name", ["random", "round_robin", "least_loaded", "largest_prefix"])
+def test_the_baselines_never_pull(name):
+    # b is idle with nothing cached, a holds 90 blocks behind a long queue: kvcentric would
+    # pull to b; a baseline uses the chosen instance's own cache, whichever it chooses.
+    d = make_policy(name).decide(snap([("a", 5.0), ("b", 0.0)]), req({"a": 90}))
+    assert all(c.pull_from == "" and c.transfer_s == 0.0 for c in d.candidates)
+    own = {"a": 90, "b": 0}[d.prefill.instance_id]
+    assert d.prefill.prefix_blocks == own
+
+
+# ---- decode: room for the request's KV ---------------------------------------------------
+
+
+def decodes_with_room(*rooms):
+    return Snapshot([InstanceView("a")], [InstanceView(f"d{i}", running=i, kv_blocks_free=r)
+                                          for i, r in enumerate(rooms)], COST, 1.5)
+
+
+def test_decode_blocks_cover_the_prompt_and_every_output_token():
+    r = RequestView("r", 1600, {}, 100.0, 1.0, max_tokens=17)  # 1617 tokens: 102 blocks
+    assert kv_blocks_needed(decodes_with_room(None), r) == 102
+    d = make_policy("kvcentric").decide(decodes_with_room(None), r)
+    assert d.decode_blocks == 102 and d.decode_id == "d0"
+
+
+def test_decode_skips_an_instance_without_room_when_another_has_it():
+    r = RequestView("r", 1600, {}, 100.0, 1.0, max_tokens=16)  # 101 blocks
+    # d0 has the shortest step but 100 free blocks; d1 fits exactly; d2 is unknown (room)
+    d = make_policy("kvcentric").decide(decodes_with_room(100, 101), r)
+    assert d.decode_id == "d1" and not d.rejected
+    assert d.tbt_s == pytest.approx(0.01 + 2e-3)  # d1's batch (1 running) plus this one
+    assert make_policy("kvcentric").decide(decodes_with_room(100, 0, None), r).decode_id == "d2"
+
+
+def test_decode_rejects_only_when_no_instance_has_room():
+    r = RequestView("r", 1600, {}, 100.0, 1.0, max_tokens=16)
+    d = make_policy("least_loaded").decide(decodes_with_room(100, 50), r)
+    assert d.rejected == "no decode instance with room for 101 KV blocks" and d.decode_id == ""
+    empty = Snapshot([InstanceView("a")], [], COST, 1.5)
+    assert make_policy("least_loaded").decide(empty, r).rejected == "no decode instance"
+
+
+def test_two_quick_decisions_do_not_count_the_same_free_blocks():
+    # A decode instance reported 150 free blocks (20 of them held for an import waiting for
+    # room); each request needs 101. The first dispatch promises them: until the next
+    # heartbeat the second decision sees 29 and goes to the other instance.
+    reg = Registry(expiry_s=3)
+    reg.seen(InstanceInfo(instance_id="a", role=Role.PREFILL), now=0)
+    reg.seen(InstanceInfo(instance_id="d0", role=Role.DECODE, kv_blocks_total=200,
+                          kv_blocks_free=150, kv_blocks_leased=20), now=0)
+    reg.seen(InstanceInfo(instance_id="d1", role=Role.DECODE, running=50, kv_blocks_total=200,
+                          kv_blocks_free=120), now=0)
+    r = RequestView("r", 1600, {}, 100.0, 10.0, max_tokens=16)
+
+    def decide():
+        s = snapshot.build(reg.alive(Role.PREFILL, 0), reg.alive(Role.DECODE, 0), COST, 1.5)
+        return make_policy("kvcentric").decide(s, r)
+
+    first = decide()
+    assert first.decode_id == "d0" and first.decode_blocks == 101
+    reg.dispatched("d0", tokens=1600, blocks=first.decode_blocks)
+    assert snapshot.decode_view(reg.alive(Role.DECODE, 0)[0]).kv_blocks_free == 29
+    assert decide().decode_id == "d1"
+    # a heartbeat reports what the instance holds now: the promise is no longer pending
+    reg.seen(InstanceInfo(instance_id="d0", role=Role.DECODE, kv_blocks_total=200,
+                          kv_blocks_free=200), now=1)
+    assert decide().decode_id == "d0"
+
+
+def test_an_instance_reporting_no_pool_is_assumed_to_have_room():
+    reg = Registry(expiry_s=3)
+    reg.seen(InstanceInfo(instance_id="d0", role=Role.DECODE), now=0)
+    assert snapshot.decode_view(reg.alive(Role.DECODE, 0)[0]).kv_blocks_free is None

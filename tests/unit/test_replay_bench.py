@@ -115,8 +115,8 @@ def test_summary_tbt_goodput_and_capacity():
 
 
 def test_cluster_config_parses_flags_and_env():
-    c = ClusterConfig.parse("ll=--prefill 2 --policy least_loaded HALFMOON_PULL_PREFIXES=false")
+    c = ClusterConfig.parse("ll=--prefill 2 --policy least_loaded HALFMOON_BALANCING_THRESHOLD=inf")
     assert c.name == "ll" and c.flags == ("--prefill", "2", "--policy", "least_loaded")
-    assert c.env == {"HALFMOON_PULL_PREFIXES": "false"}
+    assert c.env == {"HALFMOON_BALANCING_THRESHOLD": "inf"}
     with pytest.raises(ValueError):
         ClusterConfig.parse("--prefill 2")

@@ -33,10 +33,10 @@ log = logging.getLogger("halfmoon.bench.replay")
 # Same cores for both sides: two engine processes each.
 LAYOUT = (ClusterConfig.parse("disaggregated=--prefill 1 --decode 1 --policy kvcentric"),
           ClusterConfig.parse("colocated=--colocated 2 --policy kvcentric"))
-# The paper's baseline balances load and ignores the cache: no prefix pulls either.
+# The paper's baseline balances load and ignores the cache (and, like every policy but
+# kvcentric, never pulls a prefix).
 POLICIES = (ClusterConfig.parse("kvcentric=--prefill 2 --decode 1 --policy kvcentric"),
-            ClusterConfig.parse("least_loaded=--prefill 2 --decode 1 --policy least_loaded "
-                                "HALFMOON_PULL_PREFIXES=false"))
+            ClusterConfig.parse("least_loaded=--prefill 2 --decode 1 --policy least_loaded"))
 PRESETS = {"layout": LAYOUT, "policies": POLICIES, "all": LAYOUT + POLICIES}
 # (what, summary path, numerator, denominator, target ratio): the acceptance lines.
 TARGETS = (("TBT p99, disaggregated / colocated", ("tbt", "p99_ms"), "disaggregated",

@@ -20,7 +20,7 @@ _ENV_TOKEN = re.compile(r"^HALFMOON_[A-Z0-9_]+=")
 @dataclass(frozen=True)
 class ClusterConfig:
     """A name and the `halfmoon up` flags that make it; HALFMOON_X=Y tokens among them are
-    environment for every service (e.g. HALFMOON_PULL_PREFIXES=false for the conductor)."""
+    environment for every service (e.g. HALFMOON_BALANCING_THRESHOLD=inf for the conductor)."""
 
     name: str
     flags: tuple[str, ...] = ()
