@@ -1,9 +1,11 @@
 """Cross-instance reuse: a conversation's second turn, placed on the other prefill
-instance, pulls its prefix blocks from the first instead of recomputing them."""
+instance because the first one is busy, pulls its prefix blocks from the first instead of
+recomputing them (kvcentric, Algorithm 1: the only policy that pulls)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -20,10 +22,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 MODEL = "SmolLM2-135M-Instruct"
 STORY = ("The lighthouse keeper wrote in his log every night. He noted the wind, the ships, "
          "the color of the sea and the names of the birds that rested on the rail. ") * 6
+# Seconds of prefill on the holder: its queue makes the pull the fastest way to turn 2.
+FILLER = "Another night, another page of the log, and the lamp kept turning. " * 120
 
 
-async def chat(url: str, messages: list[dict]) -> dict:
-    body = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0}
+async def chat(url: str, messages: list[dict], max_tokens: int = 16) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
@@ -45,9 +49,22 @@ async def placed_on(database_url: str, request_id: str) -> str:
     raise AssertionError(f"no record for {request_id}")
 
 
+async def wait_busy(url: str, instance_id: str, timeout_s: float = 30.0) -> None:
+    """Until `instance_id`'s heartbeat reports a prompt still to compute."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            async with http.get(f"{url}/admin/state") as resp:
+                state = await resp.json()
+            if any(i["instance_id"] == instance_id and i["queue_prompts"]
+                   for i in state["instances"]):
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{instance_id} never reported work")
+
+
 @pytest.fixture
-def two_prefill_stack(tmp_path, model_dir, monkeypatch):
-    monkeypatch.setenv("HALFMOON_POLICY", "round_robin")  # turn 2 lands on the other instance
+def two_prefill_stack(tmp_path, model_dir):
     url, _ = make_database("sqlite", tmp_path)
     stack = start_stack(tmp_path, model_dir, url, ["--dtype", "float32", "--prefill", "2"])
     yield stack
@@ -58,14 +75,21 @@ async def test_second_turn_on_other_instance_pulls_the_prefix(two_prefill_stack,
     stack = two_prefill_stack
     turn1 = [{"role": "user", "content": STORY + "What did he write about?"}]
     first = await chat(stack.url, turn1)
+    holder = await placed_on(stack.database_url, first["id"])
     await asyncio.sleep(0.5)  # the KV manager indexes turn 1's blocks
+    # A long prompt that shares turn 1's opening goes to the holder (its own cache is
+    # cheapest there) and keeps it busy: turn 2 is then fastest on the idle instance,
+    # with the prefix pulled from the holder.
+    busy = asyncio.create_task(chat(stack.url, [{"role": "user", "content": STORY + FILLER}], 1))
+    await wait_busy(stack.url, holder)
     turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "And what about the birds?"}]
     second = await chat(stack.url, turn2)
+    filler = await busy
 
-    on1 = await placed_on(stack.database_url, first["id"])
+    assert await placed_on(stack.database_url, filler["id"]) == holder
     on2 = await placed_on(stack.database_url, second["id"])
-    assert on1 != on2, "round robin should put turn 2 on the other prefill instance"
+    assert on2 != holder, "kvcentric should put turn 2 on the idle instance"
     prompt1 = first["usage"]["prompt_tokens"]
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= prompt1 // 16 * 16 - 16, (cached, prompt1)  # turn 1's blocks came over
