@@ -5,6 +5,10 @@ decode do; heartbeats go straight into the gateway's Liveness. The unit under te
 Follower: it must notice a dead instance, a lost event and a worker error, place the
 request again (no token yet: through `place`; else on a live decode instance, with the
 tokens and text so far) and yield one stream with no duplicate and no gap.
+
+No step waits on the clock: every instance is heard before the request is placed, and an
+instance dies only once the follower has got as far as the test needs (events consumed,
+or the instance checked on).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from services.gateway.streams import Follower, Liveness, StreamLost, TokenStream
 from shared import bus, subjects
 from shared.messages import (Ack, DecodeJob, ErrorBody, FinishReason, GenerateRequest,
                              InstanceInfo, Placement, Role, SamplingParams, TokenEvent)
+from tests.waiting import until
 
 SETTINGS = GatewaySettings(instance_expiry_s=1.0, gap_timeout_s=0.5, max_replacements=2,
                            replace_wait_s=5.0, first_token_timeout_s=10.0, token_timeout_s=10.0)
@@ -42,21 +47,26 @@ async def emit(nc, rid: str, index: int, token: int, iid: str, last: bool = Fals
 
 
 class Beats:
-    """Heartbeats into a Liveness: the gateway's own always, workers while `alive`."""
+    """Heartbeats into a Liveness: the gateway's own always, workers while `alive`. The
+    first round is in the constructor: every worker is known before anything is placed."""
 
     def __init__(self, live: Liveness, workers: dict[str, Role]) -> None:
         self.live, self.workers = live, workers
         self.alive = set(workers)
+        self._beat()
         self.task = asyncio.create_task(self._run())
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        self.live.beat(InstanceInfo(instance_id="gw", role=Role.GATEWAY), now)
+        for iid in self.alive:
+            self.live.beat(InstanceInfo(instance_id=iid, role=self.workers[iid],
+                                        started_at=1.0), now)
 
     async def _run(self) -> None:
         while True:
-            now = time.monotonic()
-            self.live.beat(InstanceInfo(instance_id="gw", role=Role.GATEWAY), now)
-            for iid in self.alive:
-                self.live.beat(InstanceInfo(instance_id=iid, role=self.workers[iid],
-                                            started_at=1.0), now)
             await asyncio.sleep(0.1)
+            self._beat()
 
     async def stop(self) -> None:
         self.task.cancel()
@@ -95,8 +105,12 @@ async def follow(nc, rid: str, live: Liveness, place=None, settings=SETTINGS):
     return f, stream
 
 
-async def collect(f: Follower) -> list[TokenEvent]:
-    return [e async for e in f.events()]
+async def collect(f: Follower, into: list[TokenEvent] | None = None) -> list[TokenEvent]:
+    """The follower's events; `into` shows them as they come."""
+    out = [] if into is None else into
+    async for e in f.events():
+        out.append(e)
+    return out
 
 
 async def test_decode_death_mid_stream_continues_on_another_decode(nc):
@@ -105,13 +119,14 @@ async def test_decode_death_mid_stream_continues_on_another_decode(nc):
     jobs: list[DecodeJob] = []
     sub = await fake_decode(nc, "d1", jobs)
     f, stream = await follow(nc, "r1", live)
-    task = asyncio.create_task(collect(f))
+    streamed: list[TokenEvent] = []
+    task = asyncio.create_task(collect(f, streamed))
     await emit(nc, "r1", 0, 0, "p0")
     await emit(nc, "r1", 1, 1, "d0")
     await emit(nc, "r1", 2, 2, "d0")
-    await asyncio.sleep(0.3)
+    await until(lambda: len(streamed) == 3, what="the first three events")
     beats.alive.discard("d0")  # decode d0 dies: its heartbeats stop
-    events = await asyncio.wait_for(task, 10)
+    events = await asyncio.wait_for(task, 30)
     await emit(nc, "r1", 3, 99, "d0")  # a straggler of the old attempt changes nothing
     assert [e.index for e in events] == list(range(6))
     assert [t for e in events for t in e.token_ids] == list(range(6))
@@ -135,7 +150,7 @@ async def test_a_lost_event_is_noticed_and_the_rest_recomputed(nc):
     task = asyncio.create_task(collect(f))
     for i in (0, 1, 3, 4):  # event 2 was published while NATS was away
         await emit(nc, "r2", i, i, "d0")
-    events = await asyncio.wait_for(task, 10)
+    events = await asyncio.wait_for(task, 30)
     assert [e.index for e in events] == list(range(6))
     assert [t for e in events for t in e.token_ids] == list(range(6))
     assert jobs[0].output_token_ids == [0, 1] and jobs[0].events_sent == 2
@@ -157,14 +172,25 @@ async def test_prefill_death_before_the_first_token_places_it_again(nc):
             for i in range(6):
                 await emit(nc, gen.request_id, i, i, "p1" if i == 0 else "d0", last=i == 5)
 
-        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(serve()))
+        serving.append(asyncio.create_task(serve()))  # runs once the placement is back
         return Placement(request_id=gen.request_id, prefill_id="p1", decode_id="d0")
 
+    serving: list[asyncio.Task] = []
     f, stream = await follow(nc, "r3", live, place)
+    waiting_on_p0 = asyncio.Event()
+    check = f.check
+
+    def watched(next_index: int) -> str | None:
+        why = check(next_index)
+        if why is None and f.attempt is not None and f.attempt.prefill_id == "p0":
+            waiting_on_p0.set()
+        return why
+
+    f.check = watched  # type: ignore[method-assign]
     task = asyncio.create_task(collect(f))
-    await asyncio.sleep(0.3)
-    beats.alive.discard("p0")  # queued on p0, which dies before computing anything
-    events = await asyncio.wait_for(task, 10)
+    await asyncio.wait_for(waiting_on_p0.wait(), 30)  # it waits for p0's first token...
+    beats.alive.discard("p0")  # ...queued on p0, which dies before computing anything
+    events = await asyncio.wait_for(task, 30)
     assert [e.index for e in events] == list(range(6))
     assert [g.request_id for g in placed] == ["r3-r1"]
     assert f.attempt is not None and f.attempt.prefill_id == "p1"
@@ -181,7 +207,7 @@ async def test_a_worker_that_gives_up_is_replaced(nc):
     task = asyncio.create_task(collect(f))
     await emit(nc, "r4", 0, 0, "p0")
     await emit(nc, "r4", 1, 0, "d0", error="unavailable")  # d0 shutting down
-    events = await asyncio.wait_for(task, 10)
+    events = await asyncio.wait_for(task, 30)
     assert all(e.error is None for e in events)
     assert [t for e in events for t in e.token_ids] == list(range(6))
     assert jobs[0].events_sent == 2  # the error event used index 1; the client never saw it
@@ -199,7 +225,7 @@ async def test_past_the_limit_an_error_or_a_death_ends_the_request_clearly(nc):
     task = asyncio.create_task(collect(f))
     await emit(nc, "r5", 0, 0, "p0")
     await emit(nc, "r5", 1, 0, "d0", error="unavailable")
-    events = await asyncio.wait_for(task, 10)  # no retries left: the error goes through
+    events = await asyncio.wait_for(task, 30)  # no retries left: the error goes through
     assert events[-1].error is not None and events[-1].error.code == "unavailable"
     await stream.close()
 
@@ -208,6 +234,6 @@ async def test_past_the_limit_an_error_or_a_death_ends_the_request_clearly(nc):
     await emit(nc, "r6", 0, 0, "p0")
     beats.alive.discard("d0")
     with pytest.raises(StreamLost, match="d0 lost the request"):
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, 30)
     await stream.close()
     await beats.stop()
