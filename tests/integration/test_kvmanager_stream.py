@@ -3,7 +3,6 @@ after a restart by replaying the stream."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import nats
@@ -13,6 +12,7 @@ from services.kvmanager.handlers import KVManager
 from services.kvmanager.stream import STREAM, ensure_stream, replay_and_follow
 from shared import bus, subjects
 from shared.messages import KVEvent, KVEventKind, KVMatchReply, KVMatchRequest
+from tests.waiting import until
 
 
 async def publish(nc, kind, instance, hashes=()):
@@ -32,7 +32,7 @@ async def start_manager(url):
 
 async def match(nc, hashes):
     return (await bus.request(nc, subjects.KV_MATCH, KVMatchRequest(block_hashes=hashes),
-                              KVMatchReply, 2)).matches
+                              KVMatchReply, 10)).matches
 
 
 @pytest.fixture
@@ -54,10 +54,7 @@ async def test_index_is_rebuilt_after_a_restart(nats_url, clean_stream):
     await publish(pub, KVEventKind.STORED, "prefill-1", [1, 2])
     await publish(pub, KVEventKind.REMOVED, "prefill-0", [4])
     await pub.flush()
-    for _ in range(50):
-        if manager.events_applied == 3:
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: manager.events_applied == 3, what="3 events applied")
     assert await match(pub, [1, 2, 3, 4]) == {"prefill-0": 3, "prefill-1": 2}
     await sub.unsubscribe()
     await nc.close()  # the KV manager dies
@@ -65,10 +62,7 @@ async def test_index_is_rebuilt_after_a_restart(nats_url, clean_stream):
     await publish(pub, KVEventKind.CLEARED, "prefill-1")  # while it was away
     await pub.flush()
     nc2, manager2, sub2 = await start_manager(nats_url)
-    for _ in range(50):
-        if manager2.events_applied == 4:
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: manager2.events_applied >= 4, what="the replay")
     assert manager2.events_applied == 4
     assert await match(pub, [1, 2, 3, 4]) == {"prefill-0": 3}
     await sub2.unsubscribe()
