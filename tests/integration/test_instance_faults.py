@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
 import nats
@@ -24,7 +25,7 @@ from shared.engine.runner import LoadedModel
 from shared.messages import (Ack, CancelRequest, DecodeJob, GenerateRequest, KVHandle,
                              PrefillJob, SamplingParams, TokenEvent)
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
-from tests.conftest import free_port
+from tests.waiting import until
 
 PROMPT = list(range(1, 41))  # 40 tokens: 2 full blocks of 16 and a partial one
 TOKENS = 8
@@ -101,13 +102,17 @@ async def test_a_failed_kv_transfer_is_recomputed_and_the_stream_goes_on(nc, tin
     ref = reference(tiny)
     events = Events()
     await nc.subscribe(subjects.tokens("r1"), cb=events.on_msg)
-    async with running(decode_instance(nc, tiny, "decode-a")) as dec:
-        gone = KVHandle(transfer_id="r1.x", host="127.0.0.1", port=free_port(), nbytes=64,
-                        num_tokens=len(PROMPT))  # its prefill died: nobody listens there
-        job = DecodeJob(request=gen("r1"), prefill_id="prefill-gone", kv=gone,
-                        output_token_ids=ref[:1], events_sent=1)
-        await dec.admit(job)
-        await asyncio.wait_for(events.finished.wait(), 30)
+    # Its prefill died: the port is held here, bound and never listening, so nobody can
+    # take it meanwhile and every connection to it is refused.
+    with socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))
+        gone = KVHandle(transfer_id="r1.x", host="127.0.0.1", port=dead.getsockname()[1],
+                        nbytes=64, num_tokens=len(PROMPT))
+        async with running(decode_instance(nc, tiny, "decode-a")) as dec:
+            job = DecodeJob(request=gen("r1"), prefill_id="prefill-gone", kv=gone,
+                            output_token_ids=ref[:1], events_sent=1)
+            await dec.admit(job)
+            await asyncio.wait_for(events.finished.wait(), 30)
     assert [e.index for e in events.got] == list(range(1, TOKENS))
     assert [t for e in events.got for t in e.token_ids] == ref[1:]
     assert events.got[-1].usage is not None and events.got[-1].usage.completion_tokens == TOKENS
@@ -122,8 +127,14 @@ async def test_a_job_delivered_twice_runs_once(nc, tiny):
                         events_sent=3)
         await asyncio.gather(dec.admit(job), dec.admit(job))
         await asyncio.wait_for(events.finished.wait(), 30)
-        await dec.admit(job)  # still running or not: never a second copy
-        await asyncio.sleep(0.5)
+        await until(lambda: not dec.engine.has_work() and not dec.streams, what="idle")
+        await dec.admit(job)  # done now: still never a second copy
+        assert not dec.engine.has_work() and "r2" not in dec.streams  # (it would be by now)
+        # Whatever it published came before this marker (one connection, in order).
+        marker = TokenEvent(request_id="marker", index=-1)
+        await nc.publish(subjects.tokens("r2"), marker.encode())
+        await until(lambda: events.got and events.got[-1].request_id == "marker")
+        events.got.pop()
     assert [e.index for e in events.got] == list(range(3, TOKENS))
     assert [t for e in events.got for t in e.token_ids] == ref[3:]
 
@@ -135,17 +146,11 @@ async def test_cancel_frees_blocks_and_the_heartbeat_says_so_at_once(nc, tiny):
                                                        ignore_eos=True), arrival_time=time.time())
         await dec.admit(DecodeJob(request=long, prefill_id="", kv=None, output_token_ids=[5],
                                   events_sent=1))
-        for _ in range(200):
-            if dec.info().running == 1:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: dec.info().running == 1, what="the request running")
         busy = dec.info()
         assert busy.running == 1 and busy.kv_blocks_free < busy.kv_blocks_total
         await nc.publish(subjects.CANCEL, CancelRequest(request_id="r3").encode())
-        for _ in range(200):
-            if not dec.streams and dec.info().running == 0:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: not dec.streams and dec.info().running == 0, what="the cancel")
         idle = dec.info()  # no step ran since: the cancel itself refreshed these
         assert idle.running == 0 and idle.kv_blocks_free == idle.kv_blocks_total
         assert not dec.engine.has_work() and "r3" not in dec.engine.requests
@@ -168,19 +173,14 @@ async def test_cancel_withdraws_a_handoff_nobody_fetched(nc, tiny):
         await nc.subscribe(subjects.prefill_submit("prefill-d"), cb=pre.on_submit)
         job = PrefillJob(request=gen("r4"), decode_id="decode-lazy")
         await bus.request(nc, subjects.prefill_submit("prefill-d"), job, Ack, 5.0)
-        for _ in range(300):
-            if taken:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: taken, what="the handoff")
         assert taken and taken[0].kv is not None
         tid = taken[0].kv.transfer_id  # the sender's capability, not the request id
         assert len(tid) == 32 and int(tid, 16) >= 0 and "r4" not in tid
         leased = pre.info().kv_blocks_leased
         assert leased == 3 and sender.pending == 1  # 40 tokens: 3 blocks offered
         await nc.publish(subjects.CANCEL, CancelRequest(request_id="r4").encode())
-        for _ in range(200):
-            if sender.pending == 0 and pre.info().kv_blocks_leased == 0:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: sender.pending == 0 and pre.info().kv_blocks_leased == 0,
+                    what="the offer withdrawn")
         assert sender.pending == 0 and pre.info().kv_blocks_leased == 0  # not at its 60 s TTL
     await sender.close()
