@@ -1,17 +1,23 @@
 """Load samples through the real write path: heartbeats on a real nats-server, the
 conductor's heartbeat handler, the RecordWriter, real SQL (SQLite; PostgreSQL if given),
-read back by the console's queries."""
+read back by the console's queries.
+
+The conductor's wall clock is the test's: each heartbeat arrives at a set time, and the
+next is sent once the conductor has handled it, so which heartbeats share an interval
+does not depend on how fast this machine runs the loop."""
 
 from __future__ import annotations
 
-import asyncio
+import math
 import time
+import types
 
 import nats
 import pytest
 from sqlalchemy import select
 
 from console import history, queries
+from services.conductor import handlers
 from services.conductor.args import ConductorSettings
 from services.conductor.handlers import Conductor
 from shared import subjects
@@ -19,6 +25,7 @@ from shared.db import session as db
 from shared.db.records import RecordWriter
 from shared.db.schema import LoadSample
 from shared.messages import InstanceInfo, KVActivity, Role
+from tests.waiting import until
 
 
 async def _rows(engine) -> list[LoadSample]:
@@ -26,32 +33,44 @@ async def _rows(engine) -> list[LoadSample]:
         return list((await s.execute(select(LoadSample).order_by(LoadSample.t))).scalars())
 
 
-async def test_heartbeats_become_load_samples(nats_url, db_url):
+def handled(conductor: Conductor, instance_id: str, queue_depth: int) -> bool:
+    return any(s.info.instance_id == instance_id and s.info.queue_depth == queue_depth
+               for s in conductor.registry.all())
+
+
+async def test_heartbeats_become_load_samples(nats_url, db_url, monkeypatch):
+    interval = 0.5
+    # An interval boundary a little in the past (the console reads the last hour).
+    base = math.floor(time.time() / interval) * interval - 10 * interval
+    clock = types.SimpleNamespace(now=base)
+    monkeypatch.setattr(handlers, "time", types.SimpleNamespace(
+        time=lambda: clock.now, perf_counter=time.perf_counter, monotonic=time.monotonic))
     engine = db.make_engine(db_url)
     writer = RecordWriter(engine, flush_interval_s=0.0)
     await writer.start()
     nc = await nats.connect(nats_url)
-    interval = 0.5
     conductor = Conductor(ConductorSettings(nats_url=nats_url, instance_record_interval_s=interval),
                           nc, records=writer)
     sub = await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat)
     try:
-        started = time.time()
-        for k in range(1, 9):  # ~4 intervals of heartbeats, every quarter interval
+        started = base
+        for k in range(1, 17):  # 4 intervals of heartbeats, every quarter interval
+            clock.now = base + (k - 1) * interval / 4
             info = InstanceInfo(instance_id="prefill-7", role=Role.PREFILL, started_at=started,
                                 queue_depth=k, running=1, kv_blocks_total=64, kv_blocks_free=60,
                                 kv_activity=KVActivity(transfers_out=k, bytes_out=1000 * k),
-                                sent_at=time.time())
+                                sent_at=clock.now)
             await nc.publish(subjects.heartbeat("prefill", "prefill-7"), info.encode())
-            gateway = InstanceInfo(instance_id="gw", role=Role.GATEWAY, sent_at=time.time())
+            gateway = InstanceInfo(instance_id="gw", role=Role.GATEWAY, queue_depth=k,
+                                   sent_at=clock.now)
             await nc.publish(subjects.heartbeat("gateway", "gw"), gateway.encode())
-            await nc.flush()
-            await asyncio.sleep(interval / 4)
-        await asyncio.sleep(0.2)  # the last heartbeats' callbacks
+            # One subscription handles them in order: the gateway's beat comes last.
+            await until(lambda: handled(conductor, "gw", k), what=f"heartbeat {k}")
         await writer.flush()
         rows = await _rows(engine)
         assert {r.instance_id for r in rows} == {"prefill-7"}  # no samples of the gateway
-        assert 2 <= len(rows) <= 5, [(r.t, r.transfers_out) for r in rows]
+        assert [(r.t, r.queue_depth) for r in rows] == [
+            (base + i * interval, 1 + 4 * i) for i in range(4)]  # each interval's first
         assert len({r.t for r in rows}) == len(rows)
         assert all(r.t % interval == 0 for r in rows)
         # Heartbeat k says queue_depth k and k transfers since its start. Each row is the first
