@@ -9,6 +9,7 @@ import signal
 import time
 
 import nats
+import pytest
 
 from services.up import Cluster, UpSettings
 from shared.natsd import EmbeddedNats
@@ -16,7 +17,7 @@ from shared.natsd import EmbeddedNats
 SLEEPER = ["-c", "import time; time.sleep(60)"]
 
 
-async def pass_until(cluster: Cluster, cond, timeout_s: float = 10.0) -> None:
+async def pass_until(cluster: Cluster, cond, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "supervisor did not act in time"
@@ -39,8 +40,9 @@ async def test_a_dead_child_is_started_again_with_backoff(tmp_path, monkeypatch)
         assert time.monotonic() - t0 >= 0.2  # the backoff
         child.proc.send_signal(signal.SIGKILL)  # dies young again: twice the wait
         await child.proc.wait()
-        await cluster.supervise(time.monotonic())
-        assert child.restart_at is not None and child.restart_at - time.monotonic() > 0.3
+        now = time.monotonic()
+        await cluster.supervise(now)  # the pass that notes the death sets its restart time
+        assert child.restart_at == pytest.approx(now + 2 * 0.2)
         await pass_until(cluster, lambda: child.restarts == 2)
     finally:
         await cluster.stop()
