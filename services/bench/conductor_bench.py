@@ -5,7 +5,10 @@
   64 instances < 0.5 ms.
 - with --url: a live run against a stack (two prefill instances, say): requests with
   shared and fresh prefixes at a steady rate; predicted TTFT (the conductor's decision
-  record) against measured TTFT (the gateway's request record), median absolute error.
+  record) against measured TTFT (the gateway's request record), median absolute error,
+  over the requests after the first --calibration-requests (the conductor calibrates its
+  cost model online from what the engines report: on a machine without a profiled fit it
+  starts from the built-in defaults). It says which prior the conductor started from.
 """
 
 from __future__ import annotations
@@ -57,38 +60,64 @@ async def _one(http: aiohttp.ClientSession, url: str, model: str, prompt: str) -
         return {"status": resp.status, "id": resp.headers.get("X-Request-Id", "")}
 
 
-async def live(url: str, database_url: str, requests: int, rate: float) -> dict[str, Any]:
-    from shared.db.schema import DecisionRecord, RequestRecord
-    from shared.db.session import make_engine, sessionmaker
-
+async def live(url: str, database_url: str, requests: int, rate: float,
+               calibration: int) -> dict[str, Any]:
     rng = random.Random(9)
     docs = [" ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.choice((40, 120, 200))))
             for _ in range(4)]
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
+        prior = await _cost_model(http, url)
         tasks = []
         for i in range(requests):  # half reuse a document (prefix hits), half are fresh
             prompt = (docs[i % 4] if i % 2 else f"{rng.random()} " + docs[i % 4][::-1]) + f" Q{i}?"
             tasks.append(asyncio.create_task(_one(http, url, model, prompt)))
             await asyncio.sleep(1 / rate)
         results = await asyncio.gather(*tasks)
-    await asyncio.sleep(1.0)  # records are written in batches
+        after = await _cost_model(http, url)
+    pairs = await _records(database_url, [r["id"] for r in results])
+    first, rest = pairs[:calibration], pairs[calibration:]
+    return {"requests": requests, "rate_per_s": rate, "compared": len(pairs),
+            "prior": prior, "cost_model_after": after, "calibration_requests": calibration,
+            "during_calibration": _errors(first), "after_calibration": _errors(rest)}
+
+
+async def _cost_model(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(f"{url}/admin/state") as resp:
+        state = await resp.json()
+    return next((i.get("cost_model", "") for i in state["instances"] if i["role"] == "conductor"
+                 and i.get("leader", True)), "")
+
+
+async def _records(database_url: str, ids: list[str], timeout_s: float = 30.0
+                   ) -> list[tuple[float, float]]:
+    """(predicted, measured) TTFT per request, in order, once their records are written."""
+    from shared.db.schema import DecisionRecord, RequestRecord
+    from shared.db.session import make_engine, sessionmaker
+
     engine = make_engine(database_url)
-    pairs = []
+    deadline = time.monotonic() + timeout_s
     try:
-        async with sessionmaker(engine)() as s:
-            for r in results:
-                rec = await s.get(RequestRecord, r["id"])
-                dec = await s.get(DecisionRecord, r["id"])
-                if rec and dec and rec.ttft_ms and dec.predicted_ttft_ms:
-                    pairs.append((dec.predicted_ttft_ms, rec.ttft_ms))
+        while True:
+            pairs: list[tuple[float, float]] = []
+            async with sessionmaker(engine)() as s:
+                for rid in ids:
+                    rec, dec = await s.get(RequestRecord, rid), await s.get(DecisionRecord, rid)
+                    if rec and dec and rec.ttft_ms and dec.predicted_ttft_ms:
+                        pairs.append((dec.predicted_ttft_ms, rec.ttft_ms))
+            if len(pairs) == len(ids) or time.monotonic() > deadline:
+                return pairs  # records are written in batches: wait for all of them
+            await asyncio.sleep(0.5)
     finally:
         await engine.dispose()
+
+
+def _errors(pairs: list[tuple[float, float]]) -> dict[str, Any]:
     errs = [abs(p - m) / m for p, m in pairs]
-    return {"requests": requests, "rate_per_s": rate, "compared": len(pairs),
+    return {"requests": len(pairs),
             "median_abs_error": statistics.median(errs) if errs else float("nan"),
-            "p90_abs_error": percentile(errs, 90),
+            "p90_abs_error": percentile(errs, 90) if errs else float("nan"),
             "median_predicted_ms": statistics.median(p for p, _ in pairs) if pairs else None,
             "median_measured_ms": statistics.median(m for _, m in pairs) if pairs else None}
 
@@ -99,21 +128,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=2000)
     p.add_argument("--url", default="", help="a running gateway, for the live accuracy run")
     p.add_argument("--database-url", default="", help="that stack's database")
-    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--calibration-requests", type=int, default=50,
+                   help="requests the error is not counted over (the conductor learns)")
     p.add_argument("--rate", type=float, default=1.0, help="requests per second in the live run")
     args = p.parse_args(argv)
     out: dict[str, Any] = {"decision_latency": {
         str(n): decision_latency(n, 100, args.runs, seed=n) for n in (8, 64, 256)}}
     if args.url:
-        out["live"] = asyncio.run(live(args.url, args.database_url, args.requests, args.rate))
+        out["live"] = asyncio.run(live(args.url, args.database_url, args.requests, args.rate,
+                                       args.calibration_requests))
     print(json.dumps(out, indent=2))
     for n, r in out["decision_latency"].items():
         print(f"decision, {n:>3} instances, 100-block prompt: p50 {r['p50_ms']:.3f} ms, "
               f"p99 {r['p99_ms']:.3f} ms")
     if "live" in out:
         lv = out["live"]
-        print(f"live: {lv['compared']} requests, predicted vs measured TTFT median abs error "
-              f"{lv['median_abs_error'] * 100:.1f}% (p90 {lv['p90_abs_error'] * 100:.1f}%)")
+        print(f"live: prior {lv['prior']!r}")
+        for name in ("during_calibration", "after_calibration"):
+            e = lv[name]
+            print(f"live, {name.replace('_', ' ')} ({e['requests']} requests): predicted vs "
+                  f"measured TTFT median abs error {e['median_abs_error'] * 100:.1f}% "
+                  f"(p90 {e['p90_abs_error'] * 100:.1f}%), medians {e['median_predicted_ms']} / "
+                  f"{e['median_measured_ms']} ms")
     return 0
 
 
