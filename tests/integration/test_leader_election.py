@@ -2,7 +2,9 @@
 
 Each test uses its own bucket (the server is shared by the session) and short leases
 (TTL 2 s, renewal 0.5 s); bounds are generous for a loaded machine, but the safety bound
-(nobody leads while a live lease exists) is checked tightly.
+(nobody leads while a live lease exists) is checked tightly. What a test waits for is a
+condition, never a stretch of time: a candidate's campaigns and renewals are counted, and
+"it acted at its deadline" allows for how late this loop's timers are seen to fire.
 """
 
 from __future__ import annotations
@@ -23,9 +25,40 @@ from shared import bus, errors, subjects
 from shared.messages import (Ack, GenerateRequest, InstanceInfo, Placement, Role,
                              SamplingParams)
 from shared.natsd import EmbeddedNats
-from tests.conftest import free_port
-
 TTL_S, RENEW_S = 2.0, 0.5
+STARTED: list = []  # elections still running, stopped after each test whatever happened
+
+
+@pytest.fixture(autouse=True)
+async def stop_every_election():
+    yield
+    while STARTED:
+        running = STARTED.pop()
+        running.stop.set()
+        if running.task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(running.task, 10)
+
+
+class TimerLag:
+    """How late this event loop's timers fire while a test runs (a loaded machine's
+    scheduling delay): the allowance for "it acted at its deadline"."""
+
+    def __init__(self, period_s: float = 0.02) -> None:
+        self.period_s, self.max_s = period_s, 0.0
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(self.period_s)
+            self.max_s = max(self.max_s, time.monotonic() - t0 - self.period_s)
+
+    async def stop(self) -> float:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        return self.max_s
 
 
 class Candidate:
@@ -39,15 +72,40 @@ class Candidate:
                                  on_deposed=self._deposed, bucket=bucket)
         self.stop = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.steps = 0  # campaign or renewal attempts finished
+        self.elected_at_step: list[int] = []  # the attempt (1-based) that won each term
+        self.deposed_at_step: list[int] = []
+        self.deadlines: list[float] = []  # valid_until after each acquire or renewal
+        step, lease = self.election.step, self.election.lease
+        acquired, renewed = lease.acquired, lease.renewed
+
+        async def counted() -> None:
+            try:
+                await step()
+            finally:
+                self.steps += 1
+
+        def noted(change):  # type: ignore[no-untyped-def]
+            def record(*args):  # type: ignore[no-untyped-def]
+                changed = change(*args)
+                self.deadlines.append(lease.valid_until)
+                return changed
+            return record
+
+        self.election.step = counted  # type: ignore[method-assign]
+        lease.acquired, lease.renewed = noted(acquired), noted(renewed)  # type: ignore
 
     async def _elected(self) -> None:
         self.events.append(("elected", time.monotonic()))
+        self.elected_at_step.append(self.steps + 1)
 
     async def _deposed(self) -> None:
         self.events.append(("deposed", time.monotonic()))
+        self.deposed_at_step.append(self.steps + 1)
 
     def start(self) -> "Candidate":
         self.task = asyncio.create_task(self.election.run(self.stop))
+        STARTED.append(self)
         return self
 
     async def halt(self) -> None:
@@ -100,11 +158,13 @@ async def test_one_leader_among_three_candidates(conns, bucket):
         await asyncio.sleep(0.02)
     assert max(leaders_seen) == 1, "two conductors led at the same time"
     first = leaders_seen.index(1)
-    assert first * 0.02 < TTL_S, "nobody was elected promptly"
     assert all(n == 1 for n in leaders_seen[first:]), "leadership flapped"
     assert sum(len(c.when("elected")) for c in cands) == 1  # one term, renewed throughout
     leader = next(c for c in cands if c.election.is_leader)
     assert leader.election.term > 0
+    # Promptly: nothing to wait for in a fresh bucket, so its first campaign won (or the
+    # second, should the three racing to create the bucket have failed the first).
+    assert leader.elected_at_step[0] <= 2, leader.elected_at_step
     for c in cands:
         await c.halt()
     assert not any(c.election.is_leader for c in cands)
@@ -135,13 +195,17 @@ async def test_a_graceful_leader_hands_over_without_waiting_for_the_ttl(conns, b
     first = Candidate(await conns(), "first", bucket).start()
     await wait_for(lambda: first.election.is_leader, TTL_S)
     second = Candidate(await conns(), "second", bucket).start()
-    await asyncio.sleep(RENEW_S)
+    await wait_for(lambda: second.steps >= 2, TTL_S * 5)  # it campaigned, and lost
     assert not second.election.is_leader
+    # The server keeps first's entry until ttl after its last renewal was sent, which is
+    # no earlier than half a renewal period past first's own deadline.
+    expires = first.deadlines[-1] + RENEW_S / 2
     t0 = time.monotonic()
     await first.halt()  # resigns: deletes its lease
-    took = await wait_for(lambda: second.election.is_leader, TTL_S) - t0
-    print(f"handover after resign: {took:.2f}s")
-    assert took < TTL_S * 0.75
+    took = await wait_for(lambda: second.election.is_leader, TTL_S * 5) - t0
+    print(f"handover after resign: {took:.2f}s; the lease would have lived "
+          f"{expires - t0:.2f}s more")
+    assert t0 + took < expires, "the standby waited for the lease to expire"
     await second.halt()
 
 
@@ -150,41 +214,59 @@ async def test_a_leader_whose_lease_is_overwritten_steps_down_at_once(conns, buc
     await wait_for(lambda: leader.election.is_leader, TTL_S)
     old_term = leader.election.term
     kv = await (await conns()).jetstream().key_value(bucket)
+    put_at_step = leader.steps
     await kv.put(KEY, b"intruder")  # as if our lease had lapsed and someone else took it
-    t0 = time.monotonic()
-    await wait_for(lambda: not leader.election.is_leader, RENEW_S + 1.0)
-    assert leader.when("deposed") and leader.when("deposed")[0] - t0 <= RENEW_S + 1.0
+    await wait_for(lambda: not leader.election.is_leader, TTL_S * 5)
+    # At its next renewal (the one on its way meanwhile may still have gone through), not
+    # by its clock when the lease runs out.
+    assert leader.deposed_at_step[0] - put_at_step <= 2, (put_at_step, leader.deposed_at_step)
+    assert leader.when("deposed")[0] < leader.deadlines[-1]
     # It waits for the intruder's entry to expire, then wins a new, later term.
-    await wait_for(lambda: leader.election.is_leader, TTL_S + 2.5)
+    await wait_for(lambda: leader.election.is_leader, TTL_S * 5)
     assert leader.election.term > old_term
     await leader.halt()
 
 
 async def test_a_leader_that_cannot_reach_nats_steps_down_by_its_clock(tmp_path, bucket):
-    server = EmbeddedNats(tmp_path / "nats", port=free_port())
+    server = EmbeddedNats(tmp_path / "nats")
     async def quiet(exc: Exception) -> None:  # reconnect refusals are the point here
         pass
 
-    nc = await nats.connect(server.start(), max_reconnect_attempts=-1, reconnect_time_wait=0.2,
+    url = server.start()
+    server.port = int(url.rsplit(":", 1)[1])  # it comes back on the same port
+    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
                             error_cb=quiet)
     try:
         leader = Candidate(nc, "leader", bucket).start()
-        await wait_for(lambda: leader.election.is_leader, TTL_S)
-        await asyncio.sleep(RENEW_S * 1.5)  # a few renewals in
+        await wait_for(lambda: leader.election.is_leader, TTL_S * 5)
+        await wait_for(lambda: len(leader.deadlines) >= 3, TTL_S * 5)  # a few renewals in
+        lag = TimerLag()
         server.stop()
         killed = time.monotonic()
-        gone = await wait_for(lambda: not leader.election.is_leader, TTL_S + 1.0) - killed
-        print(f"stepped down {gone:.2f}s after NATS went away (TTL {TTL_S}s)")
-        # Its last renewal was at most one period before the kill; it must stop before the
-        # server could have expired that renewal (ttl after it), and not much earlier.
-        assert TTL_S - 1.5 * RENEW_S - 0.1 <= gone <= TTL_S - RENEW_S / 2 + 0.3
-        await asyncio.sleep(RENEW_S * 2)
+        await wait_for(lambda: not leader.election.is_leader, TTL_S * 5)
+        late_s = await lag.stop()
+        deadline, gone = leader.deadlines[-1], leader.when("deposed")[0]
+        print(f"stepped down {gone - killed:.2f}s after NATS went away (TTL {TTL_S}s), "
+              f"{gone - deadline:+.3f}s from its deadline; timers fired up to "
+              f"{late_s * 1e3:.0f} ms late")
+        # By its own clock: never before the deadline of its last renewal (the lease still
+        # lives), and before the server could expire that renewal (ttl after it was sent,
+        # half a renewal period past the deadline), allowing for this loop's timer lag.
+        assert deadline <= gone <= deadline + RENEW_S / 2 + 2 * late_s + 0.1
+        campaigns = leader.steps
+        await wait_for(lambda: leader.steps >= campaigns + 2, 60)
         assert not leader.election.is_leader  # no campaign can succeed without the server
         # The server comes back (its in-memory lease bucket lost): leading resumes.
         server.start()
-        await wait_for(lambda: leader.election.is_leader, TTL_S + 5.0)
+        await wait_for(lambda: leader.election.is_leader, 60)
         assert len(leader.when("elected")) == 2
         await leader.halt()
+        if gone > deadline + 2 * late_s + 0.05:
+            # Known: a renewal attempt that reopens the bucket (after a failed one) waits
+            # up to a JetStream timeout (renew_s) without the deadline's budget, so the
+            # leader still leads past its deadline, up to when the server may expire it.
+            pytest.xfail(f"stepped down {gone - deadline:.3f}s past its deadline: "
+                         "Election.step bounds kv.update by the deadline but not _bucket()")
     finally:
         server.stop()
         with contextlib.suppress(ConnectionError):  # closing a client mid-reconnect
@@ -229,11 +311,16 @@ class RunningConductor:
                                  bucket=bucket)
         self.conductor.leading = lambda: self.election.is_leader
         self.nc, self.stop = nc, asyncio.Event()
+        self.task: asyncio.Task | None = None
 
     async def start(self) -> "RunningConductor":
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.conductor.on_heartbeat)
         self.task = asyncio.create_task(self.election.run(self.stop))
+        STARTED.append(self)
         return self
+
+    def heard(self, *ids: str) -> bool:
+        return {s.info.instance_id for s in self.conductor.registry.all()} >= set(ids)
 
 
 async def test_only_the_leader_places_and_a_standby_takes_over(conns, bucket):
@@ -255,7 +342,14 @@ async def test_only_the_leader_places_and_a_standby_takes_over(conns, bucket):
             await asyncio.sleep(0.5)
 
     beats = asyncio.create_task(beat_forever())
-    await asyncio.sleep(0.2)
+    try:
+        await placing_and_taking_over(client, a, b)
+    finally:
+        beats.cancel()
+
+
+async def placing_and_taking_over(client, a: RunningConductor, b: RunningConductor) -> None:
+    await wait_for(lambda: a.heard("p0", "d0") and b.heard("p0", "d0"), 30)
     for i in range(5):
         placed = await bus.request(client, subjects.CONDUCTOR_SCHEDULE, request(f"r{i}"),
                                    Placement, 2)
@@ -264,11 +358,20 @@ async def test_only_the_leader_places_and_a_standby_takes_over(conns, bucket):
     # The leader's process dies: its connection (and subscription) goes with it.
     await a.nc.close()
     died = time.monotonic()
-    await asyncio.sleep(0.2)  # the server notices the closed socket
-    assert not b.election.is_leader  # a's lease still lives: nobody places now
-    with pytest.raises(errors.Unavailable) as exc:
-        await bus.request(client, subjects.CONDUCTOR_SCHEDULE, request("gap"), Placement, 2)
-    assert exc.value.code == "no_responders"  # what the gateway retries on
+    # Until the server notices the closed socket, a request is sent into it and never
+    # answered; then nobody is there (a's lease still lives: b does not lead yet).
+    gap = None
+    while gap is None:
+        try:
+            await bus.request(client, subjects.CONDUCTOR_SCHEDULE, request("gap"), Placement,
+                              0.2)
+            raise AssertionError("a request was placed while nobody led")
+        except errors.Timeout:
+            assert time.monotonic() - died < TTL_S, "the closed connection was not noticed"
+        except errors.Unavailable as exc:
+            gap = exc
+    assert not b.election.is_leader
+    assert gap.code == "no_responders"  # what the gateway retries on
     took = await wait_for(lambda: b.election.is_leader, TTL_S + 2.5) - died
     print(f"standby leads {took:.2f}s after the leader died")
     placed = await bus.request(client, subjects.CONDUCTOR_SCHEDULE, request("after"), Placement, 2)
@@ -277,5 +380,3 @@ async def test_only_the_leader_places_and_a_standby_takes_over(conns, bucket):
     await asyncio.wait_for(b.task, 5)
     with pytest.raises(errors.Unavailable):  # resigned: it unsubscribed
         await bus.request(client, subjects.CONDUCTOR_SCHEDULE, request("late"), Placement, 1)
-    a.task.cancel()
-    beats.cancel()
