@@ -1,4 +1,5 @@
-"""Replay a Mooncake trace through the real KV index and eviction code.
+"""Replay a Mooncake trace through the real KV index and the engines' block pool
+(shared/engine/block_manager.py, through services/kvmanager/pool.py).
 
 One global pool of C blocks, requests in file order. For each request the hit is
 prefix-continuous (leading hash_ids already cached, stopping at the first miss), weighted
@@ -19,12 +20,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import AbstractSet, Iterable, Iterator, Sequence
 
-from services.kvmanager.eviction import BlockPool, LRUPolicy, WatermarkPolicy
 from services.kvmanager.index import InstanceId, KVIndex, Tier
+from services.kvmanager.pool import POLICIES, HashPool
 
 DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
 DEFAULT_CAPACITIES: tuple[int | None, ...] = (None, 100_000, 50_000, 30_000, 10_000, 1_000)
-POLICIES = ("lru", "watermark")
 # DESIGN.md "Reference figures": plain LRU, one global pool, conversation trace.
 REFERENCE_LRU_HIT_PCT: dict[int | None, float] = {
     None: 37.4, 100_000: 37.1, 50_000: 36.2, 30_000: 33.2, 10_000: 21.5, 1_000: 4.5,
@@ -76,17 +76,6 @@ def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
     return requests
 
 
-def make_policy(
-    policy: str, capacity_blocks: int | None, tail_first: bool | None = None
-) -> BlockPool:
-    """`tail_first=None` keeps each policy's default (off for plain LRU, on for watermark)."""
-    if policy == "lru":
-        return LRUPolicy(capacity_blocks, tail_first=bool(tail_first))
-    if policy == "watermark":
-        return WatermarkPolicy(capacity_blocks, tail_first=tail_first is not False)
-    raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
-
-
 def _runs(hashes: Sequence[int], keep: AbstractSet[int]) -> Iterator[tuple[int | None, list[int]]]:
     """Maximal runs of `hashes` that are in `keep`, each with the parent of its first block."""
     run: list[int] = []
@@ -108,7 +97,7 @@ def _runs(hashes: Sequence[int], keep: AbstractSet[int]) -> Iterator[tuple[int |
 class _Replayer:
     """Keeps the index in step with the pool, as the kvmanager does with instance events."""
 
-    def __init__(self, pool: BlockPool, block_tokens: int) -> None:
+    def __init__(self, pool: HashPool, block_tokens: int) -> None:
         self.pool, self.index, self.block_tokens = pool, KVIndex(), block_tokens
         self.hit_tokens = self.input_tokens = self.with_hit = self.inserted = self.rejected = 0
         self.sum_req_ratio = 0.0
@@ -156,7 +145,7 @@ def replay_requests(
     tail_first: bool | None = None,
 ) -> ReplayResult:
     started = time.perf_counter()
-    r = _Replayer(make_policy(policy, capacity_blocks, tail_first), block_tokens)
+    r = _Replayer(HashPool(capacity_blocks, policy, tail_first), block_tokens)
     for req in requests:
         r.step(req)
     r.check()

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="halfmoon sim",
         description="Discrete-event simulation of N prefill and M decode instances driven by "
-        "the conductor's placement policies and the KV manager's index and eviction code.")
+        "the conductor's placement policies, the KV manager's index and the engines' own "
+        "block pool and eviction.")
     p.add_argument("--trace", default=os.environ.get("HALFMOON_TRACE", DEFAULT_TRACE),
                    help="JSONL trace (env HALFMOON_TRACE; default %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")

@@ -1,9 +1,9 @@
 """Simulated prefill and decode instances: pure bookkeeping, no I/O, no wall clock.
 
 Times are simulated seconds handed in by the event loop (services/sim/run.py). The KV
-cache of a prefill instance is the real eviction code (services/kvmanager/eviction.py);
-the loop mirrors every pool change into the real KVIndex, as the live KV manager does
-from instance events.
+cache of a prefill instance is the engines' own block pool (shared/engine/block_manager.py,
+driven by hash through services/kvmanager/pool.py); the loop mirrors every pool change
+into the real KVIndex, as the live KV manager does from instance events.
 
 Modelling choices (the honest simplifications):
 - A prefill instance runs one prompt at a time, FIFO. What a prompt reuses is decided when
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from services.bench.stats import slowest_tenth_mean
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import InstanceView
-from services.kvmanager.eviction import BlockPool
+from services.kvmanager.pool import HashPool
 
 
 @dataclass(slots=True)
@@ -75,7 +75,7 @@ class PrefillJob:
 @dataclass
 class PrefillInstance:
     instance_id: str
-    pool: BlockPool
+    pool: HashPool
     queue: deque[PrefillJob] = field(default_factory=deque)
     running: PrefillJob | None = None
     running_end_s: float = 0.0
@@ -97,7 +97,7 @@ class PrefillInstance:
         self.queued_s += job.predicted_s
 
     def start_next(self, now: float, cost: CostModel, block_tokens: int,
-                   source: BlockPool | None) -> PrefillJob | None:
+                   source: HashPool | None) -> PrefillJob | None:
         """Start the next queued job if idle; returns it (its end is `running_end_s`).
         `source` is the pool of the job's pull_from instance (None when not pulling)."""
         if self.running is not None or not self.queue:

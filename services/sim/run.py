@@ -2,8 +2,9 @@
 
 Placement is the live conductor's code: the KV index's prefix match per instance
 (`KVIndex.match(hash_ids).per_instance`), a Snapshot of the instances, `policy.decide`,
-and its early rejection. Pools are the live eviction code; every admit is mirrored into
-the index (stored / removed), as the KV manager does from the instances' events.
+and its early rejection. Pools are the engines' block pool (shared/engine/block_manager.py,
+through services/kvmanager/pool.py); every admit is mirrored into the index (stored /
+removed), as the KV manager does from the instances' events.
 
 Events: arrivals come straight from the (time-ordered) trace; prefill completions and
 KV arrivals at decode sit on one heap. At equal times heap events go first, so a request
@@ -23,7 +24,8 @@ from services.bench.stats import percentile
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import Policy, RequestView, Snapshot, make_policy
 from services.kvmanager.index import KVIndex
-from services.kvmanager.replay import TraceRequest, _runs, make_policy as make_pool
+from services.kvmanager.pool import HashPool
+from services.kvmanager.replay import TraceRequest, _runs
 from services.sim.model import (DecodeInstance, Outcome, PrefillInstance, PrefillJob,
                                 SimRequest)
 
@@ -39,7 +41,7 @@ class SimConfig:
     num_prefill: int = 16
     num_decode: int = 16
     cache_blocks: int | None = 10_000  # per prefill instance; None = unlimited
-    eviction: str = "lru"  # "lru" | "watermark" (services.kvmanager.eviction)
+    eviction: str = "lru"  # "lru" | "watermark" (services.kvmanager.pool)
     cost: CostModel = field(default_factory=CostModel)
     block_tokens: int = 512  # the trace's hash block size
     time_scale: float = 1.0  # arrival = trace timestamp x this (0.5 = twice the rate)
@@ -76,8 +78,8 @@ class Cluster:
         self.cfg, self.policy = cfg, policy
         self.cost = cfg.cost
         self.index = KVIndex()
-        self.prefills = {f"p{i:02d}": PrefillInstance(f"p{i:02d}", make_pool(cfg.eviction,
-                         cfg.cache_blocks)) for i in range(cfg.num_prefill)}
+        self.prefills = {f"p{i:02d}": PrefillInstance(f"p{i:02d}", HashPool(cfg.cache_blocks,
+                         cfg.eviction)) for i in range(cfg.num_prefill)}
         self.decodes = {f"d{i:02d}": DecodeInstance(f"d{i:02d}", cfg.cost)
                         for i in range(cfg.num_decode)}
         self.events: list[tuple[float, int, int, str, Outcome | None]] = []

@@ -6,12 +6,18 @@ sequence with the same prefix reuses it instead of recomputing. A block nobody u
 (ref count 0) goes to the free list but keeps its hash until the block is handed out
 again: freed blocks stay cached until evicted, least recently freed first. A finished
 sequence frees its blocks tail first, so a chain's tail is evicted before its parents.
+
+Callers that know only block hashes (the trace replay and the simulator, through
+services/kvmanager/pool.py) use the same pool through `take_cached` / `take_new` /
+`release`, and `add_blocks` grows a pool that stands for an unlimited one.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterable
 
 from shared.engine.sequence import Sequence
 from shared.hashing import hash_block, root_hash
@@ -27,6 +33,16 @@ class Block:
     pinned_until: float = 0.0  # soft pin: evicted only when nothing unpinned is left
 
 
+def watermark_marks(num_blocks: int, high: float, ratio: float) -> tuple[int, int]:
+    """(trigger, target) in blocks: evict once `high` of the pool is reached, down to
+    `high - ratio`, and always by at least one block, or a tiny pool would never make
+    progress."""
+    if not 0.0 < high <= 1.0 or not 0.0 < ratio <= high:
+        raise ValueError(f"need 0 < ratio <= high <= 1, got high {high}, ratio {ratio}")
+    trigger = max(1, math.ceil(num_blocks * high))
+    return trigger, min(trigger - 1, math.floor(num_blocks * (high - ratio)))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, hot_hits: int = 0,
                  pin_ttl_s: float = 60.0) -> None:
@@ -40,6 +56,7 @@ class BlockManager:
         self.now = 0.0  # set by the engine each step: bookkeeping never reads the clock
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._num_empty = num_blocks  # free blocks holding no cached data
         self._by_hash: dict[int, int] = {}
         self.num_evictions = 0
         # Hashes registered / evicted since the last drain: the instance's KV events.
@@ -60,9 +77,20 @@ class BlockManager:
         return len(self._free)
 
     @property
+    def num_empty_blocks(self) -> int:
+        """Free blocks that hold no cached data: handing one out evicts nothing."""
+        return self._num_empty
+
+    @property
     def num_cached_blocks(self) -> int:
         """Blocks registered in the prefix cache (in use or free)."""
         return len(self._by_hash)
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._by_hash
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._by_hash)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
@@ -128,6 +156,55 @@ class BlockManager:
             out.append(block_id)
         return out
 
+    # -- hash-only callers --------------------------------------------------------------
+    def take_cached(self, block_hash: int) -> int | None:
+        """Hold the cached block of `block_hash` (a hit); its id, or None if not cached.
+        No tokens to verify against: for callers that know only hashes (trace replay)."""
+        block_id = self._by_hash.get(block_hash)
+        if block_id is not None:
+            self._take(block_id)
+            self._hit(self.blocks[block_id])
+        return block_id
+
+    def take_new(self, block_hash: int) -> int | None:
+        """Hold a block registered under `block_hash`, evicting the least recently freed one
+        if no empty block is left; None (nothing taken) if every block is in use."""
+        if block_hash in self._by_hash:
+            raise ValueError(f"block {block_hash:#x} is cached: take_cached it")
+        if not self._free:
+            return None
+        block_id = self._victim()
+        self._evict_hash(block_id)
+        self._take(block_id)
+        block = self.blocks[block_id]
+        self._by_hash[block_hash] = block_id
+        block.block_hash = block_hash
+        self._stored_log.append(block_hash)
+        return block_id
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block, in order: of those that become free, the
+        first released is the first evicted."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed with ref count {block.ref_count}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._num_empty += block.block_hash is None
+
+    def add_blocks(self, num_blocks: int) -> None:
+        """Grow the pool by `num_blocks` empty blocks, handed out before anything cached is
+        evicted (a pool standing for an unlimited one grows instead of evicting)."""
+        if num_blocks <= 0:
+            raise ValueError(f"need a positive block count, got {num_blocks}")
+        for block_id in range(len(self.blocks), len(self.blocks) + num_blocks):
+            self.blocks.append(Block(block_id))
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+        self._num_empty += num_blocks
+
     # -- allocation ---------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Blocks for `num_new_tokens` more tokens; False (nothing taken) if the pool is short."""
@@ -153,15 +230,16 @@ class BlockManager:
         return n
 
     def evict_to_watermark(self, high: float, ratio: float) -> int:
-        """Mooncake Store's policy: once cached data fills more than `high` of the pool,
-        evict least recently used cached blocks (unpinned, unleased: only free ones) down to
-        `high - ratio`. Returns blocks evicted. Optional: allocation also evicts on demand."""
-        held = self.num_blocks - sum(1 for b in self._free if self.blocks[b].block_hash is None)
-        if held <= high * self.num_blocks:
+        """Mooncake Store's policy: once the blocks holding data (in use or cached) reach
+        `high` of the pool, evict least recently freed cached blocks (unpinned, unleased:
+        only free ones) down to `high - ratio`. Returns blocks evicted. O(1) below the
+        mark, so it may run after every block. Optional: allocation also evicts on demand."""
+        held = self.num_blocks - self._num_empty
+        trigger, target = watermark_marks(self.num_blocks, high, ratio)
+        if held < trigger:
             return 0
-        target = int((high - ratio) * self.num_blocks)
         evicted = 0
-        for block_id in list(self._free):
+        for block_id in self._free:  # _evict_hash leaves the free list as it is
             if held <= target:
                 break
             block = self.blocks[block_id]
@@ -185,13 +263,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, tail first (so tails are evicted before their parents)."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block_id} freed with ref count {block.ref_count}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+        self.release(reversed(seq.block_table))
         seq.block_table = []
         seq.block_hashes = []
 
@@ -199,12 +271,14 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self._free[block_id]
+            self._num_empty -= block.block_hash is None
         block.ref_count += 1
 
     def _evict_hash(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             block.hits, block.pinned_until = 0, 0.0
+            self._num_empty += block.ref_count == 0  # evicted from the free list
             if self._by_hash.get(block.block_hash) == block_id:
                 del self._by_hash[block.block_hash]
                 self.num_evictions += 1
@@ -228,6 +302,9 @@ class BlockManager:
         for block in self.blocks:
             if block.ref_count < 0 or (block.ref_count == 0) != (block.block_id in self._free):
                 raise RuntimeError(f"block {block.block_id}: ref {block.ref_count} vs free list")
+        empty = sum(1 for b in self._free if self.blocks[b].block_hash is None)
+        if empty != self._num_empty:
+            raise RuntimeError(f"{empty} empty free blocks, counted {self._num_empty}")
         for h, block_id in self._by_hash.items():
             if self.blocks[block_id].block_hash != h:
                 raise RuntimeError(f"hash map points at block {block_id} holding another hash")

@@ -145,3 +145,94 @@ def test_watermark_evicts_down_by_the_ratio_and_spares_leases_and_pins():
     assert bm.cached_chain(hashes[0]) and bm.cached_chain(hashes[1])  # leased, pinned: kept
     assert not bm.cached_chain(hashes[2]) and not bm.cached_chain(hashes[3])  # oldest went
     assert bm.evict_to_watermark(high=0.9, ratio=0.05) == 0  # below the mark: nothing
+
+
+# ---- hash-only callers (trace replay, the simulator) ------------------------------------
+
+
+def test_take_new_and_take_cached_by_hash():
+    bm = BlockManager(3, 1)
+    a, b = bm.take_new(11), bm.take_new(12)
+    assert bm.is_cached(11) and sorted(bm.cached_hashes()) == [11, 12]
+    assert bm.drain_events() == ([11, 12], [])
+    bm.release([a, b])  # in order: 11 becomes the least recent
+    assert bm.take_cached(12) == b and bm.take_cached(99) is None
+    assert bm.blocks[b].hits == 1 and bm.blocks[b].ref_count == 1
+    bm.release([b])
+    assert bm.take_new(13) is not None  # the empty block first: nothing evicted
+    assert bm.drain_events() == ([13], [])
+    bm.release([2])
+    assert bm.take_new(14) == a and bm.drain_events() == ([14], [11])  # then 11, the LRU
+    with pytest.raises(ValueError):
+        bm.take_new(12)  # cached: take_cached it
+    bm.check_invariants()
+
+
+def test_take_new_is_none_when_every_block_is_held():
+    bm = BlockManager(2, 1)
+    held = [bm.take_new(1), bm.take_new(2)]
+    assert bm.take_new(3) is None and not bm.is_cached(3)
+    bm.release(held)
+    with pytest.raises(RuntimeError):
+        bm.release(held[:1])  # already free
+    bm.check_invariants()
+
+
+def test_release_order_is_eviction_order():
+    for order, first_out in (([0, 1, 2], 10), ([2, 1, 0], 12)):  # head first, tail first
+        bm = BlockManager(3, 1)
+        ids = [bm.take_new(h) for h in (10, 11, 12)]
+        bm.release([ids[i] for i in order])
+        bm.take_new(99)
+        assert bm.drain_events()[1] == [first_out]
+
+
+def test_add_blocks_hands_out_empty_blocks_before_evicting():
+    bm = BlockManager(1, 1)
+    bm.release([bm.take_new(1)])
+    bm.add_blocks(2)
+    assert bm.num_blocks == 3 and bm.num_empty_blocks == 2
+    bm.take_new(2), bm.take_new(3)
+    assert bm.drain_events()[1] == [] and bm.is_cached(1)
+    with pytest.raises(ValueError):
+        bm.add_blocks(0)
+    bm.check_invariants()
+
+
+def test_empty_blocks_are_counted_through_allocation_commit_free_and_eviction():
+    bm = BlockManager(6, 4)
+    s = seq("a", range(10))  # 2 full blocks and a partial one
+    compute(bm, s)
+    assert bm.num_empty_blocks == 3
+    bm.free(s)
+    assert bm.num_empty_blocks == 4  # the partial block holds nothing cached
+    assert bm.evict_to_watermark(high=0.25, ratio=0.25) == 2
+    assert bm.num_empty_blocks == 6
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("blocks, high, ratio, marks", [
+    (100, 0.9, 0.05, (90, 85)), (20, 0.9, 0.05, (18, 17)), (100_000, 0.9, 0.05, (90_000, 85_000)),
+    (4, 1.0, 0.5, (4, 2)), (1, 0.9, 0.05, (1, 0)), (10, 0.5, 0.01, (5, 4))])
+def test_watermark_marks(blocks, high, ratio, marks):
+    from shared.engine.block_manager import watermark_marks
+
+    assert watermark_marks(blocks, high, ratio) == marks
+
+
+def test_watermark_marks_refuse_nonsense():
+    from shared.engine.block_manager import watermark_marks
+
+    for high, ratio in ((1.5, 0.05), (0.0, 0.0), (0.5, 0.6), (0.9, 0.0)):
+        with pytest.raises(ValueError):
+            watermark_marks(100, high, ratio)
+
+
+def test_watermark_triggers_on_reaching_the_mark():
+    bm = BlockManager(10, 1)
+    held = [bm.take_new(h) for h in range(8)]
+    bm.release(held)
+    assert bm.evict_to_watermark(high=0.9, ratio=0.2) == 0  # 8 < 9
+    bm.release([bm.take_new(8)])
+    assert bm.evict_to_watermark(high=0.9, ratio=0.2) == 2  # 9: down to 7, oldest first
+    assert bm.drain_events()[1] == [0, 1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from collections import OrderedDict
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from services.kvmanager.pool import POLICIES, HashPool
 from services.kvmanager.replay import load_trace, main, replay_requests, replay_trace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,3 +158,133 @@ def test_module_entry_point(synthetic: Path) -> None:
         cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
     )
     assert json.loads(proc.stdout)["hit_tokens"] == 1724
+
+
+# ---- the pool the replay and the simulator run: the engines' BlockManager, by hash --------
+
+
+def _fill(pool: HashPool, blocks: list[int], now: float = 0.0) -> None:
+    """Each block is its own chain."""
+    for b in blocks:
+        assert not pool.admit([b], now).exhausted
+
+
+def test_lru_evicts_least_recently_used_only_when_full() -> None:
+    pool = HashPool(3)
+    _fill(pool, [1, 2, 3])
+    assert pool.num_evicted == 0 and len(pool) == 3
+    assert pool.touch([1, 99]) == 1
+    res = pool.admit([4], now=0)
+    assert res.evicted == [2] and res.inserted == [4]
+    assert pool.admit([5, 6], now=0).evicted == [3, 1]
+    assert sorted(pool.cached()) == [4, 5, 6]
+    pool.check_invariants()
+
+
+def test_admit_touches_cached_blocks_of_the_chain() -> None:
+    pool = HashPool(4)
+    pool.admit([1, 2], now=0)
+    res = pool.admit([1, 2, 3], now=0)
+    assert (res.num_touched, res.inserted, res.evicted) == (2, [3], [])
+    assert pool.prefix_blocks([1, 2, 3, 4]) == 3
+    assert pool.prefix_blocks([2, 3]) == 2 and pool.prefix_blocks([9, 1]) == 0
+
+
+def test_plain_lru_evicts_a_chain_head_first() -> None:
+    pool = HashPool(3)
+    pool.admit([1, 2, 3], now=0)
+    assert pool.admit([9], now=0).evicted == [1]  # 2 and 3 are now unreachable prefixes
+
+
+def test_tail_first_evicts_children_before_parents() -> None:
+    pool = HashPool(4, tail_first=True)
+    pool.admit([1, 2, 3], now=0)
+    pool.touch([1])  # the root is now the most recent, but it still parents 2
+    pool.admit([10], now=0)
+    assert pool.admit([11], now=0).evicted == [3]
+    assert pool.admit([12], now=0).evicted == [2]  # older than 10, and now a leaf
+    assert pool.admit([13], now=0).evicted == [1]  # a leaf at last, and older than 10
+    pool.check_invariants()
+
+
+def test_lru_matches_a_reference_model_on_random_traffic() -> None:
+    rng = random.Random(3)
+    pool, ref = HashPool(50), OrderedDict[int, None]()
+    for _ in range(3000):
+        chain = list(dict.fromkeys(rng.randrange(200) for _ in range(rng.randrange(1, 6))))
+        expected_evicted = []
+        for b in chain:
+            if b in ref:
+                ref.move_to_end(b)
+                continue
+            if len(ref) == 50:
+                expected_evicted.append(ref.popitem(last=False)[0])
+            ref[b] = None
+        assert pool.admit(chain, now=0).evicted == expected_evicted
+    assert sorted(pool.cached()) == sorted(ref)
+    pool.check_invariants()
+
+
+def test_a_chain_never_evicts_itself() -> None:
+    pool = HashPool(3)
+    _fill(pool, [9])
+    res = pool.admit([1, 2, 3, 4, 5], now=0)
+    assert (res.evicted, res.inserted, res.rejected) == ([9], [1, 2, 3], [4, 5])
+    wm = HashPool(10, "watermark", high_watermark=0.5, evict_ratio=0.3)
+    res = wm.admit(list(range(8)), now=0)
+    assert res.evicted == [] and len(wm) == 8  # above the mark, but all in use now
+    assert wm.admit([20], now=0).evicted == [7, 6, 5, 4, 3, 2, 1]  # 9 -> 2, 20 stays
+    assert len(wm) == 2 and 20 in wm
+
+
+def test_watermark_triggers_at_high_and_evicts_down_by_ratio() -> None:
+    pool = HashPool(100, "watermark", high_watermark=0.90, evict_ratio=0.05)
+    _fill(pool, list(range(89)))
+    assert pool.num_evicted == 0
+    assert pool.admit([89], now=0).evicted == [0, 1, 2, 3, 4]  # oldest first, down to 85
+    pool.touch([5])
+    _fill(pool, list(range(100, 105)))
+    assert len(pool) == 85 and 5 in pool and 6 not in pool and 10 not in pool and 11 in pool
+
+
+def test_watermark_occupancy_stays_between_the_marks() -> None:
+    pool = HashPool(1000, "watermark")
+    for b in range(10_000):
+        pool.admit([b], now=0)
+        assert len(pool) < 900
+    assert pool.num_evicted == 10_000 - len(pool) and len(pool) >= 850
+
+
+def test_watermark_evicts_chain_tails_first_by_default() -> None:
+    pool = HashPool(20, "watermark", high_watermark=0.5, evict_ratio=0.25)
+    assert pool.admit(list(range(9)), now=0).evicted == []  # 9 blocks: under the mark
+    assert pool.admit([50], now=0).evicted == [8, 7, 6, 5, 4]  # 10 = the mark: down to 5
+    assert pool.prefix_blocks(range(9)) == 4
+    plain = HashPool(20, "watermark", tail_first=False, high_watermark=0.5, evict_ratio=0.25)
+    plain.admit(list(range(9)), now=0)
+    assert plain.admit([50], now=0).evicted == [0, 1, 2, 3, 4]
+
+
+def test_a_full_watermark_pool_makes_room_with_a_batch() -> None:
+    # A chain longer than the room under the mark leaves the pool full; the next insert
+    # evicts a batch down to the low mark first (not one block), then goes in.
+    pool = HashPool(10, "watermark", high_watermark=0.5, evict_ratio=0.3)
+    assert pool.admit(list(range(12)), now=0).rejected == [10, 11] and len(pool) == 10
+    assert pool.admit([50], now=0).evicted == [9, 8, 7, 6, 5, 4, 3, 2]
+    assert len(pool) == 3
+
+
+def test_unlimited_pool_never_evicts() -> None:
+    for policy in POLICIES:
+        pool = HashPool(None, policy)
+        _fill(pool, list(range(10_000)))
+        assert len(pool) == 10_000 and pool.num_evicted == 0
+        pool.check_invariants()
+
+
+def test_pool_misuse_is_a_value_error() -> None:
+    for bad in (dict(capacity_blocks=0), dict(capacity_blocks=4, policy="mru"),
+                dict(capacity_blocks=4, policy="watermark", high_watermark=1.5),
+                dict(capacity_blocks=4, policy="watermark", high_watermark=0.5, evict_ratio=0.6)):
+        with pytest.raises(ValueError):
+            HashPool(**bad)

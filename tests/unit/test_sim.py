@@ -199,7 +199,7 @@ def test_index_mirrors_every_pool_under_eviction():
         cluster.index.check_invariants()
         for inst in cluster.prefills.values():
             held = set(cluster.index.blocks_of(inst.instance_id, "dram"))
-            assert held == set(inst.pool.blocks()) and 0 < len(held) <= 25
+            assert held == set(inst.pool.cached()) and 0 < len(held) <= 25
         assert all(not math.isnan(o.finish_s) for o in cluster.outcomes)
 
 
