@@ -232,6 +232,11 @@ class SenderChild:
         unlink_segment(self.handle.shm_name)
 
 
+# Room for a loaded machine's scheduling past a fetch's timeout (a stopped sender never
+# answers, so nothing else could end that fetch).
+SLACK_S = 5.0
+
+
 async def test_stalled_then_killed_sender_fails_the_fetch_and_its_segment_goes():
     with SenderChild() as child:
         child.signal(signal.SIGSTOP)  # alive but silent: only the timeout can end it
@@ -239,18 +244,29 @@ async def test_stalled_then_killed_sender_fails_the_fetch_and_its_segment_goes()
         t0 = time.monotonic()
         with pytest.raises(TransferFailed, match="timed out"):
             await receiver.fetch(child.handle, timeout_s=0.5)
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 0.5 + SLACK_S
         assert receiver.state(child.handle.transfer_id) == TransferState.FAILED
         assert os.path.exists(child.path)  # a stalled sender may come back: not ours to remove
 
-        fetching = asyncio.create_task(receiver.fetch(child.handle, timeout_s=20))
-        await asyncio.sleep(0.3)
-        assert not fetching.done()  # connected (the kernel accepted it) and waiting
+        connected = asyncio.Event()
+        open_channel = receiver.open
+
+        async def opened(handle):  # type: ignore[no-untyped-def]
+            ch = await open_channel(handle)
+            connected.set()
+            return ch
+
+        receiver.open = opened  # type: ignore[method-assign]
+        timeout_s = 120.0
+        fetching = asyncio.create_task(receiver.fetch(child.handle, timeout_s=timeout_s))
+        await asyncio.wait_for(connected.wait(), 30)  # the kernel accepted it: it waits
+        assert not fetching.done()
         t0 = time.monotonic()
         child.signal(signal.SIGKILL)
         with pytest.raises(TransferFailed):
             await fetching
-        assert time.monotonic() - t0 < 5  # the broken connection ends it, not the timeout
+        # The broken connection ends it, not the timeout.
+        assert time.monotonic() - t0 < timeout_s / 4
         assert receiver.state(child.handle.transfer_id) == TransferState.FAILED
         assert not os.path.exists(child.path)  # the dead sender's segment did not leak
 
@@ -262,9 +278,10 @@ async def test_fetch_from_a_dead_sender_fails_fast_and_removes_its_segment():
         assert os.path.exists(child.path)  # SIGKILL gave the sender no chance to clean up
         receiver = ShmKVReceiver()
         t0 = time.monotonic()
+        timeout_s = 120.0
         with pytest.raises(TransferFailed):
-            await receiver.fetch(child.handle, timeout_s=20)
-        assert time.monotonic() - t0 < 5
+            await receiver.fetch(child.handle, timeout_s=timeout_s)
+        assert time.monotonic() - t0 < timeout_s / 4  # refused at once, not timed out
         assert receiver.state(child.handle.transfer_id) == TransferState.FAILED
         assert not os.path.exists(child.path)
 
