@@ -14,31 +14,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import AbstractSet, Iterable, Iterator, Sequence
+from typing import AbstractSet, Iterator, Sequence
 
 from services.kvmanager.index import InstanceId, KVIndex, Tier
 from services.kvmanager.pool import POLICIES, HashPool
+from services.kvmanager.traces import (TraceRequest, default_trace, is_conversation_trace,
+                                       load_trace)
 
-DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
 DEFAULT_CAPACITIES: tuple[int | None, ...] = (None, 100_000, 50_000, 30_000, 10_000, 1_000)
-# DESIGN.md "Reference figures": plain LRU, one global pool, conversation trace.
+# DESIGN.md "Reference figures": plain LRU, one global pool, the whole conversation trace
+# at its 512-token blocks (shown next to a replay of that trace only).
 REFERENCE_LRU_HIT_PCT: dict[int | None, float] = {
     None: 37.4, 100_000: 37.1, 50_000: 36.2, 30_000: 33.2, 10_000: 21.5, 1_000: 4.5,
 }
 _POOL = InstanceId("replay")  # the one instance the global pool is indexed under
 _TIER: Tier = "dram"
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    timestamp_ms: int
-    input_length: int
-    output_length: int
-    hash_ids: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,21 +52,6 @@ class ReplayResult:
     avg_occupancy_ratio: float | None  # of capacity; None when unlimited
     warm_occupancy_blocks: float | None  # mean after the first eviction; None if none
     elapsed_s: float
-
-
-def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
-    requests: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            d = json.loads(line)
-            requests.append(
-                TraceRequest(d["timestamp"], d["input_length"], d["output_length"], d["hash_ids"])
-            )
-    return requests
 
 
 def _runs(hashes: Sequence[int], keep: AbstractSet[int]) -> Iterator[tuple[int | None, list[int]]]:
@@ -207,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay a Mooncake trace through the KV index and an eviction policy; "
         "report the prefix-continuous, token-weighted hit ratio.",
     )
-    p.add_argument("--trace", default=os.environ.get("HALFMOON_TRACE", DEFAULT_TRACE),
-                   help="JSONL trace (env HALFMOON_TRACE; default %(default)s)")
+    p.add_argument("--trace", default=default_trace(),
+                   help="JSONL trace (default: env HALFMOON_TRACE, else the repository's 2%% "
+                   "sample of the conversation trace, %(default)s)")
     p.add_argument("--capacity-blocks", nargs="+", type=_capacity, metavar="C",
                    default=list(DEFAULT_CAPACITIES),
                    help="pool sizes in blocks, or inf/unlimited (default: the DESIGN.md set)")
@@ -230,26 +209,40 @@ class _Row:
     lru_at_occupancy: ReplayResult | None = None  # plain LRU sized to the warm occupancy
 
 
-def _fmt_row(row: _Row) -> str:
+def reference_pct(result: ReplayResult, tail_first: str) -> float | None:
+    """DESIGN.md's figure for a plain-LRU row of the conversation trace (caller checks the
+    trace); None for the other rows."""
+    if result.policy != "lru" or tail_first == "on":
+        return None
+    return REFERENCE_LRU_HIT_PCT.get(result.capacity_blocks)
+
+
+def _fmt_row(row: _Row, ref: str | None) -> str:
+    """One row; `ref` is the reference cell, None when the table has no such column."""
     r = row.result
     cap = "inf" if r.capacity_blocks is None else str(r.capacity_blocks)
-    ref = REFERENCE_LRU_HIT_PCT.get(r.capacity_blocks) if r.policy == "lru" else None
     warm = "-" if r.warm_occupancy_blocks is None else f"{r.warm_occupancy_blocks:.0f}"
     cmp = row.lru_at_occupancy
     return (
         f"{cap:>9} {r.policy:>9} {100 * r.hit_ratio:7.2f} "
-        f"{'-' if ref is None else f'{ref:.1f}':>6} {r.blocks_evicted:8d} "
+        f"{'' if ref is None else f'{ref:>6} '}{r.blocks_evicted:8d} "
         f"{r.avg_occupancy_blocks:8.0f} {warm:>8} "
         f"{'-' if cmp is None else f'{100 * cmp.hit_ratio:.2f}':>8} {r.elapsed_s:7.2f}"
     )
 
 
-def _fmt_table(rows: Iterable[_Row]) -> str:
+def format_table(rows: Sequence[_Row], references: Sequence[float | None] | None = None) -> str:
+    """The replay table; with `references` (one per row, None where none applies),
+    DESIGN.md's column beside the measured hit ratio."""
+    ref_head = "" if references is None else f"{'ref %':>6} "
     head = (
-        f"{'capacity':>9} {'policy':>9} {'hit %':>7} {'ref %':>6} {'evicted':>8} "
+        f"{'capacity':>9} {'policy':>9} {'hit %':>7} {ref_head}{'evicted':>8} "
         f"{'avg occ':>8} {'warm occ':>8} {'lru@occ%':>8} {'seconds':>7}"
     )
-    return "\n".join([head, "-" * len(head), *(_fmt_row(r) for r in rows)])
+    cells: list[str | None] = ([None] * len(rows) if references is None else
+                               ["-" if ref is None else f"{ref:.1f}" for ref in references])
+    body = [_fmt_row(row, cell) for row, cell in zip(rows, cells)]
+    return "\n".join([head, "-" * len(head), *body])
 
 
 def _run_one(requests: Sequence[TraceRequest], capacity: int | None, policy: str,
@@ -283,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(out), flush=True)
     if not args.json:
         print(f"{args.trace}: {len(requests)} requests, {args.block_tokens}-token blocks")
-        print(_fmt_table(rows))
+        known = args.block_tokens == 512 and is_conversation_trace(requests)
+        refs = [reference_pct(r.result, args.tail_first) for r in rows] if known else None
+        print(format_table(rows, refs))
     return 0
 
 

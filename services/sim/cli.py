@@ -9,14 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from dataclasses import asdict
 from typing import Sequence
 
 from services.conductor.costmodel import CostModel, load_cost_model
 from services.conductor.policy import POLICIES
-from services.kvmanager.replay import DEFAULT_TRACE, _capacity, load_trace
+from services.kvmanager.replay import _capacity
+from services.kvmanager.traces import default_trace, load_trace
 from services.sim.model import PRESETS, with_block_tokens
 from services.sim.run import LOCAL, SimConfig, SimResult, run_policy, to_sim_requests
 
@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Discrete-event simulation of N prefill and M decode instances driven by "
         "the conductor's placement policies, the KV manager's index and the engines' own "
         "block pool and eviction.")
-    p.add_argument("--trace", default=os.environ.get("HALFMOON_TRACE", DEFAULT_TRACE),
-                   help="JSONL trace (env HALFMOON_TRACE; default %(default)s)")
+    p.add_argument("--trace", default=default_trace(),
+                   help="JSONL trace (default: env HALFMOON_TRACE, else the repository's 2%% "
+                   "sample of the conversation trace, %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
     p.add_argument("--prefill", type=int, default=16, help="prefill instances (%(default)s)")
     p.add_argument("--decode", type=int, default=16, help="decode instances (%(default)s)")

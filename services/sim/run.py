@@ -25,7 +25,8 @@ from services.conductor.costmodel import CostModel
 from services.conductor.policy import Policy, RequestView, Snapshot, make_policy
 from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
-from services.kvmanager.replay import TraceRequest, _runs
+from services.kvmanager.replay import _runs
+from services.kvmanager.traces import TraceRequest
 from services.sim.model import (DecodeInstance, Outcome, PrefillInstance, PrefillJob,
                                 SimRequest)
 

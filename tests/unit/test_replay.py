@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 
 from services.kvmanager.pool import POLICIES, HashPool
-from services.kvmanager.replay import load_trace, main, replay_requests, replay_trace
+from services.kvmanager.replay import main, replay_requests, replay_trace
+from services.kvmanager import traces
+from services.kvmanager.traces import SAMPLE_TRACE, load_trace
 
 REPO = Path(__file__).resolve().parents[2]
-REAL_TRACE = Path(os.environ.get("HALFMOON_TRACE", "/work/shared/traces/conversation_trace.jsonl"))
+# The repository's sample: 276 requests, 2% of the conversation trace's conversations.
+SAMPLE = str(SAMPLE_TRACE)
 
 # (input_length, hash_ids); the expected figures below are worked out by hand.
 SYNTHETIC = [
@@ -105,31 +108,25 @@ def _ordered_dict_lru_hits(requests: list[tuple[int, list[int]]], capacity: int)
 
 
 @pytest.fixture(scope="module")
-def real_head() -> list[tuple[int, list[int]]]:
-    if not REAL_TRACE.exists():
-        pytest.skip(f"trace not found: {REAL_TRACE}")
-    out = []
-    with REAL_TRACE.open() as f:
-        for _, line in zip(range(2000), f):
-            d = json.loads(line)
-            out.append((d["input_length"], d["hash_ids"]))
-    return out
+def sample() -> list[tuple[int, list[int]]]:
+    with open(SAMPLE) as f:
+        return [(d["input_length"], d["hash_ids"]) for d in map(json.loads, f)]
 
 
-def test_real_trace_head_unlimited_matches_set_model(real_head: list[tuple[int, list[int]]]) -> None:
-    hit, total = _set_based_hits(real_head)
+def test_sample_unlimited_matches_set_model(sample: list[tuple[int, list[int]]]) -> None:
+    hit, total = _set_based_hits(sample)
     assert 0 < hit < total
-    requests = load_trace(str(REAL_TRACE), limit=2000)
+    requests = load_trace(SAMPLE)
     for policy in ("lru", "watermark"):
         r = replay_requests(requests, None, policy)
         assert (r.hit_tokens, r.input_tokens) == (hit, total)
         assert r.hit_ratio == hit / total
 
 
-def test_real_trace_head_lru_matches_reference_model(real_head: list[tuple[int, list[int]]]) -> None:
-    requests = load_trace(str(REAL_TRACE), limit=2000)
+def test_sample_lru_matches_reference_model(sample: list[tuple[int, list[int]]]) -> None:
+    requests = load_trace(SAMPLE)
     r = replay_requests(requests, 1000, "lru")
-    assert r.hit_tokens == _ordered_dict_lru_hits(real_head, 1000)
+    assert r.hit_tokens == _ordered_dict_lru_hits(sample, 1000)
     assert r.blocks_evicted > 0 and r.peak_blocks == 1000
 
 
@@ -288,3 +285,63 @@ def test_pool_misuse_is_a_value_error() -> None:
                 dict(capacity_blocks=4, policy="watermark", high_watermark=0.5, evict_ratio=0.6)):
         with pytest.raises(ValueError):
             HashPool(**bad)
+
+
+# ---- traces: the default, the sample, the conversation trace's reference column ---------
+
+
+def test_the_default_trace_is_the_env_else_the_repository_sample(monkeypatch) -> None:
+    monkeypatch.delenv("HALFMOON_TRACE", raising=False)
+    assert traces.default_trace() == str(SAMPLE_TRACE) and SAMPLE_TRACE.is_file()
+    monkeypatch.setenv("HALFMOON_TRACE", "/data/mine.jsonl")
+    assert traces.default_trace() == "/data/mine.jsonl"
+
+
+def test_the_sample_keeps_whole_conversations_in_file_order() -> None:
+    from services.bench.replay.workload import keeps
+
+    requests = load_trace(SAMPLE)
+    assert len(requests) == 276 and all(keeps(r, traces.SAMPLE_CONVERSATIONS) for r in requests)
+    assert [r.timestamp_ms for r in requests] == sorted(r.timestamp_ms for r in requests)
+    assert not traces.is_conversation_trace(requests)
+
+
+@pytest.mark.skipif(not os.environ.get("HALFMOON_TRACE"), reason="HALFMOON_TRACE not set")
+def test_the_sample_is_the_default_bench_slice_of_the_conversation_trace() -> None:
+    from services.bench.replay.workload import SliceSpec, select
+
+    full = load_trace(os.environ["HALFMOON_TRACE"])
+    if not traces.is_conversation_trace(full):
+        pytest.skip("HALFMOON_TRACE is not the conversation trace")
+    spec = SliceSpec(sample_conversations=traces.SAMPLE_CONVERSATIONS)
+    assert select(full, spec) == load_trace(SAMPLE)
+
+
+def test_digest_is_of_the_content_not_the_formatting(tmp_path: Path, synthetic: Path) -> None:
+    compact = tmp_path / "compact.jsonl"
+    compact.write_text("".join(json.dumps(json.loads(line), separators=(",", ":")) + "\n\n"
+                               for line in synthetic.read_text().splitlines()))
+    digest = traces.trace_digest(load_trace(str(synthetic)))
+    assert traces.trace_digest(load_trace(str(compact))) == digest
+    assert traces.trace_digest(load_trace(str(synthetic), limit=4)) != digest
+
+
+def test_reference_column_only_for_the_conversation_trace(
+        synthetic: Path, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--trace", str(synthetic), "--capacity-blocks", "inf", "1000"]
+    assert main(argv) == 0
+    assert "ref %" not in capsys.readouterr().out
+    # Pretend the synthetic trace is the conversation trace: DESIGN.md's figures appear
+    # beside plain LRU, and only there (not for watermark, nor tail-first LRU).
+    monkeypatch.setattr(traces, "CONVERSATION_TRACE_DIGEST",
+                        traces.trace_digest(load_trace(str(synthetic))))
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "ref %" in lines[1]
+    assert lines[3].split()[:4] == ["inf", "lru", "26.52", "37.4"]
+    assert lines[4].split()[:4] == ["inf", "watermark", "26.52", "-"]
+    assert lines[5].split()[3] == "4.5"
+    assert main([*argv, "--tail-first", "on", "--policy", "lru"]) == 0
+    assert capsys.readouterr().out.splitlines()[3].split()[3] == "-"
+    assert main([*argv, "--block-tokens", "16"]) == 0
+    assert "ref %" not in capsys.readouterr().out

@@ -3,18 +3,17 @@ where it must, the trace's hit ratio, early rejection, and the index mirroring t
 
 import json
 import math
-import os
 import random
 
 import pytest
 
 from services.conductor.costmodel import CostModel
-from services.kvmanager.replay import load_trace, replay_requests
+from services.kvmanager.replay import replay_requests
+from services.kvmanager.traces import SAMPLE_TRACE, load_trace
 from services.sim import cli
 from services.sim.model import SimRequest, slowest_tenth_mean
 from services.sim.run import LOCAL, SimConfig, run_policy, simulate
 
-TRACE = "/work/shared/traces/conversation_trace.jsonl"
 BS = 10  # tokens per block in the synthetic traces
 
 
@@ -175,11 +174,10 @@ def test_single_instance_unlimited_cache_hit_ratio_is_exact_on_a_synthetic_trace
     assert res.input_tokens == sum(r.input_length for r in reqs)
 
 
-@pytest.mark.skipif(not os.path.exists(TRACE), reason="conversation trace not present")
 def test_single_instance_unlimited_cache_hit_ratio_matches_the_trace():
     # Full trace (12,031 requests): 37.36%, the same as `halfmoon kv replay --capacity-blocks
-    # inf` and DESIGN.md's 37.4%. Here the first 2,000 lines, exactly.
-    trace = load_trace(TRACE, limit=2000)
+    # inf` and DESIGN.md's 37.4%. Here the repository's 2% sample of it, exactly.
+    trace = load_trace(str(SAMPLE_TRACE))
     reqs = [SimRequest(i, r.timestamp_ms / 1e3, r.input_length, r.output_length, r.hash_ids)
             for i, r in enumerate(trace)]
     c = cfg(cost=CostModel(block_size=512), block_tokens=512, reject=False)

@@ -24,7 +24,7 @@ from services.bench.replay.metrics import Slos, records_json, summarize
 from services.bench.replay.prompts import PromptMaker, PromptPlan, ideal_hit_ratio, single_token_words
 from services.bench.replay.runner import RunOptions, replay
 from services.bench.replay.workload import SliceSpec, arrivals, select
-from services.kvmanager.replay import DEFAULT_TRACE, load_trace
+from services.kvmanager.traces import default_trace, load_trace
 from shared.model_store import ensure_model
 from shared.settings import DEFAULT_MODEL_NAME, halfmoon_home
 
@@ -48,7 +48,10 @@ TARGETS = (("TBT p99, disaggregated / colocated", ("tbt", "p99_ms"), "disaggrega
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="halfmoon bench replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake trace (JSON Lines)")
+    p.add_argument("--trace", default=default_trace(),
+                   help="Mooncake trace, JSON Lines (default: env HALFMOON_TRACE, else the "
+                   "repository's 2%% sample of the conversation trace, which the default "
+                   "--sample-conversations keeps whole)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway (single-run mode)")
     p.add_argument("--compare", choices=sorted(PRESETS), help="start a cluster per preset config")
     p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",

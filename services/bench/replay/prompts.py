@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Sequence
 
-from services.kvmanager.replay import TraceRequest
+from services.kvmanager.traces import TraceRequest
 
 TRACE_BLOCK_TOKENS = 512
 _WORD = re.compile(r"^\u0120[a-z]{3,9}$")  # byte-level BPE marks a leading space with "Ġ"

@@ -13,7 +13,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
-from services.kvmanager.replay import TraceRequest
+from services.kvmanager.traces import TraceRequest
 
 
 @dataclass(frozen=True)
