@@ -14,6 +14,7 @@ services/kvmanager/pool.py) use the same pool through `take_cached` / `take_new`
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class Block:
     pinned_until: float = 0.0  # soft pin: evicted only when nothing unpinned is left
 
 
+@functools.lru_cache(maxsize=64)  # evict_to_watermark may ask after every block
 def watermark_marks(num_blocks: int, high: float, ratio: float) -> tuple[int, int]:
     """(trigger, target) in blocks: evict once `high` of the pool is reached, down to
     `high - ratio`, and always by at least one block, or a tiny pool would never make
