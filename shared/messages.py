@@ -150,10 +150,15 @@ class Placement(Message):
 
 class PrefillJob(Message):
     request: GenerateRequest
-    decode_id: str = ""  # empty: a colocated instance decodes the request itself
+    decode_id: str = ""  # where decode runs; empty when colocated (see `colocated`)
     # Cache load balancing: pull this many prefix blocks from another instance first.
     prefix_from: str = ""
     prefix_blocks: int = 0
+
+    @property
+    def colocated(self) -> bool:
+        """The prefill instance decodes the request itself: no decode instance named."""
+        return not self.decode_id
 
 
 class KVHandle(BaseModel):

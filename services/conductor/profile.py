@@ -24,7 +24,7 @@ import torch
 from shared.engine import cpu
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.runner import load_model
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 from shared.model_store import ensure_model
 
 ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

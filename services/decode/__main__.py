@@ -8,10 +8,10 @@ import logging
 from typing import Sequence
 
 from shared import bus, subjects
-from shared.engine.bootstrap import load_for, with_instance_id
+from services.worker.bootstrap import load_for, with_instance_id
 from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
-from shared.engine.instance import make_receiver
-from shared.engine.metrics import EngineMetrics
+from services.worker.settings import make_receiver
+from services.worker.metrics import EngineMetrics
 from shared.metrics import serve_metrics
 from services.decode.args import DecodeSettings, parse_args
 from services.decode.handlers import DecodeInstance

@@ -19,9 +19,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from shared import bus, errors
-from shared.engine.instance import EngineInstance, Stream
+from services.worker.instance import EngineInstance, Stream
 from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.engine.llm_engine import RequestOutput
+from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.messages import Ack, DecodeJob, Role
 from shared.transfer import KVReceiver, TransferFailed
@@ -81,7 +82,8 @@ class DecodeInstance(EngineInstance):
             try:
                 ok = await self.run_engine(self.engine.reserve, req.request_id,
                                            req.prompt_token_ids, job.output_token_ids,
-                                           req.sampling, job.kv.num_tokens, req.tenant)
+                                           SamplingParams.of(req.sampling), job.kv.num_tokens,
+                                           req.tenant)
             except ValueError as exc:
                 self.queue.popleft()
                 await self.finish_with_error(req.request_id, "invalid_request", str(exc))
@@ -133,7 +135,8 @@ class DecodeInstance(EngineInstance):
         req = job.request
         try:
             await self.run_engine(self.engine.add_recompute, req.request_id, req.prompt_token_ids,
-                                  job.output_token_ids, req.sampling, job.emitted_text, req.tenant)
+                                  job.output_token_ids, SamplingParams.of(req.sampling),
+                                  job.emitted_text, req.tenant)
         except ValueError as exc:
             await self.finish_with_error(req.request_id, "invalid_request", str(exc))
             return
@@ -152,7 +155,7 @@ class DecodeInstance(EngineInstance):
 
     def leased_blocks(self) -> int:
         """Blocks reserved for KV still in transfer."""
-        return int(self._stats.get("kv_blocks_reserved", 0))
+        return self._stats.kv_blocks_reserved
 
     async def fail_running(self, why: str) -> None:
         self.queue.clear()

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from pydantic import Field
 
-from shared.engine.instance import WorkerSettings
+from services.worker.settings import WorkerSettings
 from shared.settings import parse_settings
 
 

@@ -15,8 +15,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from shared import bus, errors, subjects
-from shared.engine.instance import EngineInstance, Stream
+from services.worker.instance import EngineInstance, Stream
 from shared.engine.llm_engine import RequestOutput
+from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.messages import Ack, DecodeJob, KVExportReply, KVExportRequest, PrefillJob, Role
@@ -44,6 +45,14 @@ class PrefillInstance(EngineInstance):
         self._leases: dict[str, int] = {}
         self._handoffs: dict[str, str] = {}
 
+    def connector(self) -> "PrefillInstance":
+        return self  # hands_off: the requests a decode instance was named for
+
+    def hands_off(self, request_id: str) -> bool:
+        """Engine thread: the KV leaves once the first token exists, unless this instance
+        decodes the request too (colocated: no decode instance named in its job)."""
+        return bool(self.decode_for.get(request_id))
+
     async def on_submit(self, msg: Msg) -> None:
         try:
             job = PrefillJob.model_validate_json(msg.data)
@@ -55,7 +64,7 @@ class PrefillInstance(EngineInstance):
         if self.known(rid):  # nothing (more) to do
             await bus.respond(msg, Ack())
             return
-        if self._stats["waiting"] >= self.settings.max_queue:
+        if self._stats.waiting >= self.settings.max_queue:
             await bus.respond(msg, errors.Rejected("prefill queue is full", retry_after_s=1.0))
             return
         self.streams[req.request_id] = Stream(req, 0)
@@ -74,7 +83,7 @@ class PrefillInstance(EngineInstance):
             return
         try:
             await self.run_engine(self.engine.add_request, req.request_id, req.prompt_token_ids,
-                                  req.sampling, req.tenant, bool(job.decode_id))
+                                  SamplingParams.of(req.sampling), req.tenant)
         except ValueError as exc:
             self.decode_for.pop(req.request_id, None)
             await self.finish_with_error(req.request_id, "invalid_request", str(exc))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from shared.engine.instance import WorkerSettings
+from services.worker.settings import WorkerSettings
 from shared.engine.runner import LoadedModel, load_model
 from shared.lifecycle import new_instance_id, setup_logging
 from shared.model_store import ensure_model

@@ -1,4 +1,4 @@
-"""What prefill and decode instances share: settings, the engine thread, the bus side.
+"""What prefill and decode instances share: the engine thread and the bus side.
 
 Torch runs on one dedicated thread per instance, so the asyncio loop keeps answering
 heartbeats, cancels and transfers while a step is in flight. Every engine call (adding,
@@ -13,100 +13,23 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, TypeVar
-
-from nats.aio.client import Client as NATS
-from pydantic import Field, model_validator
+from typing import Any, Callable, TypeVar
 
 import torch
+from nats.aio.client import Client as NATS
 
-from shared import subjects, tls
+from services.worker.settings import WorkerSettings
+from shared import subjects
 from shared.engine import cpu
-from shared.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from shared.engine.connector import KVConnector
+from shared.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 from shared.engine.runner import LoadedModel
 from shared.messages import (CancelRequest, ErrorBody, FinishReason, GenerateRequest,
                              InstanceInfo, KVActivity, KVEvent, KVEventKind, Role, TokenEvent,
                              Usage)
-from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, halfmoon_home
-from shared.transfer import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class WorkerSettings(BaseSettings):
-    instance_id: str = Field("", description="instance id (empty: generated)")
-    model: str = Field(DEFAULT_MODEL_NAME, description="model folder, or a name in HALFMOON_HOME/models")
-    served_model_name: str = Field("", description="model name clients use (empty: folder name)")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="weights and KV dtype; auto: bfloat16 where the CPU computes it "
-        "natively (AVX-512 BF16, AMX, AVX-NE-CONVERT), float32 otherwise")
-    quantization: Literal["none", "int8"] = Field(
-        "none", description="int8: int8 weights per channel and activations per token (a "
-        "quarter of fp32's bytes per decode step)")
-    device: str = Field("cpu", description="torch device: cpu | cuda")
-    threads: int = Field(0, ge=0, description="torch threads for this instance (0: torch default)")
-    nice: int = Field(0, ge=0, le=19, description="CPU niceness: on a shared box a niced engine "
-                      "lets the control plane (gateway, conductor) answer at once")
-    block_size: int = Field(16, gt=0, le=64, description="KV block size in tokens")
-    kv_cache_gb: float = Field(1.0, gt=0, description="KV pool (DRAM tier) size in GiB")
-    disk_tier_gb: float = Field(0.0, ge=0, description="KV disk tier size in GiB (0: off)")
-    disk_tier_dir: str = Field("", description="disk tier folder (empty: HALFMOON_HOME/kvdisk/<id>)")
-    max_num_seqs: int = Field(64, gt=0, description="sequences in the running batch at most")
-    chunk_tokens: int = Field(512, gt=0, description="prefill chunk: tokens computed per step at most")
-    kv_host: str = Field("127.0.0.1", description="address the KV data plane binds")
-    kv_advertise_host: str = Field("", description="address peers use to reach the data plane")
-    kv_port: int = Field(0, ge=0, description="KV data plane port (0: any free port)")
-    transfer_timeout_s: float = Field(30.0, gt=0, description="KV transfer timeout")
-    eviction: Literal["lru", "watermark"] = Field(
-        "lru", description="lru: evict on demand; watermark: Mooncake Store's proactive eviction")
-    high_watermark: float = Field(0.90, gt=0, le=1, description="watermark eviction starts above this")
-    evict_ratio: float = Field(0.05, gt=0, lt=1, description="watermark eviction frees this share")
-    hot_hits: int = Field(3, ge=0, description="soft-pin blocks hit this often (0: no pins)")
-    pin_ttl_s: float = Field(60.0, gt=0, description="how long a hot block stays pinned")
-    kv_transport: Literal["auto", "tcp"] = Field(
-        "auto", description="auto: shared memory when both ends are on one host, else TCP")
-    # Data-plane TLS is mutual or off (shared/tls.py says why); docs/deploy.md, "Security".
-    kv_tls_cert: str = Field("", description="PEM certificate this instance presents on the "
-                             "KV data plane, as sender and receiver (with kv_tls_key and "
-                             "kv_tls_ca: mutual TLS; empty: plain TCP)")
-    kv_tls_key: str = Field("", description="private key of kv_tls_cert")
-    kv_tls_ca: str = Field("", description="CA bundle every peer's data-plane certificate "
-                           "must chain to")
-    kv_tls_hostname: str = Field("", description="name peers' data-plane certificates are "
-                                 "checked against (empty: the peer's advertised host)")
-
-    @model_validator(mode="after")
-    def _kv_tls(self) -> "WorkerSettings":
-        tls.kv_contexts(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca)  # loads, or says why
-        return self
-
-    def engine_config(self) -> EngineConfig:
-        disk_dir = self.disk_tier_dir or str(halfmoon_home() / "kvdisk" / self.instance_id)
-        return EngineConfig(block_size=self.block_size, kv_cache_bytes=int(self.kv_cache_gb * 2**30),
-                            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.chunk_tokens,
-                            disk_tier_bytes=int(self.disk_tier_gb * 2**30), disk_tier_dir=disk_dir,
-                            eviction=self.eviction, high_watermark=self.high_watermark,
-                            evict_ratio=self.evict_ratio, hot_hits=self.hot_hits,
-                            pin_ttl_s=self.pin_ttl_s, quantization=self.quantization)
-
-
-def make_sender(settings: WorkerSettings) -> KVSender:
-    from shared.transfer.shm import ShmKVSender
-    from shared.transfer.tcp import TcpKVSender
-
-    cls = ShmKVSender if settings.kv_transport == "auto" else TcpKVSender
-    server_tls, _ = tls.kv_contexts(settings.kv_tls_cert, settings.kv_tls_key, settings.kv_tls_ca)
-    return cls(settings.kv_host, settings.kv_port, settings.kv_advertise_host, tls=server_tls)
-
-
-def make_receiver(settings: WorkerSettings) -> KVReceiver:
-    from shared.transfer.shm import ShmKVReceiver
-    from shared.transfer.tcp import TcpKVReceiver
-
-    _, client_tls = tls.kv_contexts(settings.kv_tls_cert, settings.kv_tls_key, settings.kv_tls_ca)
-    cls = ShmKVReceiver if settings.kv_transport == "auto" else TcpKVReceiver
-    return cls(tls=client_tls, tls_hostname=settings.kv_tls_hostname)
 
 
 class CancelSet:
@@ -149,7 +72,7 @@ class EngineInstance:
         # Ended here (finished, failed or handed on): a job for one again is a duplicate.
         self.finished = CancelSet()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.engine = LLMEngine(lm, settings.engine_config())
+        self.engine = LLMEngine(lm, settings.engine_config(), connector=self.connector())
         self.streams: dict[str, Stream] = {}
         self.kv_port = 0
         self._wake = asyncio.Event()
@@ -158,6 +81,10 @@ class EngineInstance:
         # What the conductor's cost-model prior must match (see calibration.py).
         self._engine_key = cpu.engine_key(lm.name, str(lm.dtype).removeprefix("torch."),
                                           settings.quantization, torch.get_num_threads())
+
+    def connector(self) -> KVConnector | None:
+        """What the engine asks where each request's KV goes (None: it decodes them all)."""
+        return None
 
     async def run_engine(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
@@ -168,19 +95,25 @@ class EngineInstance:
     def wake(self) -> None:
         self._wake.set()
 
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's state as of the last step, addition or abort (a snapshot taken on
+        the engine thread: safe to read from the loop or a metrics scrape)."""
+        return self._stats
+
     def info(self) -> InstanceInfo:
         s = self._stats
-        used = int(s["kv_blocks_total"] - s["kv_blocks_free"])
+        used = s.kv_blocks_total - s.kv_blocks_free
         disk_used, disk_free = self.disk_blocks()
         return InstanceInfo(
             instance_id=self.instance_id, role=self.role, pid=os.getpid(),
             started_at=self.started_at, kv_host=self.settings.kv_advertise_host or
-            self.settings.kv_host, kv_port=self.kv_port, queue_depth=int(s["waiting"]),
-            running=int(s["running"]), kv_tokens_used=used * self.settings.block_size, model=self.lm.name,
-            queue_prompts=s["queue_prompts"][:256], mean_context=s["mean_context"],
-            kv_blocks_total=int(s["kv_blocks_total"]), kv_blocks_free=int(s["kv_blocks_free"]),
-            kv_blocks_cached=int(s["kv_blocks_cached"]), disk_blocks_used=disk_used,
-            disk_blocks_free=disk_free, kv_activity=self.kv_activity,
+            self.settings.kv_host, kv_port=self.kv_port, queue_depth=s.waiting,
+            running=s.running, kv_tokens_used=used * self.settings.block_size,
+            model=self.lm.name, queue_prompts=list(s.queue_prompts[:256]),
+            mean_context=s.mean_context, kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_free=s.kv_blocks_free, kv_blocks_cached=s.kv_blocks_cached,
+            disk_blocks_used=disk_used, disk_blocks_free=disk_free, kv_activity=self.kv_activity,
             kv_blocks_leased=self.leased_blocks(), engine_key=self._engine_key)
 
     def heartbeat(self) -> InstanceInfo:
@@ -271,7 +204,7 @@ class EngineInstance:
     async def abort(self, request_id: str) -> None:
         """Drop a request from the engine (its blocks go back to the pool) and refresh the
         stats heartbeats carry: with no work left, no step would refresh them."""
-        def run() -> dict[str, Any]:
+        def run() -> EngineStats:
             self.engine.abort(request_id)
             return self.engine.stats()
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Iterable
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import Metric
 
-from shared.engine.llm_engine import StepStats
+from shared.engine.llm_engine import EngineStats, StepStats
 from shared.metrics import (FAST_BUCKETS, ScrapeCollector, counter, gauge, new_registry)
 from shared.transfer.base import TransferState
 
 if TYPE_CHECKING:
-    from shared.engine.instance import EngineInstance
+    from services.worker.instance import EngineInstance
     from shared.transfer import KVReceiver, KVSender
 
 
@@ -65,15 +65,15 @@ class EngineMetrics:
         self.step_tokens.inc(step.num_tokens)
 
     def collect(self) -> Iterable[Metric]:
-        inst, engine = self.inst, self.inst.engine
-        s = inst._stats  # the snapshot taken after each step: safe to read off-thread
+        inst = self.inst
+        s = inst.stats  # the snapshot taken after each step: safe to read off-thread
         yield gauge("halfmoon_engine_info", "This instance (value 1)",
                     labels=("instance_id", "role", "model"),
                     samples=[((inst.instance_id, inst.role.value, inst.lm.name), 1)])
         yield gauge("halfmoon_engine_waiting_requests", "Requests queued for their prompt",
-                    float(s["waiting"]))
+                    float(s.waiting))
         yield gauge("halfmoon_engine_running_requests", "Sequences in the running batch",
-                    float(s["running"]))
+                    float(s.running))
         queue = getattr(inst, "queue", None)  # decode: handoffs waiting for pool room
         if queue is not None:
             yield gauge("halfmoon_engine_pending_imports",
@@ -81,13 +81,13 @@ class EngineMetrics:
                         float(len(queue)))
         yield from self._kv_families(s)
         yield counter("halfmoon_prefix_cache_hit_tokens", "Prompt tokens served from the prefix "
-                      "cache (local, disk or pulled blocks)", engine.num_prefix_hit_tokens)
+                      "cache (local, disk or pulled blocks)", s.prefix_hit_tokens)
         yield counter("halfmoon_prefix_cache_miss_tokens", "Prompt tokens computed",
-                      engine.num_prefix_miss_tokens)
+                      s.prefix_miss_tokens)
         yield counter("halfmoon_engine_preemptions", "Sequences preempted for KV room",
-                      engine.num_preemptions)
+                      s.preemptions)
         yield counter("halfmoon_kv_evicted_blocks", "DRAM-tier blocks evicted from the cache",
-                      engine.blocks.num_evictions)
+                      s.evicted_blocks)
         a = inst.kv_activity
         yield counter("halfmoon_kv_transfer_bytes", "KV bytes moved by completed transfers",
                       labels=("direction",), samples=[(("in",), a.bytes_in),
@@ -101,12 +101,12 @@ class EngineMetrics:
                           "malformed requests (a run of them from one peer is also logged)",
                           sender.refusals.total)
 
-    def _kv_families(self, s: dict) -> Iterable[Metric]:
+    def _kv_families(self, s: EngineStats) -> Iterable[Metric]:
         engine = self.inst.engine
-        total, free = int(s["kv_blocks_total"]), int(s["kv_blocks_free"])
+        total, free = s.kv_blocks_total, s.kv_blocks_free
         block_nbytes = engine.kv.shape.block_nbytes
         blocks = [(("dram", "used"), total - free), (("dram", "free"), free)]
-        cached = [(("dram",), s["kv_blocks_cached"])]
+        cached = [(("dram",), s.kv_blocks_cached)]
         used_bytes = [(("dram",), (total - free) * block_nbytes)]
         capacity = [(("dram",), engine.kv.nbytes)]
         disk = engine.disk

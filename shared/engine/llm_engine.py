@@ -27,6 +27,7 @@ import torch
 
 from shared.engine import kernels
 from shared.engine.batch import build_batch
+from shared.engine.connector import KVConnector
 from shared.engine.block_manager import BlockManager
 from shared.engine.disk_tier import DiskTier
 from shared.engine.kv_cache import KVCache
@@ -40,10 +41,10 @@ from shared.engine.scheduler import (PoolTooSmall, ScheduledSeq, Scheduler, Sche
                                      SchedulerOutput)
 from shared.engine.sequence import Sequence
 from shared.hashing import block_hashes
-from shared.messages import CostSample, FinishReason, SamplingParams
+from shared.engine.params import SamplingParams
+from shared.messages import CostSample, FinishReason
 
 log = logging.getLogger(__name__)
-Role = Literal["colocated", "prefill", "decode"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class EngineConfig:
     eviction: Literal["lru", "watermark"] = "lru"  # watermark: Mooncake Store's proactive mode
     high_watermark: float = 0.90
     evict_ratio: float = 0.05
-    quantization: Literal["none", "int8"] = "none"  # weights (and activations) of the linears
+    quantization: Literal["none", "int8"] = "none"  # the linears' weights (int8: weight-only)
 
 
 @dataclass
@@ -80,6 +81,24 @@ class _Request:
     seq: Sequence
     tracker: OutputTracker
     first_token_time: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What heartbeats, metrics and benches read of an engine (LLMEngine.stats())."""
+
+    running: int = 0  # sequences in the running batch
+    waiting: int = 0  # sequences waiting for their prompt to start
+    queue_prompts: tuple[int, ...] = ()  # prompt tokens left per unfinished prompt
+    mean_context: float = 0.0  # tokens per decoding sequence (what a decode step costs)
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0  # free blocks may still hold cached prefixes
+    kv_blocks_cached: int = 0
+    kv_blocks_reserved: int = 0  # held for KV still in transfer (decode admission)
+    prefix_hit_tokens: int = 0  # running totals since start
+    prefix_miss_tokens: int = 0
+    preemptions: int = 0
+    evicted_blocks: int = 0
 
 
 @dataclass
@@ -104,9 +123,11 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, lm: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, lm: LoadedModel, config: EngineConfig,
+                 connector: KVConnector | None = None) -> None:
         self.lm = lm
         self.config = config
+        self.connector = connector  # None: every request decodes here (see connector.py)
         shape = PagedLlama.kv_shape(lm.model.config, config.block_size, lm.dtype)
         num_blocks = shape.num_blocks_for(config.kv_cache_bytes)
         self.kv = KVCache(shape, num_blocks, lm.device)
@@ -141,10 +162,9 @@ class LLMEngine:
 
     # -- intake -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    salt: str = "", stop_after_first_token: bool = False) -> None:
+                    salt: str = "") -> None:
         self._check_fits(len(prompt_token_ids), params)
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, salt,
-                       stop_after_first_token)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, salt)
         with self._book:
             self._register(seq)
             self._load_from_disk(seq)
@@ -451,7 +471,8 @@ class LLMEngine:
                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
         if step.finish_reason is not None:
             self._finish(seq)
-        elif seq.stop_after_first_token:
+        elif (seq.num_output_tokens == 1 and self.connector is not None
+              and self.connector.hands_off(seq.request_id)):
             out.handoff = export_sequence(self.kv, self.blocks, seq, self.lm.name,
                                           self.config.quantization)
             self._finish(seq)
@@ -468,17 +489,21 @@ class LLMEngine:
         return RequestOutput(request_id, [], "", FinishReason.ERROR, seq.num_prompt_tokens,
                              seq.num_output_tokens, seq.num_cached_tokens, error=why)
 
-    # -- state for heartbeats and benchmarks ---------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    # -- state for heartbeats, metrics and benchmarks -------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot, safe to read from other threads once taken (engine thread only)."""
         sched = self.scheduler
         seqs = sched.running + list(sched.waiting)
         decoding = [s for s in sched.running if s.num_uncomputed_tokens <= 1]
-        return {"running": len(sched.running), "waiting": len(sched.waiting),
-                "queue_prompts": [s.num_uncomputed_tokens for s in seqs
-                                  if s.num_uncomputed_tokens > 1],
-                "mean_context": (sum(s.num_tokens for s in decoding) / len(decoding)
-                                 if decoding else 0.0),
-                "kv_blocks_total": self.blocks.num_blocks,
-                "kv_blocks_free": self.blocks.num_free_blocks,
-                "kv_blocks_reserved": sum(len(s.block_table) for s in self.reserved.values()),
-                "kv_blocks_cached": self.blocks.num_cached_blocks}
+        return EngineStats(
+            running=len(sched.running), waiting=len(sched.waiting),
+            queue_prompts=tuple(s.num_uncomputed_tokens for s in seqs
+                                if s.num_uncomputed_tokens > 1),
+            mean_context=(sum(s.num_tokens for s in decoding) / len(decoding)
+                          if decoding else 0.0),
+            kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free_blocks,
+            kv_blocks_cached=self.blocks.num_cached_blocks,
+            kv_blocks_reserved=sum(len(s.block_table) for s in self.reserved.values()),
+            prefix_hit_tokens=self.num_prefix_hit_tokens,
+            prefix_miss_tokens=self.num_prefix_miss_tokens,
+            preemptions=self.num_preemptions, evicted_blocks=self.blocks.num_evictions)

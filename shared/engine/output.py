@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from shared.messages import FinishReason, SamplingParams
+from shared.engine.params import SamplingParams
+from shared.messages import FinishReason
 
 Decode = Callable[[list[int]], str]
 

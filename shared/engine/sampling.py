@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 
 # Below this temperature sampling is greedy (as in vLLM): logits / 1e-38 overflow to inf,
 # softmax turns them into NaN, and one such request would fail its whole engine step.

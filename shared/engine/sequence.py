@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 
 
 class SeqStatus(Enum):
@@ -23,8 +23,6 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     salt: str = ""
-    # Prefill-role instances stop a sequence once its first token exists (decode goes on).
-    stop_after_first_token: bool = False
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

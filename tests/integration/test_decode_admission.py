@@ -18,6 +18,7 @@ from services.decode.handlers import DecodeInstance
 from services.prefill.args import PrefillSettings
 from services.prefill.handlers import PrefillInstance
 from shared import bus, errors, subjects
+from shared.engine.connector import HandOffAll
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.messages import Ack, DecodeJob, PrefillJob
 from shared.transfer.base import HANDOFF
@@ -96,11 +97,11 @@ async def test_a_full_handoff_queue_refuses_with_a_clear_error(nc, tiny):
     handoff is refused, naming why, and the first stays queued."""
     sender = TcpKVSender()
     await sender.start()
-    maker = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20))
+    maker = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20), connector=HandOffAll())
     jobs = []
     for i in range(3):
         rid = f"f{i}"
-        maker.add_request(rid, PROMPT, params(), stop_after_first_token=True)
+        maker.add_request(rid, PROMPT, params())
         out = [o for o in maker.step()][0]
         while out.handoff is None:
             out = [o for o in maker.step()][0]

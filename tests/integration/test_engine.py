@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from shared.engine.batch import build_batch
+from shared.engine.connector import HandOffAll
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.runner import load_model
 from shared.engine.scheduler import ScheduledSeq
 from shared.engine.sequence import Sequence
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 
 pytestmark = pytest.mark.model
 
@@ -157,10 +158,11 @@ def engine_block_bytes(lm) -> int:
 
 
 def test_handoff_between_engines_is_exact(lm, prompts, reference):
-    prefill = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=128))
+    prefill = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=128),
+                        connector=HandOffAll())
     decode = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20))
     for i in (0, 13, 14):
-        prefill.add_request(f"r{i}", prompts[i], greedy(), stop_after_first_token=True)
+        prefill.add_request(f"r{i}", prompts[i], greedy())
         _, outs = drain(prefill)
         out = outs[f"r{i}"]
         assert out.handoff is not None and out.handoff.meta.num_tokens == len(prompts[i])
@@ -177,8 +179,8 @@ def test_seeded_sampling_same_alone_and_split(lm, prompts):
     a = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20))
     a.add_request("s", prompts[1], params)
     alone, _ = drain(a)
-    p = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20))
-    p.add_request("s", prompts[1], params, stop_after_first_token=True)
+    p = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20), connector=HandOffAll())
+    p.add_request("s", prompts[1], params)
     _, outs = drain(p)
     d = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20))
     d.add_prefilled("s", prompts[1], outs["s"].new_token_ids, params, outs["s"].handoff)

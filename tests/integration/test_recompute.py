@@ -9,7 +9,7 @@ import torch
 
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.runner import load_model
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 
 pytestmark = pytest.mark.model
 PROMPTS = ["Write a haiku about the moon.", "Summarize the history of Rome. " * 12]

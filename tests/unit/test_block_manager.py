@@ -3,7 +3,7 @@ import pytest
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence
 from shared.hashing import block_hashes
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 
 
 def seq(rid, tokens, salt=""):

@@ -21,7 +21,7 @@ from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.runner import LoadedModel
 from shared.hashing import block_hashes
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 
 BLOCK = 16
 PREFIX_BLOCKS = 4

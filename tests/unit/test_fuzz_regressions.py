@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shared.engine.sampling import SampleRow, sample
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 from services.gateway.protocol import parse_request
 
 

@@ -220,7 +220,7 @@ def tiny():
 async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_path):
     from services.prefill.args import PrefillSettings
     from services.prefill.handlers import PrefillInstance
-    from shared.engine.metrics import EngineMetrics
+    from services.worker.metrics import EngineMetrics
     from shared.transfer import TransferFailed
     from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 

@@ -1,7 +1,8 @@
 """OutputTracker: detokenization and stop conditions with a toy character tokenizer."""
 
 from shared.engine.output import FullDecodeDetokenizer, OutputTracker, StreamDetokenizer
-from shared.messages import FinishReason, SamplingParams
+from shared.engine.params import SamplingParams
+from shared.messages import FinishReason
 
 VOCAB = {i: ch for i, ch in enumerate("abcdefghijklmnopqrstuvwxyz .!")}
 EOS = 99

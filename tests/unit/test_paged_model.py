@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from shared.engine import kernels
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.runner import LoadedModel
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 
 
 # hidden 96: the fused ops with torch's matmuls; hidden 128 (a multiple of 64): the GEMV

@@ -3,7 +3,7 @@
 import torch
 
 from shared.engine.sampling import SampleRow, sample
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 
 
 def logits(rows=1, seed=0):

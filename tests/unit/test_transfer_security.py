@@ -247,7 +247,7 @@ def test_data_plane_tls_settings_are_all_or_nothing(pki, tmp_path):
 
 
 async def test_engines_build_their_data_plane_from_the_settings(pki):
-    from shared.engine.instance import make_receiver, make_sender
+    from services.worker.settings import make_receiver, make_sender
 
     settings = PrefillSettings(kv_tls_cert=pki.cert, kv_tls_key=pki.key, kv_tls_ca=pki.ca,
                                kv_tls_hostname="localhost", kv_transport="tcp")

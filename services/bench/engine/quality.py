@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.engine.llm_engine import LLMEngine
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 
 TEXT = Path(__file__).parent / "quality_text.txt"
 PROMPTS = ["What is the capital of France?", "Write a haiku about the moon.",

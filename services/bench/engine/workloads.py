@@ -8,7 +8,7 @@ from typing import Any
 
 from services.bench.stats import percentile
 from shared.engine.llm_engine import LLMEngine
-from shared.messages import SamplingParams
+from shared.engine.params import SamplingParams
 
 
 def prompts(n: int, lo: int, hi: int, seed: int, vocab: int) -> list[list[int]]:
