@@ -1,22 +1,34 @@
 """Cross-instance reuse: a conversation's second turn, placed on the other prefill
 instance because the first one is busy, pulls its prefix blocks from the first instead of
-recomputing them (kvcentric, Algorithm 1: the only policy that pulls)."""
+recomputing them (kvcentric, Algorithm 1: the only policy that pulls).
+
+Turn 2 is sent once the KV manager answers for turn 1's blocks (what the conductor asks
+it when placing), and what is left leased is read from heartbeats sent after the request,
+not after fixed sleeps."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from pathlib import Path
 
 import aiohttp
+import nats
 import pytest
 import torch
 from sqlalchemy import select
 
+from services.gateway.prompt import PromptBuilder
+from shared import bus, subjects
 from shared.db.schema import RequestRecord
 from shared.db.session import make_engine, sessionmaker
 from shared.engine.runner import load_model
+from shared.hashing import block_hashes
+from shared.messages import KVMatchReply, KVMatchRequest
 from tests.conftest import make_database
 from tests.e2e.conftest import children_of, start_stack, stop_stack
+from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,17 +48,47 @@ async def chat(url: str, messages: list[dict], max_tokens: int = 16) -> dict:
 
 async def placed_on(database_url: str, request_id: str) -> str:
     engine = make_engine(database_url)
+
+    async def prefill_instance() -> str | None:
+        async with sessionmaker(engine)() as s:
+            row = (await s.execute(select(RequestRecord).where(
+                RequestRecord.id == request_id))).scalar_one_or_none()
+        return row.prefill_instance if row is not None else None
+
     try:
-        for _ in range(50):
-            async with sessionmaker(engine)() as s:
-                row = (await s.execute(select(RequestRecord).where(
-                    RequestRecord.id == request_id))).scalar_one_or_none()
-            if row is not None and row.prefill_instance:
-                return row.prefill_instance
-            await asyncio.sleep(0.1)
+        return await until(prefill_instance, what=f"the record of {request_id}")
     finally:
         await engine.dispose()
-    raise AssertionError(f"no record for {request_id}")
+
+
+async def indexed(stack, model_dir: Path, messages: list[dict]) -> str:
+    """Wait until the KV manager holds the full blocks of this prompt (all but the last
+    will do: that one is recomputed anyway); returns the instance that holds them."""
+    ids = PromptBuilder(model_dir, MODEL, 16).tokenize(messages)
+    hashes = block_hashes(ids, 16)
+    nc = await nats.connect(re.search(r"NATS\s+(nats://\S+)", stack.log()).group(1))
+
+    async def holder() -> str | None:
+        reply = await bus.request(nc, subjects.KV_MATCH, KVMatchRequest(block_hashes=hashes),
+                                  KVMatchReply, 10)
+        return next((i for i, n in reply.matches.items() if n >= len(hashes) - 1), None)
+
+    try:
+        return await until(holder, what="the prompt's blocks in the KV index")
+    finally:
+        await nc.close()
+
+
+async def heartbeats_after(url: str, t: float, ids: set[str]) -> dict[str, dict]:
+    """The instances' heartbeats once each of `ids` has sent one after `t` (wall clock)."""
+    async def fresh() -> dict[str, dict] | None:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/admin/state") as resp:
+                state = await resp.json()
+        got = {i["instance_id"]: i for i in state["instances"]}
+        return got if all(i in got and got[i]["sent_at"] > t for i in ids) else None
+
+    return await until(fresh, what=f"heartbeats of {sorted(ids)}", step_s=0.2)
 
 
 async def wait_busy(url: str, instance_id: str, timeout_s: float = 30.0) -> None:
@@ -76,7 +118,7 @@ async def test_second_turn_on_other_instance_pulls_the_prefix(two_prefill_stack,
     turn1 = [{"role": "user", "content": STORY + "What did he write about?"}]
     first = await chat(stack.url, turn1)
     holder = await placed_on(stack.database_url, first["id"])
-    await asyncio.sleep(0.5)  # the KV manager indexes turn 1's blocks
+    assert await indexed(stack, model_dir, turn1) == holder
     # A long prompt that shares turn 1's opening goes to the holder (its own cache is
     # cheapest there) and keeps it busy: turn 2 is then fastest on the idle instance,
     # with the prefix pulled from the holder.
@@ -105,8 +147,6 @@ async def test_second_turn_on_other_instance_pulls_the_prefix(two_prefill_stack,
 
 def instance_pid(stack, instance_id: str) -> int:
     """The pid of this stack's process for `instance_id` (other stacks may run beside it)."""
-    from pathlib import Path
-
     for pid in children_of(stack.proc.pid):
         try:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -137,13 +177,14 @@ async def test_a_stalled_prefix_holder_means_recompute_not_a_hang(kvcentric_stac
     turn1 = [{"role": "user", "content": STORY + "What did he write about?"}]
     first = await chat(stack.url, turn1)
     holder = await placed_on(stack.database_url, first["id"])
-    await asyncio.sleep(0.5)
+    assert await indexed(stack, model_dir, turn1) == holder  # placement will want its blocks
     pid = instance_pid(stack, holder)
     os.kill(pid, signal.SIGSTOP)
     try:
         turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                          {"role": "user", "content": "And what about the birds?"}]
         second = await asyncio.wait_for(chat(stack.url, turn2), timeout=60)
+        done = time.time()
     finally:
         os.kill(pid, signal.SIGCONT)
     other = await placed_on(stack.database_url, second["id"])
@@ -155,10 +196,7 @@ async def test_a_stalled_prefix_holder_means_recompute_not_a_hang(kvcentric_stac
         out = lm.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
     assert second["choices"][0]["message"]["content"] == lm.tokenizer.decode(
         out[0][len(ids):], skip_special_tokens=True)
-    await asyncio.sleep(1.5)  # a heartbeat after the request
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"{stack.url}/admin/state") as resp:
-            state = await resp.json()
-    used = {i["instance_id"]: i["kv_tokens_used"] for i in state["instances"]
-            if i["role"] in ("prefill", "decode")}
+    # Its blocks were freed before its last token went out: heartbeats sent since say so.
+    state = await heartbeats_after(stack.url, done, {other, "decode-0"})
+    used = {i: state[i]["kv_tokens_used"] for i in (other, "decode-0")}
     assert used[other] == 0 and used["decode-0"] == 0, used  # nothing left leased
