@@ -108,7 +108,7 @@ def restart_delay(streak: int, base_s: float, max_s: float) -> float:
     return min(max_s, base_s * 2 ** max(0, streak - 1))
 
 
-class Cluster:
+class LocalCluster:
     def __init__(self, settings: UpSettings) -> None:
         self.s = settings
         self.home = halfmoon_home()
@@ -314,7 +314,7 @@ class Cluster:
             self.nats.stop()
 
 
-def _banner(s: UpSettings, cluster: Cluster) -> str:
+def _banner(s: UpSettings, cluster: LocalCluster) -> str:
     lines = ["", "Halfmoon is up.",
              f"  API      http://{s.host}:{s.port}/v1   (OpenAI-compatible; model: see /v1/models)"]
     if s.console:
@@ -327,7 +327,7 @@ def _banner(s: UpSettings, cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
-def _metrics_lines(s: UpSettings, cluster: Cluster) -> list[str]:
+def _metrics_lines(s: UpSettings, cluster: LocalCluster) -> list[str]:
     urls = [(f"http://{s.host}:{s.port}/metrics", "gateway")]
     urls += [(f"http://{s.host}:{port}/metrics", name)
              for name, port in cluster.metrics_ports.items()]
@@ -353,7 +353,7 @@ def _workers(s: UpSettings) -> str:
 async def run(s: UpSettings) -> int:
     stop = asyncio.Event()
     install_stop_signals(stop)
-    cluster = Cluster(s)
+    cluster = LocalCluster(s)
     model_dir = await asyncio.to_thread(ensure_model, s.model)
     if not cluster.nats_url:
         cluster.nats = EmbeddedNats(cluster.home / "nats")

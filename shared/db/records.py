@@ -159,9 +159,3 @@ async def _upsert_instance(session, values: dict[str, Any]) -> None:  # type: ig
     else:
         for key, value in values.items():
             setattr(existing, key, value)
-
-
-async def request_row(engine: AsyncEngine, request_id: str) -> RequestRecord | None:
-    async with sessionmaker(engine)() as session:
-        return (await session.execute(
-            select(RequestRecord).where(RequestRecord.id == request_id))).scalar_one_or_none()

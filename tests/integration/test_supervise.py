@@ -11,13 +11,13 @@ import time
 import nats
 import pytest
 
-from services.up import Cluster, UpSettings
+from services.up import LocalCluster, UpSettings
 from shared.natsd import EmbeddedNats
 
 SLEEPER = ["-c", "import time; time.sleep(60)"]
 
 
-async def pass_until(cluster: Cluster, cond, timeout_s: float = 30.0) -> None:
+async def pass_until(cluster: LocalCluster, cond, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "supervisor did not act in time"
@@ -27,7 +27,7 @@ async def pass_until(cluster: Cluster, cond, timeout_s: float = 30.0) -> None:
 
 async def test_a_dead_child_is_started_again_with_backoff(tmp_path, monkeypatch):
     monkeypatch.setenv("HALFMOON_HOME", str(tmp_path))
-    cluster = Cluster(UpSettings(restart_backoff_s=0.2, metrics_base_port=0))
+    cluster = LocalCluster(UpSettings(restart_backoff_s=0.2, metrics_base_port=0))
     await cluster._spawn("sleeper", "kvmanager", SLEEPER)
     child = cluster.children[0]
     try:
@@ -51,7 +51,7 @@ async def test_a_dead_child_is_started_again_with_backoff(tmp_path, monkeypatch)
 
 async def test_nats_comes_back_on_the_same_port(tmp_path, monkeypatch):
     monkeypatch.setenv("HALFMOON_HOME", str(tmp_path))
-    cluster = Cluster(UpSettings(metrics_base_port=0))
+    cluster = LocalCluster(UpSettings(metrics_base_port=0))
     cluster.nats = EmbeddedNats(tmp_path / "nats")
     cluster.nats_url = cluster.nats.start()
     try:
@@ -67,7 +67,7 @@ async def test_nats_comes_back_on_the_same_port(tmp_path, monkeypatch):
 
 async def test_without_restart_a_death_ends_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("HALFMOON_HOME", str(tmp_path))
-    cluster = Cluster(UpSettings(restart=False, metrics_base_port=0))
+    cluster = LocalCluster(UpSettings(restart=False, metrics_base_port=0))
     await cluster._spawn("sleeper", "kvmanager", SLEEPER)
     cluster.children[0].proc.send_signal(signal.SIGKILL)
     try:

@@ -18,7 +18,7 @@ REJECTED_STATUSES = (429, 503)
 
 
 @dataclass
-class RequestRecord:
+class ReplayedRequest:
     index: int  # position in the replayed slice
     arrival_s: float  # scheduled, from the trace (scaled)
     send_lag_s: float  # how late the client sent it (should stay ~0)
@@ -42,14 +42,14 @@ class RequestRecord:
 
 
 def record_from(index: int, arrival_s: float, send_lag_s: float, input_tokens: int,
-                output_tokens: int, res: Result) -> RequestRecord:
+                output_tokens: int, res: Result) -> ReplayedRequest:
     if res.ok:
         status = "completed"
     elif res.status in REJECTED_STATUSES:
         status = "rejected"
     else:
         status = "failed"
-    rec = RequestRecord(index, arrival_s, send_lag_s, input_tokens, output_tokens, status,
+    rec = ReplayedRequest(index, arrival_s, send_lag_s, input_tokens, output_tokens, status,
                         res.status, res.prompt_tokens, res.cached_tokens, res.completion_tokens,
                         error=res.error[:300])
     if res.ok:
@@ -75,7 +75,7 @@ class Slos:
     tbt_thresholds_s: tuple[float, ...]
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float, slos: Slos,
+def summarize(records: Sequence[ReplayedRequest], duration_s: float, slos: Slos,
               ideal_hit_ratio: float) -> dict[str, Any]:
     done = [r for r in records if r.status == "completed"]
     n = len(records)
@@ -110,5 +110,5 @@ def _share(subset: Sequence[Any], n: int) -> float:
     return len(subset) / n if n else 0.0
 
 
-def records_json(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+def records_json(records: Sequence[ReplayedRequest]) -> list[dict[str, Any]]:
     return [asdict(r) for r in records]

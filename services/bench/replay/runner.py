@@ -12,7 +12,7 @@ from typing import Sequence
 import aiohttp
 
 from services.bench.client import stream_chat
-from services.bench.replay.metrics import RequestRecord, record_from
+from services.bench.replay.metrics import ReplayedRequest, record_from
 from services.bench.replay.prompts import PromptPlan
 from services.bench.serve_bench import model_id
 
@@ -36,7 +36,7 @@ def request_body(model: str, plan: PromptPlan, opts: RunOptions) -> dict:
 
 
 async def replay(url: str, plans: Sequence[PromptPlan], arrivals_s: Sequence[float],
-                 opts: RunOptions) -> tuple[list[RequestRecord], float]:
+                 opts: RunOptions) -> tuple[list[ReplayedRequest], float]:
     """Returns every request's record (in slice order) and the run's wall time."""
     timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
     connector = aiohttp.TCPConnector(limit=0)  # open loop: no client-side queueing
@@ -44,7 +44,7 @@ async def replay(url: str, plans: Sequence[PromptPlan], arrivals_s: Sequence[flo
         model = await model_id(http, url, "halfmoon")
         t0 = time.perf_counter()
 
-        async def one(i: int) -> RequestRecord:
+        async def one(i: int) -> ReplayedRequest:
             await asyncio.sleep(max(0.0, t0 + arrivals_s[i] - time.perf_counter()))
             lag = time.perf_counter() - t0 - arrivals_s[i]
             res = await stream_chat(http, url, request_body(model, plans[i], opts))
