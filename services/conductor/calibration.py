@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from services.conductor.costmodel import CostModel, decode_features, prefill_features
 from shared.messages import CostSample
@@ -37,7 +37,7 @@ class OnlineFit:
 
     features: Callable[[float, float], list[float]]
     prior: list[float]
-    anchors: list[tuple[float, float]]
+    anchors: Sequence[tuple[float, float]]
     window: int = 256
     prior_weight: float = 2.0
 
