@@ -140,7 +140,8 @@ def render(result: dict[str, Any]) -> str:
     rows = [f"one request, {result['prompt_tokens']} prompt + {result['max_tokens']} output "
             f"tokens, median of {result['runs']} after a warm-up, {result['dtype']}",
             f"prompts {result['prompts']}: {result['prompts_meaning']}",
-            f"in-process: transformers generate, {result['threads']} torch threads; the "
+            f"in-process: transformers generate, {result['threads']} torch "
+            f"thread{'' if result['threads'] == 1 else 's'}; the "
             "stack: as it runs (not pinned here)",
             "", f"{'':12}{'TTFT ms':>10}{'total ms':>10}{'reused tok':>12}"]
     for name in ("stack", "in_process"):

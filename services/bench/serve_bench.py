@@ -240,7 +240,7 @@ def _observed_line(name: str, s: dict[str, Any]) -> str:
     procs = ", ".join(f"{p['name']} ({p['os_threads']} thr, nice {p['nice']})" for p in seen)
     verdict = (f"all on cpus {want}" if not off else
                "NOT all pinned: " + ", ".join(f"{p['name']} on {p['cpus']}" for p in off))
-    return f"  {name:24} {len(seen)} processes, {verdict}: {procs}"
+    return f"  {name:24} {_count(len(seen), 'process')}, {verdict}: {procs}"
 
 
 def banner(setup: dict[str, Any]) -> str:

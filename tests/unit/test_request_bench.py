@@ -43,3 +43,12 @@ def test_the_baseline_reuses_what_the_stack_reported(model_dir: Path):
     rows = rl._inprocess(str(model_dir), "float32", 1, prompts, cached=[0, 16], max_tokens=2)
     assert [r["reused_tokens"] for r in rows] == [0, 16]
     assert all(r["ttft_s"] > 0 and r["total_s"] > 0 for r in rows)
+
+
+def test_table_shows_what_each_side_reused():
+    side = {"ttft_ms": 50.0, "total_ms": 700.0, "reused_tokens": 48}
+    text = rl.render({"prompt_tokens": 49, "max_tokens": 16, "runs": 3, "dtype": "bfloat16",
+                      "prompts": "warm", "prompts_meaning": rl.PROMPT_MODES["warm"],
+                      "threads": 1, "stack": side, "in_process": side})
+    assert "prompts warm: the same prompt" in text and "1 torch thread;" in text
+    assert text.splitlines()[-1].split() == ["in_process", "50.0", "700.0", "48"]
