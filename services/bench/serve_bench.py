@@ -176,11 +176,11 @@ def measure(server: Server | None, url: str, maker: PromptMaker, args: argparse.
             levels: list[int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """({concurrency: summary}, the server's processes as seen after the runs)."""
     eos_style = args.eos_style
-    if server is not None:
-        server.start()
-        url = server.url
-        eos_style = "ignore_eos" if isinstance(server, HalfmoonServer) else "generation_config"
     try:
+        if server is not None:  # inside the try: a server that dies starting is cleaned up too
+            server.start()
+            url = server.url
+            eos_style = "ignore_eos" if isinstance(server, HalfmoonServer) else "generation_config"
         by_level = {str(c): asyncio.run(run_rounds(url, maker, args, c, eos_style))
                     for c in levels}
         return by_level, server.observe() if server is not None else []
