@@ -37,15 +37,40 @@ class FinishReason(StrEnum):
     ERROR = "error"
 
 
+class Constraint(BaseModel):
+    """Structured output (shared.engine.params.Constraint on the bus)."""
+
+    kind: Literal["json_object", "json_schema", "regex", "choice", "lark"]
+    spec: str = ""
+
+
 class SamplingParams(BaseModel):
+    """What the gateway validated; the engine's own type is shared.engine.params."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0
     max_tokens: int = 256
+    min_tokens: int = 0
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    logprobs: int | None = None  # None: none; k: the chosen token's and the top k
+    constraint: Constraint | None = None
+
+
+class TokenLogprob(BaseModel):
+    """One generated (or prompt) token's logprob and the top tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
 
 
 class ErrorBody(BaseModel):
@@ -138,6 +163,9 @@ class GenerateRequest(Message):
     tenant: str = ""
     ttft_slo_ms: float | None = None  # per-request SLOs (None: the conductor's defaults)
     tbt_slo_ms: float | None = None
+    # Completions' echo with logprobs: every prompt position scored, top k each (the
+    # prefill instance computes them; cached positions have no logits of their own).
+    prompt_logprobs: int | None = None
 
 
 class Placement(Message):
@@ -206,6 +234,8 @@ class TokenEvent(Message):
     index: int
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # positions 1.. of the prompt, first event
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: ErrorBody | None = None

@@ -20,7 +20,8 @@ from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.engine.kv_transfer import KVExport, KVMeta
-from shared.messages import Ack, DecodeJob, KVExportReply, KVExportRequest, PrefillJob, Role
+from shared.messages import (Ack, DecodeJob, GenerateRequest, KVExportReply, KVExportRequest,
+                             PrefillJob, Role, TokenLogprob)
 from shared.transfer import KVReceiver, KVSender, TransferFailed, TransferState
 from shared.transfer.base import HANDOFF, PREFIX, short_id
 from services.prefill.args import PrefillSettings
@@ -82,6 +83,8 @@ class PrefillInstance(EngineInstance):
         if req.request_id not in self.streams:  # cancelled meanwhile
             return
         try:
+            if req.prompt_logprobs is not None:
+                await self._score_prompt(req)
             await self.run_engine(self.engine.add_request, req.request_id, req.prompt_token_ids,
                                   SamplingParams.of(req.sampling), req.tenant)
         except ValueError as exc:
@@ -90,6 +93,20 @@ class PrefillInstance(EngineInstance):
             return
         self._stats = self.engine.stats()
         self.wake()
+
+    async def _score_prompt(self, req: GenerateRequest) -> None:
+        """Every prompt position's logprob (echo): a teacher-forced pass of its own, since
+        positions served from the prefix cache have no logits. Sent with the first token."""
+        k = req.prompt_logprobs or 0
+        scores = await self.run_engine(self.engine.prompt_logprobs, req.prompt_token_ids, k)
+        stream = self.streams.get(req.request_id)
+        if stream is None:
+            return
+        ids = req.prompt_token_ids[1:]
+        stream.prompt_logprobs = [
+            TokenLogprob(token_id=t, logprob=float(lp),
+                         top=list(zip(scores.top_ids[i].tolist(), scores.top_logprobs[i].tolist())))
+            for i, (t, lp) in enumerate(zip(ids, scores.token_logprobs.tolist()))]
 
     async def _pull_then_add(self, job: PrefillJob) -> None:
         """Fetch the prefix blocks another instance holds; on any failure just recompute."""

@@ -26,7 +26,7 @@ from shared.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 from shared.engine.runner import LoadedModel
 from shared.messages import (CancelRequest, ErrorBody, FinishReason, GenerateRequest,
                              InstanceInfo, KVActivity, KVEvent, KVEventKind, Role, TokenEvent,
-                             Usage)
+                             TokenLogprob, Usage)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +57,7 @@ class Stream:
     request: GenerateRequest
     next_index: int
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # scored before prefill, sent first
 
 
 class EngineInstance:
@@ -230,10 +231,14 @@ class EngineInstance:
                           cached_tokens=max(stream.cached_tokens, out.num_cached_tokens))
             self.streams.pop(out.request_id)
             self.finished.add(out.request_id)
+        logprobs = None if out.logprobs is None else [
+            TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top))
+            for lp in out.logprobs]
+        prompt_lps, stream.prompt_logprobs = stream.prompt_logprobs, None  # the first event
         event = TokenEvent(request_id=out.request_id, index=stream.next_index,
-                           token_ids=out.new_token_ids, text=out.text,
-                           finish_reason=out.finish_reason, usage=usage,
-                           instance_id=self.instance_id, sent_at=time.time())
+                           token_ids=out.new_token_ids, text=out.text, logprobs=logprobs,
+                           prompt_logprobs=prompt_lps, finish_reason=out.finish_reason,
+                           usage=usage, instance_id=self.instance_id, sent_at=time.time())
         stream.next_index += 1
         await self.nc.publish(subjects.tokens(out.request_id), event.encode())
 

@@ -36,7 +36,8 @@ from shared.engine.kv_transfer import (KVExport, check_compatible, export_cached
 from shared.engine.model import PagedLlama
 from shared.engine.output import OutputTracker, decode_all, make_detokenizer
 from shared.engine.runner import LoadedModel
-from shared.engine.sampling import SampleRow, sample
+from shared.engine.logits import RowContext, TokenLogprobs
+from shared.engine.sampling import Sampled, sample
 from shared.engine.scheduler import (PoolTooSmall, ScheduledSeq, Scheduler, SchedulerConfig,
                                      SchedulerOutput)
 from shared.engine.sequence import Sequence
@@ -74,12 +75,14 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     handoff: KVExport | None = None  # prefill role: the prompt's KV, for a decode instance
+    logprobs: list[TokenLogprobs] | None = None  # per new token, when the request asks
 
 
 @dataclass
 class _Request:
     seq: Sequence
     tracker: OutputTracker
+    matcher: Any = None  # structured output: the grammar's state (constraints.py)
     first_token_time: float | None = None
 
 
@@ -330,9 +333,21 @@ class LLMEngine:
         tracker = OutputTracker(seq.params, make_detokenizer(tok, done), self.lm.eos_token_ids,
                                 seq.num_prompt_tokens, self.lm.max_model_len, token_ids=done,
                                 text=decode_all(tok, done), emitted_text=emitted_text)
-        req = _Request(seq, tracker)
+        req = _Request(seq, tracker, self._matcher(seq.params, done))
         self.requests[seq.request_id] = req
         return req
+
+    def _matcher(self, params: SamplingParams, done: list[int]) -> Any:
+        """The request's grammar state, caught up with the tokens it already has (a request
+        continuing here after its prefill elsewhere)."""
+        if params.constraint is None:
+            return None
+        from shared.engine.constraints import matcher
+
+        m = matcher(self.lm.tokenizer, int(self.lm.model.config.vocab_size), params.constraint)
+        if done and not m.consume_tokens(done):
+            raise ValueError("the tokens so far do not match the request's grammar")
+        return m
 
     def abort(self, request_id: str) -> bool:
         with self._book:
@@ -433,11 +448,12 @@ class LLMEngine:
     def _finish_step(self, order: list[ScheduledSeq], logits: torch.Tensor,
                      forward_s: float) -> list[RequestOutput]:
         completing = [item for item in order if item.completes]
-        tokens = self._sample(completing, logits)
+        sampled = self._sample(completing, logits)
         self._account(order, forward_s)
         for item in order:
             self.scheduler.postprocess(item)
-        return [self._emit(item.seq, tok) for item, tok in zip(completing, tokens)]
+        return [self._emit(item.seq, tok, lp)
+                for item, tok, lp in zip(completing, sampled.tokens, sampled.logprobs)]
 
     def _account(self, order: list[ScheduledSeq], seconds: float) -> None:
         """Each prompt's share of the step (by tokens) toward its prefill time; a step of
@@ -452,14 +468,25 @@ class LLMEngine:
             if item.seq.num_output_tokens == 0:
                 item.seq.prefill_seconds += seconds * item.num_new_tokens / tokens
 
-    def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[int]:
-        return sample(logits, [SampleRow(item.seq.params, item.seq.num_output_tokens)
-                               for item in items])
+    def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> Sampled:
+        rows = []
+        for item in items:
+            seq, req = item.seq, self.requests[item.seq.request_id]
+            stops = (frozenset(seq.params.stop_token_ids) |
+                     (frozenset() if seq.params.ignore_eos else self.lm.eos_token_ids))
+            rows.append(RowContext(seq.params, seq.num_output_tokens, seq.token_ids,
+                                   seq.num_prompt_tokens, stops, req.matcher))
+        return sample(logits, rows)
 
-    def _emit(self, seq: Sequence, token: int) -> RequestOutput:
+    def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None
+              ) -> RequestOutput:
         req = self.requests[seq.request_id]
         seq.token_ids.append(token)
         step = req.tracker.append(token)
+        if req.matcher is not None:
+            req.matcher.consume_token(token)
+            if step.finish_reason is None and req.matcher.is_stopped():
+                step = req.tracker.stop()  # the grammar is complete: nothing may follow
         if seq.num_output_tokens == 1:  # its prompt is done (never true for an import)
             self.num_prefix_hit_tokens += seq.num_cached_tokens
             self.num_prefix_miss_tokens += seq.num_prompt_tokens - seq.num_cached_tokens
@@ -468,7 +495,8 @@ class LLMEngine:
                     kind="prefill", tokens=seq.num_prompt_tokens - seq.num_cached_tokens,
                     context=float(seq.num_cached_tokens), seconds=seq.prefill_seconds))
         out = RequestOutput(seq.request_id, [token], step.text, step.finish_reason,
-                            seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+                            seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                            logprobs=[logprobs] if logprobs is not None else None)
         if step.finish_reason is not None:
             self._finish(seq)
         elif (seq.num_output_tokens == 1 and self.connector is not None

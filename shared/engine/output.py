@@ -101,6 +101,10 @@ class OutputTracker:
         safe = len(self.text) - self._held_suffix(self.text)
         return self._maybe_length(StepOutput(self._emit(self.text[:safe]), None))
 
+    def stop(self) -> StepOutput:
+        """End now, as a stop string would (the grammar is complete): flush held text."""
+        return self._finish(FinishReason.STOP, self._flush_held())
+
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)

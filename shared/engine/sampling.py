@@ -1,10 +1,12 @@
-"""Sampling for a whole batch in a few tensor ops: greedy, temperature, top-k, top-p, seeded.
+"""Sampling for a whole batch in a few tensor ops: greedy, temperature, top-k, top-p,
+min-p, seeded, after the logit processors (logits.py), with logprobs when asked.
 
-As nano-vllm does it: scale by temperature, mask by top-k and top-p, then draw every
-row at once by the exponential race, argmax(p / E) with E ~ Exp(1), which picks token i
-with probability p_i. No Python loop over rows and one host sync per batch; only seeded
-rows draw their noise from their own generator (one op each), seeded from (seed, step),
-so a seeded request draws the same tokens wherever it runs, prefill and decode included.
+As nano-vllm does it: scale by temperature, mask by top-k, top-p and min-p, then draw
+every row at once by the exponential race, argmax(p / E) with E ~ Exp(1), which picks
+token i with probability p_i. No Python loop over rows and one host sync per batch; only
+seeded rows draw their noise from their own generator (one op each), seeded from
+(seed, step), so a seeded request draws the same tokens wherever it runs, prefill and
+decode included.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.logits import RowContext, TokenLogprobs, logprobs_of, process
 from shared.engine.params import SamplingParams
 
 # Below this temperature sampling is greedy (as in vLLM): logits / 1e-38 overflow to inf,
@@ -20,18 +23,39 @@ from shared.engine.params import SamplingParams
 GREEDY_BELOW = 1e-5
 
 
-@dataclass(frozen=True)
-class SampleRow:
-    params: SamplingParams
-    step: int  # index of the token being produced (0: the first output token)
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row; None where not asked for
 
 
 def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_BELOW or params.top_k == 1
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+def _needs_processing(r: RowContext) -> bool:
+    p = r.params
+    return bool(p.logit_bias or p.penalized or r.matcher is not None or
+                (r.step < p.min_tokens and r.stop_ids))
+
+
+def sample(logits: torch.Tensor, rows: list[RowContext]) -> Sampled:
     """Next token of each row of `logits` [M, V] (any float dtype), one per `rows` entry."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw = logits[want].clone() if want else None
+    if any(_needs_processing(r) for r in rows):
+        logits = process(logits.float().clone(), rows)
+    tokens = _draw(logits, rows)
+    lps: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw is not None:
+        got = logprobs_of(raw, [tokens[i] for i in want],
+                          [rows[i].params.logprobs or 0 for i in want])
+        for i, lp in zip(want, got):
+            lps[i] = lp
+    return Sampled(tokens, lps)
+
+
+def _draw(logits: torch.Tensor, rows: list[RowContext]) -> list[int]:
     greedy_ids = logits.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
     if not sampled:
@@ -41,12 +65,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     probs = _probabilities(logits.index_select(0, idx).float(), params)
     noise = _exponential_noise(probs, [rows[i] for i in sampled])
     picks = probs.div_(noise).argmax(dim=-1)
-    out = greedy_ids.index_copy(0, idx, picks)
-    return out.tolist()
+    return greedy_ids.index_copy(0, idx, picks).tolist()
 
 
 def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled probabilities with top-k and top-p applied, per row."""
+    """Temperature-scaled probabilities with top-k, top-p and min-p applied, per row."""
     device, vocab = logits.device, logits.shape[-1]
     temps = torch.tensor([p.temperature for p in params], device=device)
     logits = logits.div_(temps.unsqueeze(1))
@@ -57,16 +80,20 @@ def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         kth = top.gather(1, (k - 1).clamp(min=0).unsqueeze(1))
         logits = logits.masked_fill((logits < kth) & (k > 0).unsqueeze(1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        total = sorted_probs.sum(dim=-1, keepdim=True)  # min-p may have left less than 1
         # Keep the smallest set whose mass reaches top_p (the token crossing it included).
-        remove = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > top_p
+        remove = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > top_p * total
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill_(remove, 0.0))
     return probs
 
 
-def _exponential_noise(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def _exponential_noise(probs: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
     noise = torch.empty_like(probs).exponential_()
     for i, row in enumerate(rows):
         seed = row.params.seed

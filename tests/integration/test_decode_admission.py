@@ -20,6 +20,7 @@ from services.prefill.handlers import PrefillInstance
 from shared import bus, errors, subjects
 from shared.engine.connector import HandOffAll
 from shared.engine.llm_engine import EngineConfig, LLMEngine
+from shared.engine.params import SamplingParams as EngineParams
 from shared.messages import Ack, DecodeJob, PrefillJob
 from shared.transfer.base import HANDOFF
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
@@ -101,7 +102,7 @@ async def test_a_full_handoff_queue_refuses_with_a_clear_error(nc, tiny):
     jobs = []
     for i in range(3):
         rid = f"f{i}"
-        maker.add_request(rid, PROMPT, params())
+        maker.add_request(rid, PROMPT, EngineParams.of(params()))
         out = [o for o in maker.step()][0]
         while out.handoff is None:
             out = [o for o in maker.step()][0]

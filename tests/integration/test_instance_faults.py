@@ -21,6 +21,7 @@ from services.prefill.args import PrefillSettings
 from services.prefill.handlers import PrefillInstance
 from shared import bus, subjects
 from shared.engine.llm_engine import EngineConfig, LLMEngine
+from shared.engine.params import SamplingParams as EngineParams
 from shared.engine.runner import LoadedModel
 from shared.messages import (Ack, CancelRequest, DecodeJob, GenerateRequest, KVHandle,
                              PrefillJob, SamplingParams, TokenEvent)
@@ -52,7 +53,7 @@ def gen(rid: str) -> GenerateRequest:
 
 def reference(tiny) -> list[int]:
     engine = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20))
-    engine.add_request("ref", PROMPT, params())
+    engine.add_request("ref", PROMPT, EngineParams.of(params()))
     out: list[int] = []
     while engine.has_work():
         out += [t for o in engine.step() for t in o.new_token_ids]

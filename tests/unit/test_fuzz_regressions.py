@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from shared.engine.sampling import SampleRow, sample
+from shared.engine.logits import RowContext
+from shared.engine.sampling import sample
 from shared.engine.params import SamplingParams
 from services.gateway.protocol import parse_request
 
@@ -21,7 +22,7 @@ def test_tiny_temperatures_sample_greedily_instead_of_failing():
     for t, k, p, seed in itertools.product([1e-6, 1e-38, 1e-45, 5e-324], [0, 2, 10**9],
                                            [1.0, 0.5, 5e-324], [None, 7]):
         params = SamplingParams(temperature=t, top_k=k, top_p=p, seed=seed)
-        assert sample(logits, [SampleRow(params, 0)]) == [best]
+        assert sample(logits, [RowContext(params, 0)]).tokens == [best]
 
 
 def test_integral_floats_are_integers_as_the_schema_says():
