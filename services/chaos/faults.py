@@ -66,7 +66,7 @@ class Faults:
 
 
 def cluster_victims(cluster: Any) -> Victims:
-    """Victims in a cluster this process supervises (services.up.Cluster)."""
+    """Victims in a cluster this process supervises (services.up.LocalCluster)."""
     def find(target: str) -> list[tuple[str, int]]:
         if target == "nats":
             proc = cluster.nats.proc if cluster.nats is not None else None

@@ -28,13 +28,13 @@ from services.chaos.audit import Audit, audit
 from services.chaos.faults import Faults, HeartbeatVictims, cluster_victims
 from services.bench.servers import free_port
 from services.chaos.load import Load, make_body
-from services.up import Cluster, UpSettings
+from services.up import LocalCluster, UpSettings
 
 log = logging.getLogger("halfmoon.chaos")
 SERVING_ROLES = {"gateway", "conductor", "kvmanager", "prefill", "decode"}
 
 
-async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> Cluster:
+async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> LocalCluster:
     """A fresh local cluster in a temporary HALFMOON_HOME (its own NATS, SQLite, ports)."""
     model_dir = await asyncio.to_thread(ensure_model, s.model)  # before HALFMOON_HOME moves
     home = Path(tempfile.mkdtemp(prefix="halfmoon-chaos-"))
@@ -46,7 +46,7 @@ async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> Cluster:
                     model=str(model_dir), dtype=s.dtype, log_level=s.log_level,
                     database_url=f"sqlite+aiosqlite:///{home / 'halfmoon.db'}",
                     restart=True, restart_backoff_s=0.5, metrics_base_port=0)
-    cluster = Cluster(up)
+    cluster = LocalCluster(up)
     cluster.nats = EmbeddedNats(home / "nats")
     cluster.nats_url = await asyncio.to_thread(cluster.nats.start)
     await db.upgrade_async(cluster.database_url)
@@ -153,7 +153,7 @@ def summary(report: dict) -> str:
 async def run(s: ChaosSettings) -> int:
     stop = asyncio.Event()
     install_stop_signals(stop)
-    cluster: Cluster | None = None
+    cluster: LocalCluster | None = None
     if not s.url:
         cluster = await start_cluster(s, stop)
     halt = asyncio.Event()  # the supervisor runs until the report is done, not until Ctrl-C

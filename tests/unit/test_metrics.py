@@ -186,9 +186,9 @@ async def test_kvmanager_metrics_read_the_index_and_match_totals():
 
 
 def test_up_gives_each_child_its_own_metrics_port():
-    from services.up import Cluster, UpSettings, _metrics_lines
+    from services.up import LocalCluster, UpSettings, _metrics_lines
 
-    c = Cluster(UpSettings(metrics_base_port=9200))
+    c = LocalCluster(UpSettings(metrics_base_port=9200))
     ports = [c._metrics_env(n, r)["HALFMOON_METRICS_PORT"] for n, r in
              [("conductor", "conductor"), ("kvmanager", "kvmanager"), ("prefill-0", "prefill"),
               ("decode-0", "decode"), ("gateway", "gateway")]]
@@ -198,7 +198,7 @@ def test_up_gives_each_child_its_own_metrics_port():
     lines = "\n".join(_metrics_lines(c.s, c))
     assert "http://127.0.0.1:8000/metrics (gateway)" in lines
     assert "http://127.0.0.1:9203/metrics (decode-0)" in lines
-    off = Cluster(UpSettings(metrics_base_port=0))
+    off = LocalCluster(UpSettings(metrics_base_port=0))
     assert off._metrics_env("conductor", "conductor")["HALFMOON_METRICS_PORT"] == "0"
     assert off.metrics_ports == {}
 
@@ -222,6 +222,7 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
     from services.prefill.handlers import PrefillInstance
     from services.worker.metrics import EngineMetrics
     from shared.transfer import TransferFailed
+    from shared.engine.params import SamplingParams as EngineParams
     from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 
     settings = PrefillSettings(instance_id="prefill-t", kv_cache_gb=4 / 1024, disk_tier_gb=0.001,
@@ -233,8 +234,8 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
         m = EngineMetrics(inst)
         prompt = list(range(1, 41))  # 2 full blocks can be reused (one token is always computed)
         for rid in ("a", "b"):
-            inst.engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=2,
-                                                                ignore_eos=True))
+            inst.engine.add_request(rid, prompt, EngineParams(temperature=0, max_tokens=2,
+                                                              ignore_eos=True))
             while inst.engine.has_work():
                 inst.engine.step()
         inst._stats = inst.engine.stats()
