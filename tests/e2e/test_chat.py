@@ -17,6 +17,7 @@ from sqlalchemy import select
 from shared.db.schema import RequestRecord
 from shared.db.session import make_engine, sessionmaker
 from shared.engine.runner import load_model
+from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -114,15 +115,15 @@ async def test_every_request_has_one_terminal_record(stack):
     text, chunks = await stream_chat(stack.url, "Say hi.", 8)
     rid = chunks[0]["id"]
     engine = make_engine(stack.database_url)
-    try:
-        for _ in range(50):  # records are written in batches, off the request path
-            async with sessionmaker(engine)() as s:
-                row = (await s.execute(select(RequestRecord).where(RequestRecord.id == rid))
-                       ).scalar_one_or_none()
-            if row is not None and row.status == "completed":
-                break
-            await asyncio.sleep(0.1)
-        assert row is not None and row.status == "completed"
+
+    async def completed() -> RequestRecord | None:
+        async with sessionmaker(engine)() as s:
+            row = (await s.execute(select(RequestRecord).where(RequestRecord.id == rid))
+                   ).scalar_one_or_none()
+        return row if row is not None and row.status == "completed" else None
+
+    try:  # records are written in batches, off the request path
+        row = await until(completed, what=f"the terminal record of {rid}")
         assert row.prefill_instance == "prefill-0" and row.decode_instance == "decode-0"
         assert row.ttft_ms is not None and 0 < row.ttft_ms <= row.e2e_ms
         assert row.completion_tokens >= 1 and row.prompt_tokens > 5
@@ -150,12 +151,15 @@ async def test_admin_shows_hit_rates_and_decisions(stack):
     await stream_chat(stack.url, prompt, 4)
     _, chunks = await stream_chat(stack.url, prompt, 4)
     rid = chunks[0]["id"]
-    await asyncio.sleep(0.3)  # batched SQL writes
     async with aiohttp.ClientSession() as http:
+        async def terminal() -> dict | None:  # SQL writes are batched: the last one is in
+            async with http.get(f"{stack.url}/admin/requests/{rid}") as resp:
+                got = await resp.json() if resp.status == 200 else None
+            return got if got and got["request"]["status"] == "completed" else None
+
+        one = await until(terminal, what=f"the terminal record of {rid}")
         async with http.get(f"{stack.url}/admin/kv") as resp:
             kv = await resp.json()
-        async with http.get(f"{stack.url}/admin/requests/{rid}") as resp:
-            one = await resp.json()
         async with http.get(f"{stack.url}/admin/requests/nope") as resp:
             assert resp.status == 404
     cluster = kv["60s"]["cluster"]
