@@ -19,6 +19,7 @@ from shared.db.schema import RequestRecord
 from shared.db.session import make_engine, sessionmaker
 from tests.conftest import make_database
 from tests.e2e.conftest import start_stack, stop_stack
+from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 MODEL = "SmolLM2-135M-Instruct"
@@ -38,17 +39,17 @@ def stack(tmp_path, model_dir):
 
 async def row(database_url: str, rid: str, done=lambda r: True) -> RequestRecord:
     engine = make_engine(database_url)
+
+    async def matching() -> RequestRecord | None:
+        async with sessionmaker(engine)() as s:
+            rec = (await s.execute(select(RequestRecord).where(
+                RequestRecord.id == rid))).scalar_one_or_none()
+        return rec if rec is not None and done(rec) else None
+
     try:
-        for _ in range(100):
-            async with sessionmaker(engine)() as s:
-                rec = (await s.execute(select(RequestRecord).where(
-                    RequestRecord.id == rid))).scalar_one_or_none()
-            if rec is not None and done(rec):
-                return rec
-            await asyncio.sleep(0.1)
+        return await until(matching, what=f"a matching record for {rid}")
     finally:
         await engine.dispose()
-    raise AssertionError(f"no matching record for {rid}")
 
 
 async def stream(url: str, on_chunk=None) -> dict:

@@ -6,7 +6,6 @@ output must still be transformers' greedy output, with the KV transferred, not r
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 
 import aiohttp
@@ -16,6 +15,7 @@ from shared.natsd import EmbeddedNats
 from tests.conftest import make_database
 from tests.e2e.conftest import children_of, start_stack, stop_stack
 from tests.e2e.test_chat import reference, stream_chat  # noqa: F401 - reference: a fixture
+from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 PROMPTS = ["What is the capital of France?", "List three prime numbers."]
@@ -67,8 +67,7 @@ async def test_chat_over_nats_credentials_and_tls_matches_transformers(secure_st
     log = secure_stack.log()
     assert "(mutual TLS)" in log  # the prefill instance serves its KV over mutual TLS
     assert "recomputing" not in log  # every handoff came over the data plane
-    for _ in range(50):  # heartbeats carry the counts, once a second
-        if await _decode_transfers_in(secure_stack.url) >= len(PROMPTS):
-            break
-        await asyncio.sleep(0.2)
-    assert await _decode_transfers_in(secure_stack.url) >= len(PROMPTS)
+    async def counted() -> bool:  # heartbeats carry the counts, once a second
+        return await _decode_transfers_in(secure_stack.url) >= len(PROMPTS)
+
+    await until(counted, what="the handoffs in the decode's heartbeat", step_s=0.2)
