@@ -99,6 +99,23 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     # -- prefix cache -------------------------------------------------------------------
+    def cacheable_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens in full blocks a later identical prompt could reuse (match_prefix
+        always leaves the last token to compute)."""
+        return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def prompt_key(self, seq: Sequence) -> int | None:
+        """The chained hash of the prompt's last cacheable block (None: no full block):
+        equal keys mean the same cacheable prompt, tenant salt included."""
+        if not seq.prompt_key_known:
+            n = self.cacheable_tokens(seq) // self.block_size
+            parent = root_hash(seq.salt)
+            for i in range(n):
+                parent = hash_block(parent, tuple(seq.token_ids[i * self.block_size:
+                                                                (i + 1) * self.block_size]))
+            seq.prompt_key, seq.prompt_key_known = (parent if n else None), True
+        return seq.prompt_key
+
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks of `seq`'s prefix; returns the tokens they cover.
 

@@ -77,11 +77,13 @@ class KVCache:
         v = self.v.index_select(1, idx).contiguous().view(-1)
         return torch.cat([k, v]).cpu()
 
-    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor, skip: int = 0) -> None:
+        """Write blocks exported by export_blocks into `block_ids`, leaving out the first
+        `skip` blocks of the payload (ones this pool already holds)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
-        s, n = self.shape, len(block_ids)
+        s, n = self.shape, len(block_ids) + skip
         half = data.numel() // 2
-        k = data[:half].view(s.num_layers, n, s.num_kv_heads, s.head_dim, s.block_size)
-        v = data[half:].view(s.num_layers, n, s.num_kv_heads, s.block_size, s.head_dim)
+        k = data[:half].view(s.num_layers, n, s.num_kv_heads, s.head_dim, s.block_size)[:, skip:]
+        v = data[half:].view(s.num_layers, n, s.num_kv_heads, s.block_size, s.head_dim)[:, skip:]
         self.k.index_copy_(1, idx, k.to(self.k.device))
         self.v.index_copy_(1, idx, v.to(self.v.device))

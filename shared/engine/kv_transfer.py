@@ -120,6 +120,11 @@ def fill_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, export: KVEx
         raise ValueError(f"KV payload has {export.data.numel()} values, metadata says {expected}")
     if meta.num_tokens > seq.num_tokens or meta.num_blocks > len(seq.block_table):
         raise ValueError("KV covers more tokens than the sequence holds blocks for")
-    kv.import_blocks(seq.block_table[:meta.num_blocks], export.data)
+    # Blocks matched in this pool's prefix cache (a sibling sample's, say) are kept as
+    # they are, and must be the very blocks the export names.
+    cached = len(seq.block_hashes)
+    if seq.block_hashes != list(meta.block_hashes[:cached]):
+        raise ValueError("the pool's cached prefix blocks are not the exported ones")
+    kv.import_blocks(seq.block_table[cached:meta.num_blocks], export.data, skip=cached)
     seq.num_computed_tokens = meta.num_tokens
     blocks.commit(seq)  # the imported prompt is now this instance's prefix cache too

@@ -208,7 +208,9 @@ class LLMEngine:
     def reserve(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                 params: SamplingParams, num_kv_tokens: int, salt: str = "") -> bool:
         """Hold pool blocks for a request's KV before fetching it (as SGLang's decode
-        prealloc queue does); False, holding nothing, if the pool has no room now."""
+        prealloc queue does); False, holding nothing, if the pool has no room now. Full
+        blocks of the prompt this pool already caches (a sibling sample's) are shared,
+        not fetched again into new ones."""
         self._check_fits(len(prompt_token_ids), params)
         seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
                        len(prompt_token_ids), params, salt)
@@ -217,7 +219,12 @@ class LLMEngine:
         with self._book:
             if request_id in self.requests or request_id in self.reserved:
                 raise ValueError(f"duplicate request id {request_id}")
-            if not self.blocks.allocate(seq, num_kv_tokens):
+            self.blocks.match_prefix(seq)
+            if seq.num_computed_tokens > num_kv_tokens:  # never more than the KV covers
+                self.blocks.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+            if not self.blocks.allocate(seq, num_kv_tokens - seq.num_computed_tokens):
+                self.blocks.free(seq)
                 return False
             self._spill()  # what the allocation evicted goes to disk before it is overwritten
             self.reserved[request_id] = seq

@@ -111,8 +111,17 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        """Admit waiting sequences in arrival order. One whose cacheable prompt another
+        running sequence is still computing waits for it (it then finds every full block
+        in the prefix cache), so n samples of one prompt, or a burst of one system prompt,
+        compute it once; the sequences behind it go ahead meanwhile."""
+        computing = self._prompts_in_progress()
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            key = self.blocks.prompt_key(seq)
+            if key is not None and key in computing:
+                continue
             self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.allocate(seq, n):
@@ -122,11 +131,22 @@ class Scheduler:
                 if not self.running and not out.scheduled:
                     raise PoolTooSmall(seq)  # nothing else holds blocks: it can never fit
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if key is not None and seq.num_computed_tokens < self.blocks.cacheable_tokens(seq):
+                computing.add(key)  # it computes the shared blocks: its twins wait for them
+
+    def _prompts_in_progress(self) -> set[int]:
+        """Prompt keys of running sequences whose cacheable blocks are not all computed."""
+        keys = set()
+        for seq in self.running:
+            key = self.blocks.prompt_key(seq)
+            if key is not None and seq.num_computed_tokens < self.blocks.cacheable_tokens(seq):
+                keys.add(key)
+        return keys
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

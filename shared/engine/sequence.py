@@ -30,6 +30,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks computed so far
     num_preemptions: int = 0
     prefill_seconds: float = 0.0  # this sequence's share of the steps that computed its prompt
+    # BlockManager.prompt_key's memo: the hash of the prompt's last cacheable block.
+    prompt_key: int | None = None
+    prompt_key_known: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -121,3 +121,28 @@ async def test_a_full_handoff_queue_refuses_with_a_clear_error(nc, tiny):
     assert [j.request.request_id for j in dec.queue] == ["f0"]
     dec.close_engine()
     await sender.close()
+
+
+def test_samples_of_one_prompt_share_its_blocks_on_decode(tiny):
+    """Two handoffs of the same prompt (n=2): the second reservation takes the first's
+    cached full blocks instead of new ones, and both continue exactly."""
+    maker = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20), connector=HandOffAll())
+    dec = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20))
+    ref = reference(tiny)
+    used = []
+    for rid in ("s0", "s1"):
+        maker.add_request(rid, PROMPT, EngineParams.of(params()))
+        out = None
+        while out is None or out.handoff is None:
+            out = maker.step()[0]
+        free = dec.blocks.num_free_blocks
+        assert dec.reserve(rid, PROMPT, out.new_token_ids, EngineParams.of(params()),
+                           out.handoff.meta.num_tokens)
+        used.append(free - dec.blocks.num_free_blocks)
+        dec.add_reserved(rid, out.handoff, out.new_token_ids)
+    assert used == [3, 1]  # 40 tokens: 3 blocks, of which the 2 full ones are shared
+    tokens: dict[str, list[int]] = {"s0": [ref[0]], "s1": [ref[0]]}
+    while dec.has_work():
+        for o in dec.step():
+            tokens[o.request_id] += o.new_token_ids
+    assert tokens == {"s0": ref, "s1": ref}

@@ -101,3 +101,20 @@ def test_a_long_prefill_never_starves_decodes():
     for _ in range(3):
         names = [(i.seq.request_id, i.num_new_tokens) for i in run_step(sched).scheduled]
         assert names[0] == ("b", 1) and ("a", 7) in names
+
+
+def test_identical_prompts_are_computed_once_and_others_go_ahead():
+    """n samples of one prompt: the first computes it, the rest wait for its blocks and
+    then reuse every full one; a different prompt behind them is not held up."""
+    sched, bm = make(chunk=32, block_size=4)
+    same = [seq(f"n{i}", 18) for i in range(3)]  # 4 cacheable blocks (16 tokens)
+    other = seq("x", 6, start=500)
+    for s in [*same, other]:
+        sched.add(s)
+    first = run_step(sched)
+    assert {i.seq.request_id for i in first.scheduled} == {"n0", "x"}
+    assert [s.status for s in same[1:]] == [SeqStatus.WAITING] * 2
+    second = run_step(sched)  # n0's prompt is in the cache now: its siblings start
+    started = {i.seq.request_id: i.num_new_tokens for i in second.scheduled}
+    assert started["n1"] == started["n2"] == 2  # 18 - 16 cached tokens
+    assert same[1].num_cached_tokens == same[2].num_cached_tokens == 16
