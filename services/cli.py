@@ -74,7 +74,8 @@ def _kv(argv: list[str]) -> int:
 BENCHES = {"request": "services.bench.request_latency", "engine": "services.bench.engine.cli",
            "kv": "services.bench.kv_bench", "transfer": "services.bench.transfer_bench",
            "conductor": "services.bench.conductor_bench", "serve": "services.bench.serve_bench",
-           "replay": "services.bench.replay.cli"}
+           "replay": "services.bench.replay.cli",
+           "structured": "services.bench.structured_bench"}
 
 
 def _bench(argv: list[str]) -> int:

@@ -28,15 +28,21 @@ def _lltokenizer(tokenizer: Any, vocab_size: int) -> Any:
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
 
+# Compact JSON, one space after separators: with any whitespace allowed, a small model can
+# spend its whole budget on newlines and indentation inside an object and never close it.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def grammar(constraint: Constraint) -> str:
     """The llguidance grammar for a constraint; ValueError (with why) if it is invalid."""
     from llguidance import LLMatcher
 
     kind, spec = constraint.kind, constraint.spec
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+        return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}),
+                                                  defaults=JSON_OPTIONS)
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(spec)
+        return LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(spec)
     if kind == "choice":

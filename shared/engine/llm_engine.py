@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -493,7 +493,9 @@ class LLMEngine:
         if req.matcher is not None:
             req.matcher.consume_token(token)
             if step.finish_reason is None and req.matcher.is_stopped():
-                step = req.tracker.stop()  # the grammar is complete: nothing may follow
+                # The grammar is complete: nothing may follow this token's text.
+                end = req.tracker.stop()
+                step = replace(end, text=step.text + end.text)
         if seq.num_output_tokens == 1:  # its prompt is done (never true for an import)
             self.num_prefix_hit_tokens += seq.num_cached_tokens
             self.num_prefix_miss_tokens += seq.num_prompt_tokens - seq.num_cached_tokens

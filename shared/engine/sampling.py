@@ -1,12 +1,12 @@
 """Sampling for a whole batch in a few tensor ops: greedy, temperature, top-k, top-p,
 min-p, seeded, after the logit processors (logits.py), with logprobs when asked.
 
-As nano-vllm does it: scale by temperature, mask by top-k, top-p and min-p, then draw
-every row at once by the exponential race, argmax(p / E) with E ~ Exp(1), which picks
-token i with probability p_i. No Python loop over rows and one host sync per batch; only
-seeded rows draw their noise from their own generator (one op each), seeded from
-(seed, step), so a seeded request draws the same tokens wherever it runs, prefill and
-decode included.
+As nano-vllm does it: scale by temperature, mask by top-k, top-p and min-p for every row
+at once, then draw. The draw is an inverse-CDF lookup, one uniform number per row (nano-vllm's
+exponential race, argmax(p / E), needs one per vocabulary entry: on a CPU that was about
+2 ms a row). Unseeded rows are drawn in one call; a seeded row draws from its own
+generator, seeded from (seed, step), so a seeded request draws the same tokens wherever
+it runs, prefill and decode included.
 """
 
 from __future__ import annotations
@@ -63,9 +63,24 @@ def _draw(logits: torch.Tensor, rows: list[RowContext]) -> list[int]:
     idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
     params = [rows[i].params for i in sampled]
     probs = _probabilities(logits.index_select(0, idx).float(), params)
-    noise = _exponential_noise(probs, [rows[i] for i in sampled])
-    picks = probs.div_(noise).argmax(dim=-1)
+    picks = _draw_rows(probs, [rows[i] for i in sampled])
     return greedy_ids.index_copy(0, idx, picks).tolist()
+
+
+def _draw_rows(probs: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+    """Inverse-CDF draws, one uniform number per row (searchsorted on the cumulative sum:
+    torch.multinomial took about 1.3 ms a row on the CPU)."""
+    uniform = torch.rand(probs.shape[0], dtype=probs.dtype, device=probs.device)
+    for i, row in enumerate(rows):
+        seed = row.params.seed
+        if seed is not None:
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed((seed * 1_000_003 + row.step) & 0x7FFF_FFFF_FFFF_FFFF)
+            uniform[i] = torch.rand(1, generator=gen, dtype=probs.dtype)[0]
+    cdf = probs.cumsum(dim=-1)
+    targets = (uniform * cdf[:, -1]).unsqueeze(1)
+    picks = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return picks.clamp_(max=probs.shape[1] - 1)
 
 
 def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -91,15 +106,3 @@ def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         remove = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > top_p * total
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill_(remove, 0.0))
     return probs
-
-
-def _exponential_noise(probs: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
-    noise = torch.empty_like(probs).exponential_()
-    for i, row in enumerate(rows):
-        seed = row.params.seed
-        if seed is not None:
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed((seed * 1_000_003 + row.step) & 0x7FFF_FFFF_FFFF_FFFF)
-            noise[i].exponential_(generator=gen)
-    # A zero draw would make p / E infinite for a token of any probability, zero included.
-    return noise.clamp_(min=1e-20)
