@@ -211,7 +211,11 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
-                self._num_empty += block.block_hash is None
+                if block.block_hash is None:
+                    # Nothing cached in it: hand it out before any block that is, so a
+                    # partial tail freed now never costs a cached prefix its place.
+                    self._free.move_to_end(block_id, last=False)
+                    self._num_empty += 1
 
     def add_blocks(self, num_blocks: int) -> None:
         """Grow the pool by `num_blocks` empty blocks, handed out before anything cached is

@@ -236,3 +236,23 @@ def test_watermark_triggers_on_reaching_the_mark():
     bm.release([bm.take_new(8)])
     assert bm.evict_to_watermark(high=0.9, ratio=0.2) == 2  # 9: down to 7, oldest first
     assert bm.drain_events()[1] == [0, 1]
+
+
+def test_an_empty_freed_block_goes_before_any_cached_one():
+    """A partial tail block freed after a cached one holds nothing worth keeping: the next
+    allocation takes it, not the least recently used cached block."""
+    bm = BlockManager(2, 4)
+    a = Sequence("a", list(range(4)), 4, SamplingParams(max_tokens=1))  # one full block
+    b = Sequence("b", list(range(50, 52)), 2, SamplingParams(max_tokens=1))  # one partial
+    assert bm.allocate(a, 4) and bm.allocate(b, 2)
+    a.num_computed_tokens, b.num_computed_tokens = 4, 2
+    bm.commit(a)
+    bm.commit(b)
+    empty = b.block_table[0]
+    bm.free(a)  # cached, freed first
+    bm.free(b)  # empty, freed after it
+    c = Sequence("c", list(range(100, 103)), 3, SamplingParams(max_tokens=1))
+    assert bm.allocate(c, 3)
+    assert c.block_table == [empty]
+    assert bm.num_cached_blocks == 1  # a's block is still cached
+    bm.check_invariants()
