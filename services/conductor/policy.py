@@ -93,12 +93,12 @@ def best_holder(req: RequestView) -> tuple[str, int]:
 
 
 def candidate(snap: Snapshot, req: RequestView, inst: InstanceView, pull: bool,
-              best: tuple[str, int] | None = None) -> Candidate:
+              holder: tuple[str, int] | None = None) -> Candidate:
     """Predicted TTFT parts on `inst`, with or without pulling the best holder's prefix
     (the pull's transfer time is part of the candidate's TTFT)."""
     bs = snap.cost.block_size
     own = req.prefix_blocks.get(inst.instance_id, 0)
-    best_id, best = best if best is not None else best_holder(req)
+    best_id, best = holder if holder is not None else best_holder(req)
     if pull and best > own and best_id:
         reuse, source, xfer = best, best_id, snap.cost.transfer_s(best - own)
     else:
