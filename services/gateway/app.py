@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 
 from aiohttp import web
@@ -17,6 +18,10 @@ from services.gateway.openapi import build_spec
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+# A client's X-Request-Id is used when it has this form: it names NATS subjects (no dots,
+# wildcards or spaces) and SQL keys (room left for the "-k", "-r1", "-t1" suffixes).
+CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,48}")
 _HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
                413: "payload_too_large", 415: "unsupported_media_type"}
 
@@ -53,15 +58,32 @@ def quiet_bad_http_logs() -> None:
 
 
 def new_request_id(path: str) -> str:
-    return f"{'chatcmpl' if path == CHAT_PATH else 'req'}-{uuid.uuid4().hex}"
+    prefix = {CHAT_PATH: "chatcmpl", COMPLETIONS_PATH: "cmpl"}.get(path, "req")
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def assign_request_id(request: web.Request) -> None:
+    """The client's X-Request-Id if it is a valid one (the handlers still refuse an id
+    used before), else a new one; invalid ones are logged, never echoed."""
+    given = request.headers.get("X-Request-Id")
+    if given is not None and CLIENT_ID.fullmatch(given):
+        request["request_id"], request["client_request_id"] = given, True
+        return
+    request["request_id"] = new_request_id(request.path)
+    if given is not None:
+        log.info("request %s: X-Request-Id not used (wanted 1-48 of A-Z a-z 0-9 _ -)",
+                 request["request_id"])
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
     # Every request gets its id first, so any refusal (auth, limits, bad JSON) logs with it.
-    request["request_id"] = new_request_id(request.path)
+    assign_request_id(request)
     try:
-        return await handler(request)
+        resp = await handler(request)
+        if not resp.prepared:  # a stream has sent its headers, its own id among them
+            resp.headers.setdefault("X-Request-Id", request["request_id"])
+        return resp
     except errors.HalfmoonError as exc:
         rid = request.get("request_id")
         level = logging.WARNING if exc.status >= 500 else logging.INFO
@@ -88,8 +110,13 @@ def make_app(gateway: Gateway, max_body_bytes: int, auth: Auth | None = None) ->
     """`auth` None: no API keys (the default); else its middleware guards /v1 and /admin."""
     middlewares = [error_middleware] + ([auth.middleware()] if auth is not None else [])
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
-    app.router.add_post("/v1/chat/completions", gateway.chat_completions)
+    app.router.add_post(CHAT_PATH, gateway.chat_completions)
+    app.router.add_post(COMPLETIONS_PATH, gateway.completions)
     app.router.add_get("/v1/models", gateway.models)
+    app.router.add_get("/v1/models/{model}", gateway.model)
+    app.router.add_post("/tokenize", gateway.tokenize)
+    app.router.add_post("/detokenize", gateway.detokenize)
+    app.router.add_get("/version", gateway.version)
     app.router.add_get("/health", gateway.health)
     app.router.add_get("/metrics", metrics_handler(gateway.metrics.registry))
     app.router.add_get("/admin/state", gateway.admin_state)
@@ -105,7 +132,8 @@ def openapi_handler(gateway: Gateway):  # type: ignore[no-untyped-def]
 
     async def openapi(request: web.Request) -> web.Response:
         if not spec:
-            spec.update(build_spec(request.app, gateway.prompts.model_name, gateway.settings))
+            spec.update(build_spec(request.app, gateway.prompts.model_name, gateway.settings,
+                                   getattr(gateway.prompts, "vocab_size", 49152)))
         return web.json_response(spec)
 
     return openapi

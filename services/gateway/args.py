@@ -44,6 +44,12 @@ class GatewaySettings(BaseSettings, DatabaseSettings):
                                    "context length)")
     max_output_tokens: int = Field(0, ge=0, description="largest max_tokens a request may ask "
                                    "for (0: what the context leaves)")
+    max_choices: int = Field(16, gt=0, le=128, description="largest n (completions made "
+                             "from one prompt)")
+    max_prompts: int = Field(32, gt=0, description="most prompts in one text completions "
+                             "batch")
+    tool_format: str = Field("", description="tool-call format of the model (empty: the one "
+                             "for its family; known: hermes)")
     # API keys: off unless asked for, so `halfmoon up` works as it is.
     require_api_key: bool = Field(False, description="check API keys on /v1/* and /admin/* "
                                   "(keys from `halfmoon keys create`); implied by --api-keys "

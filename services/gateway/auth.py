@@ -36,10 +36,14 @@ class PermissionDenied(errors.HalfmoonError):
     code = "permission_denied"
 
 
+# Outside /v1 but an API all the same: they run the tokenizer on the caller's text.
+API_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 def area_of(path: str) -> Area:
     if path == "/admin" or path.startswith("/admin/"):
         return "admin"
-    if path == "/v1" or path.startswith("/v1/"):
+    if path == "/v1" or path.startswith("/v1/") or path in API_PATHS:
         return "api"
     return "public"
 

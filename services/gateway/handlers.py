@@ -1,12 +1,14 @@
-"""HTTP handlers: validate → tokenize → place → stream, with one terminal record per request."""
+"""HTTP handlers: validate → tokenize → place → stream, with one terminal record per
+(sub-)request. Chat and text completions share the whole path (runs.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -14,92 +16,30 @@ from nats.aio.client import Client as NATS
 
 from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
-from shared.db.schema import DecisionRecord, RequestRecord, RequestStatus
+from shared.db.schema import RequestRecord, RequestStatus
 from shared.db.session import sessionmaker
-from shared.db.stats import kv_hit_rates
 from shared.hashing import block_hashes
-from shared.messages import (FinishReason, GenerateRequest, InstanceInfo, Placement,
-                             TokenEvent, Usage)
+from shared.messages import GenerateRequest, InstanceInfo, Placement, SamplingParams
 from services.gateway.args import GatewaySettings
+from services.gateway.chat import ChatOptions, collect_chat, stream_chat
+from services.gateway.completion_protocol import parse_completion
+from services.gateway.completions import TextOptions, collect_text, stream_text
+from services.gateway.extras import Extras
+from services.gateway.logprobs import TokenTexts
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prompt import PromptBuilder
-from services.gateway.protocol import (ChatCompletionRequest, chunk_body, completion_body,
-                                       models_body, now_s, parse_request)
-from services.gateway.streams import Follower, Liveness, TokenStream, publish_cancel
+from services.gateway.protocol import SamplingFields, check_unicode, parse_request
+from services.gateway.runs import Fanout, RequestLife, Sub
+from services.gateway.streams import Liveness, publish_cancel
+from services.gateway.structured import ConstraintChecker, one_constraint, requested
 
 log = logging.getLogger(__name__)
+__all__ = ["Gateway", "RequestLife"]
+DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks its client is still there
+RECENT_IDS = 65536  # request ids remembered here, so a client's X-Request-Id is never reused
 
 
-@dataclass
-class RequestLife:
-    """What the terminal SQL record will say about one accepted request."""
-
-    request_id: str
-    arrival: float
-    status: RequestStatus = RequestStatus.FAILED
-    first_token_time: float | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    usage: Usage | None = None
-    text_parts: list[str] = field(default_factory=list)
-    # Phase boundaries for the console's timeline: the placement reply, and the first token
-    # from an instance other than the one that sent the first (the decode side of a handoff).
-    dispatch_time: float | None = None
-    decode_first_token_time: float | None = None
-    first_instance: str = ""
-    metrics: GatewayMetrics | None = None
-    last_token_time: float | None = None
-    num_tokens: int = 0
-
-    def on_event(self, event: TokenEvent) -> None:
-        if event.token_ids:
-            now = time.time()
-            if self.metrics is not None:
-                self.metrics.token_event(self.arrival, self.last_token_time, now)
-            if self.first_token_time is None:
-                self.first_token_time, self.first_instance = now, event.instance_id
-            elif (self.decode_first_token_time is None and event.instance_id
-                  and event.instance_id != self.first_instance):
-                self.decode_first_token_time = now
-            self.last_token_time = now
-            self.num_tokens += len(event.token_ids)
-        if event.text:
-            self.text_parts.append(event.text)
-        if event.usage is not None:
-            self.usage = event.usage
-        if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason.value
-            if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                self.status = RequestStatus.COMPLETED
-
-    def terminal_values(self) -> dict[str, Any]:
-        now = time.time()
-        values: dict[str, Any] = {"finish_time": now, "e2e_ms": (now - self.arrival) * 1e3,
-                                  "finish_reason": self.finish_reason, "error": self.error}
-        if self.first_token_time is not None:
-            values["first_token_time"] = self.first_token_time
-            values["ttft_ms"] = (self.first_token_time - self.arrival) * 1e3
-        for key in ("dispatch_time", "decode_first_token_time"):
-            if getattr(self, key) is not None:
-                values[key] = getattr(self, key)
-        if self.usage is not None:
-            values["completion_tokens"] = self.usage.completion_tokens
-            values["cached_tokens"] = self.usage.cached_tokens
-        return values
-
-
-def _row(row: Any) -> dict[str, Any] | None:
-    if row is None:
-        return None
-    return {c.name: getattr(row, c.name) for c in row.__table__.columns}
-
-
-def sse(obj: dict[str, Any] | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-class Gateway:
+class Gateway(Extras):
     def __init__(self, settings: GatewaySettings, nc: NATS, records: RecordWriter,
                  prompts: PromptBuilder, instance_id: str) -> None:
         self.settings = settings
@@ -112,36 +52,21 @@ class Gateway:
         self.liveness = Liveness(settings.instance_expiry_s)
         self.in_flight = 0
         self.metrics = GatewayMetrics(lambda: self.in_flight)
+        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._texts: TokenTexts | None = None
+        self._checker: ConstraintChecker | None = None
 
-    # -- small endpoints ----------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(models_body(self.prompts.model_name, self.started_at))
+    @property
+    def texts(self) -> TokenTexts:
+        if self._texts is None:
+            self._texts = TokenTexts(self.prompts.tokenizer)
+        return self._texts
 
-    async def health(self, request: web.Request) -> web.Response:
-        ok = self.nc.is_connected
-        return web.json_response({"status": "ok" if ok else "degraded", "nats": ok},
-                                 status=200 if ok else 503)
-
-    async def admin_state(self, request: web.Request) -> web.Response:
-        now = time.time()
-        instances = [dict(info.model_dump(mode="json"), heartbeat_age_s=round(now - info.sent_at, 3))
-                     for info in self.liveness.infos()]
-        return web.json_response({"gateway": self.instance_id, "uptime_s": now - self.started_at,
-                                  "in_flight": self.in_flight, "instances": instances})
-
-    async def admin_request(self, request: web.Request) -> web.Response:
-        """One request's record and the conductor's decision for it (why it went where)."""
-        rid = request.match_info["request_id"]
-        async with sessionmaker(self.records.engine)() as s:
-            rec = await s.get(RequestRecord, rid)
-            dec = await s.get(DecisionRecord, rid)
-        if rec is None and dec is None:
-            raise errors.HalfmoonError(f"no request {rid}", code="not_found").with_status(404)
-        return web.json_response({"request": _row(rec), "decision": _row(dec)})
-
-    async def admin_kv(self, request: web.Request) -> web.Response:
-        """Token-weighted KV hit rates per prefill instance and for the cluster, by window."""
-        return web.json_response(await kv_hit_rates(self.records.engine))
+    @property
+    def checker(self) -> ConstraintChecker:
+        if self._checker is None:
+            self._checker = ConstraintChecker(self.prompts.tokenizer, self.prompts.vocab_size)
+        return self._checker
 
     async def on_heartbeat(self, msg: Any) -> None:
         try:
@@ -150,51 +75,171 @@ class Gateway:
             return
         self.liveness.beat(info, time.monotonic())
 
-    # -- chat completions ---------------------------------------------------------------
+    # -- the two generation endpoints -------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        request_id = request["request_id"]  # a chatcmpl- id, from error_middleware (app.py)
-        # The tenant comes from the API key (auth.py); "" without keys. It salts the prefix
-        # hashes, so no tenant can hit (or time) another's cached blocks.
-        tenant = request.get("tenant", "")
         arrival = time.time()
-        body = await _read_json(request)
-        chat = parse_request(body)
+        chat = parse_request(await read_json(request))
+        _log_user(request, chat)
         prompt_ids, max_tokens = self.prompts.build(chat)
-        gen = GenerateRequest(
-            request_id=request_id, model=self.prompts.model_name, prompt_token_ids=prompt_ids,
-            block_hashes=block_hashes(prompt_ids, self.settings.block_size, salt=tenant),
-            tenant=tenant,
-            sampling=chat.sampling(max_tokens), arrival_time=arrival,
-            ttft_slo_ms=chat.ttft_slo_ms, tbt_slo_ms=chat.tbt_slo_ms)
-        self.records.request_accepted(
-            id=request_id, model=gen.model, tenant=tenant, status=RequestStatus.QUEUED.value,
-            arrival_time=arrival,
-            prompt_tokens=len(prompt_ids), max_tokens=max_tokens, stream=chat.stream)
-        life = RequestLife(request_id, arrival, metrics=self.metrics)
+        sampling = await self._sampling(chat, max_tokens, chat.engine_logprobs())
+        if (choice := chat.effective_tool_choice()) not in ("none", "auto"):
+            grammar = self.prompts.tool_format.grammar(chat.tools or [], choice,
+                                                       chat.parallel_tool_calls)
+            if sampling.constraint is not None:
+                raise errors.InvalidRequest("tool_choice required or named cannot be combined "
+                                            "with another structured-output constraint",
+                                            param="tool_choice")
+            sampling.constraint = await self._check("tool_choice", "lark", grammar)
+        rid = await self._request_id(request)
+        subs = self._subs(request, rid, [prompt_ids], chat, sampling, arrival)
+        opts = ChatOptions(self.prompts.model_name, int(arrival), self.texts,
+                           chat.engine_logprobs(), self._stop_ids(sampling),
+                           self.prompts.tool_format if chat.effective_tool_choice() != "none"
+                           else None, chat.parallel_tool_calls, chat.include_usage())
+        return await self._serve(request, Fanout(self, subs, chat.stream), rid,
+                                 lambda resp, fan: stream_chat(resp, fan, opts, rid),
+                                 lambda fan: collect_chat(fan, opts, rid))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.time()
+        req = parse_completion(await read_json(request))
+        _log_user(request, req)
+        built = self.prompts.build_completion(req)
+        score_only = req.max_tokens == 0
+        # Echo with logprobs: every prompt position scored, top k each, by prefill.
+        prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
+        sampling = await self._sampling(req, 1, req.logprobs)
+        rid = await self._request_id(request)
+        prompts = [ids for ids, _ in built]
+        subs = self._subs(request, rid, prompts, req, sampling, arrival, prompt_lps,
+                          [max(m, 1) for _, m in built])
+        echo_texts = [p if isinstance(p, str) else self.prompts.tokenizer.decode(p)
+                      for p in req.prompts()] if req.echo else []
+        opts = TextOptions(self.prompts.model_name, int(arrival), self.texts, req.logprobs,
+                           req.echo, echo_texts, score_only, self._stop_ids(sampling),
+                           req.include_usage())
+        return await self._serve(request, Fanout(self, subs, req.stream), rid,
+                                 lambda resp, fan: stream_text(resp, fan, opts, rid),
+                                 lambda fan: collect_text(fan, opts, rid))
+
+    async def _sampling(self, req: SamplingFields, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        for tid in [*(req.stop_token_ids or []), *map(int, req.logit_bias or {})]:
+            if not 0 <= tid < self.prompts.vocab_size:
+                raise errors.InvalidRequest(f"token id {tid} is not in this model's vocabulary "
+                                            f"(0..{self.prompts.vocab_size - 1})",
+                                            param="stop_token_ids" if tid in (
+                                                req.stop_token_ids or []) else "logit_bias")
+        sampling = req.sampling(max_tokens, logprobs)
+        found = one_constraint(requested(req))
+        if found is not None:
+            param, c = found
+            sampling.constraint = await self._check(param, c.kind, c.spec)
+        return sampling
+
+    async def _check(self, param: str, kind: str, spec: str) -> Any:
+        from shared.messages import Constraint
+
+        c = Constraint(kind=kind, spec=spec)  # type: ignore[arg-type]
+        await asyncio.to_thread(self.checker.check, param, c)
+        return c
+
+    def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        return frozenset(self.texts.special) | frozenset(sampling.stop_token_ids)
+
+    def _subs(self, request: web.Request, rid: str, prompts: list[list[int]],
+              req: SamplingFields, sampling: SamplingParams, arrival: float,
+              prompt_logprobs: int | None = None, max_tokens: list[int] | None = None
+              ) -> list[Sub]:
+        """One sub-request per (prompt, sample): choice index prompt x n + sample."""
+        tenant = request.get("tenant", "")
+        total = len(prompts) * req.n
+        if req.n > self.settings.max_choices:
+            raise errors.InvalidRequest(f"n is {req.n}; this server allows at most "
+                                        f"{self.settings.max_choices}", param="n",
+                                        code="integer_above_max_value")
+        if len(prompts) > self.settings.max_prompts:
+            raise errors.InvalidRequest(f"the batch has {len(prompts)} prompts; this server "
+                                        f"takes at most {self.settings.max_prompts}",
+                                        param="prompt", code="array_above_max_length")
+        subs = []
+        for p, ids in enumerate(prompts):
+            hashes = block_hashes(ids, self.settings.block_size, salt=tenant)
+            for i in range(req.n):
+                k = p * req.n + i
+                params = sampling.model_copy(update={
+                    "seed": None if sampling.seed is None else sampling.seed + i,
+                    "max_tokens": max_tokens[p] if max_tokens else sampling.max_tokens})
+                sub_id = rid if total == 1 else f"{rid}-{k}"
+                gen = GenerateRequest(
+                    request_id=sub_id, model=self.prompts.model_name, prompt_token_ids=ids,
+                    block_hashes=hashes, tenant=tenant, sampling=params, arrival_time=arrival,
+                    ttft_slo_ms=req.ttft_slo_ms, tbt_slo_ms=req.tbt_slo_ms,
+                    prompt_logprobs=prompt_logprobs)
+                subs.append(Sub(k, p, gen, RequestLife(sub_id, arrival)))
+                self._remember(sub_id)
+        return subs
+
+    async def _serve(self, request: web.Request, fan: Fanout, rid: str,
+                     stream: Callable[[web.StreamResponse, Fanout], Awaitable[None]],
+                     collect: Callable[[Fanout], Awaitable[dict[str, Any]]]
+                     ) -> web.StreamResponse:
         self.in_flight += 1
-        stream = await TokenStream(self.nc, request_id, self.settings.gap_timeout_s).open()
-        follow = Follower(self.nc, self.settings, self.liveness, stream, gen,
-                          lambda g: self._place(g, life), lambda p, d: self._placed_again(
-                              request_id, p, d))
         try:
-            placement = await self._place(gen, life, stream.retarget)
-            follow.placed(placement)
-            self.records.request_update(request_id, status=RequestStatus.RUNNING.value,
-                                        prefill_instance=placement.prefill_id,
-                                        # colocated: the prefill instance decodes too
-                                        decode_instance=placement.decode_id or placement.prefill_id)
-            if chat.stream:
-                return await self._stream(request, chat, follow, life)
-            return await self._collect(chat, follow, life)
+            await fan.start()
+            if fan.stream:
+                return await self._stream(request, fan, rid, stream)
+            body = await until_disconnected(request, collect(fan), fan)
+            return web.json_response(body, headers={"X-Request-Id": rid})
         finally:
             self.in_flight -= 1
-            if follow.attempt is not None and life.status != RequestStatus.COMPLETED:
-                # Whatever is left of it, anywhere: one cancel for every way it can end.
-                await follow.cancel(life.error or "request ended")
-            await stream.close()
-            self.records.request_finished(request_id, life.status.value, **life.terminal_values())
-            self.metrics.finished(life, len(prompt_ids))
+            await fan.close()
 
+    async def _stream(self, request: web.Request, fan: Fanout, rid: str,
+                      write: Callable[[web.StreamResponse, Fanout], Awaitable[None]]
+                      ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache", "X-Request-Id": rid})
+        await resp.prepare(request)
+        try:
+            await write(resp, fan)
+        except errors.HalfmoonError as exc:
+            # Timed out, or the request could not be placed again after a fault: a clear
+            # error event, then the end of the stream.
+            await _write_quietly(resp, sse_error(exc))
+        except (ConnectionResetError, ConnectionError) as exc:
+            fan.disconnected(str(exc))
+            log.info("request %s: client went away, cancelling", rid)
+        return resp
+
+    # -- request ids ----------------------------------------------------------------------
+    async def _request_id(self, request: web.Request) -> str:
+        """The client's X-Request-Id when it is valid (app.py checked its form) and not
+        one this gateway or SQL has seen (a reused id would mix two requests' token
+        streams and break the records' batch); otherwise a fresh one."""
+        rid: str = request["request_id"]
+        if not request.get("client_request_id"):
+            return rid
+        taken = rid in self._recent
+        if not taken and self.records is not None:
+            async with sessionmaker(self.records.engine)() as s:
+                taken = await s.get(RequestRecord, rid) is not None
+        if taken:
+            from services.gateway.app import new_request_id
+
+            fresh = new_request_id(request.path)
+            log.info("request %s: X-Request-Id %s was used before; serving it as %s",
+                     fresh, rid, fresh)
+            request["request_id"] = fresh
+            return fresh
+        return rid
+
+    def _remember(self, request_id: str) -> None:
+        self._recent[request_id] = None
+        while len(self._recent) > RECENT_IDS:
+            self._recent.popitem(last=False)
+
+    # -- placement --------------------------------------------------------------------------
     async def _place(self, gen: GenerateRequest, life: RequestLife,
                      retarget: Callable[[str, int], Awaitable[None]] | None = None) -> Placement:
         try:
@@ -262,71 +307,53 @@ class Gateway:
         values = {"prefill_instance": prefill_id} if prefill_id else {}
         self.records.request_update(request_id, decode_instance=decode_id or prefill_id, **values)
 
-    async def _collect(self, chat: ChatCompletionRequest, follow: Follower,
-                       life: RequestLife) -> web.Response:
-        try:
-            async for event in follow.events():
-                if event.error is not None:
-                    life.error = f"{event.error.code}: {event.error.message}"
-                    raise errors.from_code(event.error.code, event.error.message,
-                                            status=event.error.status)
-                life.on_event(event)
-        except errors.HalfmoonError as exc:
-            life.error = life.error or f"{exc.code}: {exc.message}"
-            raise
-        body = completion_body(life.request_id, self.prompts.model_name, int(life.arrival),
-                               "".join(life.text_parts), life.finish_reason, life.usage)
-        return web.json_response(body, headers={"X-Request-Id": life.request_id})
 
-    async def _stream(self, request: web.Request, chat: ChatCompletionRequest,
-                      follow: Follower, life: RequestLife) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache",
-                                           "X-Request-Id": life.request_id})
-        await resp.prepare(request)
-        model, created, rid = self.prompts.model_name, now_s(), life.request_id
-        try:
-            await resp.write(sse(chunk_body(rid, model, created, {"role": "assistant", "content": ""})))
-            async for event in follow.events():
-                if event.error is not None:
-                    life.error = f"{event.error.code}: {event.error.message}"
-                    await resp.write(sse(errors.from_code(event.error.code, event.error.message,
-                                            status=event.error.status).body()))
-                    break
-                life.on_event(event)
-                await self._write_event(resp, chat, event, rid, model, created)
-            await resp.write(sse("[DONE]"))
-        except errors.HalfmoonError as exc:
-            # Timed out, or the request could not be placed again after a fault: a clear
-            # error event, then the end of the stream.
-            life.error = life.error or f"{exc.code}: {exc.message}"
-            await _write_quietly(resp, sse(exc.body()) + sse("[DONE]"))
-        except (ConnectionResetError, ConnectionError) as exc:
-            life.status, life.error = RequestStatus.CANCELLED, f"client disconnected: {exc}"
-            life.finish_reason = FinishReason.CANCELLED.value
-            log.info("request %s: client went away, cancelling", rid)
-        return resp
-
-    async def _write_event(self, resp: web.StreamResponse, chat: ChatCompletionRequest,
-                           event: TokenEvent, rid: str, model: str, created: int) -> None:
-        if event.text:
-            await resp.write(sse(chunk_body(rid, model, created, {"content": event.text})))
-        if event.finish_reason is not None:
-            await resp.write(sse(chunk_body(rid, model, created, {}, event.finish_reason.value)))
-            if chat.stream_options and chat.stream_options.include_usage:
-                await resp.write(sse(chunk_body(rid, model, created, {}, usage=event.usage,
-                                                with_choice=False)))
+async def until_disconnected(request: web.Request, work: Awaitable[dict[str, Any]],
+                             fan: Fanout) -> dict[str, Any]:
+    """Run `work` (a whole response being gathered) while the client is still connected: a
+    client that leaves cancels it, and the request everywhere, as a stream's does."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                fan.disconnected("connection closed")
+                log.info("request %s: client went away, cancelling", fan.subs[0].gen.request_id)
+                # Never sent (nobody is listening): 499, nginx's "client closed request".
+                raise errors.HalfmoonError("client disconnected",
+                                           code="client_disconnected").with_status(499)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, errors.HalfmoonError):
+                await task
 
 
-async def _read_json(request: web.Request) -> Any:
+def _log_user(request: web.Request, req: SamplingFields) -> None:
+    if req.user:  # the caller's tag for its end user: in the log, next to the request id
+        log.info("request %s: user %r", request["request_id"], req.user[:200])
+
+
+def sse_error(exc: errors.HalfmoonError) -> bytes:
+    from services.gateway.bodies import sse
+
+    return sse(exc.body()) + sse("[DONE]")
+
+
+async def read_json(request: web.Request) -> Any:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise errors.PayloadTooLarge("request body is too large") from None
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise errors.InvalidRequest("request body is not valid JSON") from None
+    check_unicode(body)
+    return body
 
 
 async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
@@ -334,3 +361,4 @@ async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
         await resp.write(data)
     except ConnectionError:
         pass
+

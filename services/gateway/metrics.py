@@ -13,7 +13,7 @@ from shared.db.schema import TERMINAL_STATUSES, RequestStatus
 from shared.metrics import FAST_BUCKETS, LATENCY_BUCKETS, new_registry
 
 if TYPE_CHECKING:
-    from services.gateway.handlers import RequestLife
+    from services.gateway.runs import RequestLife
 
 # Reasons seen often enough to show as 0 before the first one happens.
 KNOWN_REJECTIONS = ("slo_unattainable", "rejected", "unavailable")
@@ -30,7 +30,7 @@ class GatewayMetrics:
         self.e2e = Histogram("halfmoon_e2e_seconds", "End-to-end latency of completed "
                              "requests, arrival until the response is complete",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("halfmoon_requests", "Accepted chat requests by final status",
+        self.requests = Counter("halfmoon_requests", "Accepted requests (chat and text completions) by final status",
                                 ["status"], registry=r)
         for status in TERMINAL_STATUSES:
             self.requests.labels(status.value)
@@ -61,9 +61,15 @@ class GatewayMetrics:
             self.rejections.labels(exc.code).inc()
 
     def finished(self, life: "RequestLife", prompt_tokens: int) -> None:
-        self.requests.labels(life.status.value).inc()
-        if life.status == RequestStatus.COMPLETED:
-            self.e2e.observe(time.time() - life.arrival)
+        self.finished_request(life.status, life.arrival, prompt_tokens, life.num_tokens,
+                              life.usage.cached_tokens if life.usage else 0)
+
+    def finished_request(self, status: RequestStatus, arrival: float, prompt_tokens: int,
+                         generated: int, cached: int) -> None:
+        """One client request ended (all its choices, when it has several)."""
+        self.requests.labels(status.value).inc()
+        if status == RequestStatus.COMPLETED:
+            self.e2e.observe(time.time() - arrival)
         self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(life.num_tokens)
-        self.cached_prompt_tokens.inc(life.usage.cached_tokens if life.usage else 0)
+        self.generation_tokens.inc(generated)
+        self.cached_prompt_tokens.inc(cached)

@@ -15,113 +15,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from services.gateway.args import GatewaySettings
 from services.gateway.auth import Area, area_of
+from services.gateway.completion_protocol import CompletionRequest
+from services.gateway.extras import DetokenizeRequest, TokenizeRequest
+from services.gateway.openapi_models import RESPONSE_MODELS
+from services.gateway.openapi_schemas import refine
 from services.gateway.protocol import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
 REF = "#/components/schemas/{model}"
 
-
-# -- response bodies (documentation only: protocol.py builds the real ones) -------------
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # prompt tokens served from the prefix cache (whole blocks)
-
-
-class CompletionUsage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str
-
-
-class Choice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: None
-    finish_reason: str | None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: CompletionUsage | None
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int
-    delta: Delta
-    logprobs: None
-    finish_reason: str | None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[ChunkChoice]  # empty in the last chunk with include_usage
-    usage: CompletionUsage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class Health(BaseModel):
-    status: Literal["ok", "degraded"]
-    nats: bool
-
-
-class AdminState(BaseModel):
-    gateway: str
-    uptime_s: float
-    in_flight: int
-    instances: list[dict[str, Any]]
-
-
-class AdminRequest(BaseModel):
-    request: dict[str, Any] | None
-    decision: dict[str, Any] | None
-
-
-RESPONSE_MODELS: list[type[BaseModel]] = [ErrorResponse, ChatCompletion, ChatCompletionChunk,
-                                          ModelList, Health, AdminState, AdminRequest]
 
 ERRORS = {
     400: "The request is malformed or breaks a limit (body, messages, tokens)",
@@ -153,21 +59,47 @@ class Operation:
 
 # Before OpenAPI 3.2 a text/event-stream schema describes one event: here a chunk, an
 # error that ended the stream early, or the closing [DONE].
-SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
-    {"const": "[DONE]"},
-    {"type": "string", "contentMediaType": "application/json",
-     "contentSchema": {"anyOf": [{"$ref": REF.format(model="ChatCompletionChunk")},
-                                 {"$ref": REF.format(model="ErrorResponse")}]}}]}},
-    "description": "with stream=true: `data: {chunk}` events, then `data: [DONE]`"}
-CHAT_OK = {**_json("ChatCompletion"), "text/event-stream": {"schema": SSE_EVENT}}
+def _sse(chunk: str) -> dict[str, Any]:
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"anyOf": [{"$ref": REF.format(model=chunk)},
+                                     {"$ref": REF.format(model="ErrorResponse")}]}}]}},
+        "description": "with stream=true: `data: {chunk}` events, then `data: [DONE]`"}
+
+
+CHAT_OK = {**_json("ChatCompletion"), "text/event-stream": {"schema": _sse("ChatCompletionChunk")}}
+TEXT_OK = {**_json("Completion"), "text/event-stream": {"schema": _sse("Completion")}}
+GENERATION_ERRORS = (400, 404, 413, 429, 500, 503, 504)
+MODEL_PARAM = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/chat/completions"): Operation(
         "Create a chat completion (OpenAI-compatible; stream=true for server-sent events)",
-        CHAT_OK, (400, 404, 413, 429, 500, 503, 504), request="ChatCompletionRequest",
+        CHAT_OK, GENERATION_ERRORS, request="ChatCompletionRequest",
         description="usage.prompt_tokens_details.cached_tokens counts the prompt tokens "
-                    "served from the prefix cache of the caller's tenant."),
+                    "served from the prefix cache of the caller's tenant. tool_choice also "
+                    "takes {\"type\": \"function\", \"function\": {\"name\": ...}} naming "
+                    "one of `tools` (left out of the schema, which cannot say 'one of "
+                    "tools'); guided_json and structured_outputs.json also take the schema "
+                    "as JSON text."),
+    ("POST", "/v1/completions"): Operation(
+        "Create a text completion (OpenAI's legacy API; stream=true for server-sent events)",
+        TEXT_OK, GENERATION_ERRORS, request="CompletionRequest",
+        description="prompt: a string, a batch of strings, token ids, or a batch of token id "
+                    "lists; choices are indexed prompt x n + sample. echo with logprobs "
+                    "scores every prompt token (the first has none)."),
     ("GET", "/v1/models"): Operation("List the served model", _json("ModelList")),
+    ("GET", "/v1/models/{model}"): Operation("The served model's card (404 for any other)",
+                                             _json("ModelCard"), (404,),
+                                             parameters=MODEL_PARAM),
+    ("POST", "/tokenize"): Operation(
+        "Tokenize text, or chat messages through the chat template (vLLM's shape)",
+        _json("TokenizeResponse"), (400, 404, 413), request="TokenizeRequest"),
+    ("POST", "/detokenize"): Operation("Token ids back to text (vLLM's shape)",
+                                       _json("DetokenizeResponse"), (400, 404, 413),
+                                       request="DetokenizeRequest"),
+    ("GET", "/version"): Operation("The server's version", _json("Version")),
     ("GET", "/health"): Operation("Liveness: ok when the bus is connected", _json("Health"),
                                   (503,)),
     ("GET", "/openapi.json"): Operation("This description", _json({"type": "object"})),
@@ -184,30 +116,15 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 }
 
 
-_NON_BLANK = {"type": "string", "pattern": "\\S"}
-NON_BLANK_MESSAGE = {
-    "type": "object", "required": ["content"],
-    "description": "at least one message has some text",
-    "properties": {"content": {"anyOf": [_NON_BLANK, {
-        "type": "array", "contains": {"type": "object", "required": ["text"],
-                                      "properties": {"text": _NON_BLANK}}}]}}}
+REQUESTS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
 
 
-def _schemas(model_name: str, settings: GatewaySettings) -> dict[str, Any]:
+def _schemas(model_name: str, settings: GatewaySettings, vocab_size: int) -> dict[str, Any]:
     # Validation mode throughout: a field with a default may be absent from a body.
-    pairs = [(m, "validation") for m in [ChatCompletionRequest, *RESPONSE_MODELS]]
+    pairs = [(m, "validation") for m in [*REQUESTS, *RESPONSE_MODELS]]
     _, defs = models_json_schema(pairs, ref_template=REF)  # type: ignore[arg-type]
     schemas = copy.deepcopy(defs["$defs"])
-    props = schemas["ChatCompletionRequest"]["properties"]
-    props["model"]["enum"] = [model_name]  # any other name is a 404
-    props["messages"]["contains"] = NON_BLANK_MESSAGE  # all-blank messages are a 400
-    if settings.max_messages:
-        props["messages"]["maxItems"] = settings.max_messages
-    if settings.max_output_tokens:
-        for name in ("max_tokens", "max_completion_tokens"):
-            for branch in props[name]["anyOf"]:
-                if branch.get("type") == "integer":
-                    branch["maximum"] = settings.max_output_tokens
+    refine(schemas, model_name, settings, vocab_size)
     return schemas
 
 
@@ -252,7 +169,8 @@ def _op_id(method: str, path: str) -> str:
     return method.lower() + "_" + "_".join(w.replace(".", "_") for w in words)
 
 
-def build_spec(app: web.Application, model_name: str, settings: GatewaySettings) -> dict[str, Any]:
+def build_spec(app: web.Application, model_name: str, settings: GatewaySettings,
+               vocab_size: int = 49152) -> dict[str, Any]:
     keys = settings.keys_enabled()
     paths: dict[str, dict[str, Any]] = {}
     for route in app.router.routes():
@@ -260,15 +178,16 @@ def build_spec(app: web.Application, model_name: str, settings: GatewaySettings)
         if route.method == "HEAD" or not path:
             continue
         paths.setdefault(path, {})[route.method.lower()] = _operation(route.method, path, keys)
-    components: dict[str, Any] = {"schemas": _schemas(model_name, settings)}
+    components: dict[str, Any] = {"schemas": _schemas(model_name, settings, vocab_size)}
     if keys:
         components["securitySchemes"] = {"apiKey": {
             "type": "http", "scheme": "bearer",
             "description": "tenant keys for /v1/*, admin keys for /admin/*"}}
     return {"openapi": "3.1.0",
             "info": {"title": "Halfmoon gateway", "version": "1",
-                     "description": "OpenAI-compatible chat completions over a prefill/decode-"
-                                    "disaggregated cluster, plus its admin JSON."},
+                     "description": "OpenAI-compatible chat and text completions over a "
+                                    "prefill/decode-disaggregated cluster, plus its admin "
+                                    "JSON."},
             "paths": paths, "components": components}
 
 

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer
 
 from shared import errors
-from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.completion_protocol import DEFAULT_MAX_TOKENS, CompletionRequest
+from services.gateway.protocol import ChatCompletionRequest, MessageBase
+from services.gateway.tools import HermesFormat, format_for
 
 
 class PromptBuilder:
     def __init__(self, model_dir: Path, model_name: str, default_max_tokens: int, *,
                  max_messages: int = 0, max_prompt_tokens: int = 0,
-                 max_output_tokens: int = 0) -> None:
+                 max_output_tokens: int = 0, tool_format: str = "") -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         config = json.loads((model_dir / "config.json").read_text())
         self.max_model_len = int(config.get("max_position_embeddings", 2048))
+        self.vocab_size = int(config.get("vocab_size", len(self.tokenizer)))
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         # The most characters one token covers: text longer than (token limit x this)
@@ -28,42 +32,130 @@ class PromptBuilder:
         self.max_messages = max_messages
         self.max_prompt_tokens = max_prompt_tokens
         self.max_output_tokens = max_output_tokens
+        self.tool_format: HermesFormat = format_for(str(config.get("model_type", "")), tool_format)
+        template = self.tokenizer.chat_template
+        # A template that mentions tools renders them itself; others get the fallback.
+        self.template_renders_tools = isinstance(template, str) and "tools" in template
 
+    @property
+    def token_limit(self) -> int:
+        return min(n for n in (self.max_prompt_tokens, self.max_model_len) if n)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise errors.ModelNotFound(f"The model '{model}' does not exist; this server "
+                                       f"serves '{self.model_name}'", param="model")
+
+    # -- chat ------------------------------------------------------------------------------
     def build(self, chat: ChatCompletionRequest) -> tuple[list[int], int]:
         """Prompt token ids and the effective max_tokens, or a 4xx error."""
-        if chat.model != self.model_name:
-            raise errors.ModelNotFound(f"The model '{chat.model}' does not exist; this server "
-                                       f"serves '{self.model_name}'", param="model")
+        self.check_model(chat.model)
         if self.max_messages and len(chat.messages) > self.max_messages:
             raise errors.InvalidRequest(
                 f"messages has {len(chat.messages)} entries; this server takes at most "
                 f"{self.max_messages}.", param="messages", code="array_above_max_length")
         self._check_max_tokens(chat.requested_max_tokens())
-        messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
-        if not any(m["content"].strip() for m in messages):
+        if not any(m.text().strip() or m.tool_calls for m in chat.messages):
             raise errors.InvalidRequest("messages are all empty", param="messages")
-        limit = min(n for n in (self.max_prompt_tokens, self.max_model_len) if n)
-        if sum(len(m["content"]) for m in messages) > limit * self.max_token_chars:
+        messages, tools = self.render_messages(chat)
+        self._check_chars(sum(len(str(m.get("content") or "")) for m in messages), "messages")
+        ids = self.tokenize(messages, tools)
+        return ids, self._max_tokens(len(ids), chat.requested_max_tokens(), "messages",
+                                     self.default_max_tokens)
+
+    def render_messages(self, chat: ChatCompletionRequest
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The template's messages (and tools, when it renders them itself)."""
+        show_tools = chat.effective_tool_choice() != "none" and bool(chat.tools)
+        if self.template_renders_tools:
+            tools = [t.model_dump(mode="json", exclude_none=True) for t in chat.tools or []]
+            return [_hf_message(m) for m in chat.messages], (tools if show_tools else None)
+        fmt = self.tool_format
+        names = {c.id: c.function.name for m in chat.messages for c in m.tool_calls or []}
+        messages: list[dict[str, Any]] = []
+        for m in chat.messages:
+            if m.role == "tool":
+                text = fmt.render_reply(names.get(m.tool_call_id or "", ""), m.text())
+                messages.append({"role": "user", "content": text})
+            elif m.tool_calls:
+                messages.append({"role": "assistant", "content": fmt.render_calls(m)})
+            else:
+                messages.append(_plain(m))
+        if show_tools:
+            section = fmt.system_text(chat.tools or [])
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + section}
+            else:
+                messages.insert(0, {"role": "system", "content": section})
+        return messages, None
+
+    def tokenize(self, messages: list[dict[str, Any]],
+                 tools: list[dict[str, Any]] | None = None,
+                 add_generation_prompt: bool = True) -> list[int]:
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - the template's own refusal (raise_exception)
+            # A template that refuses these messages (roles out of order, say) is the
+            # request's fault: a 400 that says why, not a 500 the client would retry.
+            raise errors.InvalidRequest(f"the chat template cannot render these messages: "
+                                        f"{type(exc).__name__}: {exc}"[:1000],
+                                        param="messages", code="invalid_messages") from None
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        return [int(t) for t in ids]
+
+    # -- text completions --------------------------------------------------------------------
+    def build_completion(self, req: CompletionRequest) -> list[tuple[list[int], int]]:
+        """Each prompt's token ids and effective max_tokens (0: echo only, nothing new)."""
+        self.check_model(req.model)
+        self._check_max_tokens(req.max_tokens)
+        batch = req.prompts()
+        out = []
+        for i, p in enumerate(batch):
+            param = "prompt" if len(batch) == 1 else f"prompt.{i}"
+            if isinstance(p, str):
+                self._check_chars(len(p), param)
+                ids = [int(t) for t in self.tokenizer(p)["input_ids"]]
+            else:
+                bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    raise errors.InvalidRequest(f"{param}: token id {bad} is not in this "
+                                                f"model's vocabulary (0..{self.vocab_size - 1})",
+                                                param=param)
+                ids = list(p)
+            if not ids:
+                raise errors.InvalidRequest(f"{param}: the prompt has no tokens", param=param)
+            asked = req.max_tokens
+            default = min(DEFAULT_MAX_TOKENS, self.default_max_tokens)
+            max_tokens = self._max_tokens(len(ids), asked or None, param, default)
+            out.append((ids, 0 if asked == 0 else max_tokens))
+        return out
+
+    # -- limits ----------------------------------------------------------------------------
+    def _check_chars(self, chars: int, param: str) -> None:
+        limit = self.token_limit
+        if chars > limit * self.max_token_chars:
             raise errors.InvalidRequest(
-                f"The messages are far longer than the {limit}-token limit.", param="messages",
+                f"{param}: far longer than the {limit}-token limit.", param=param,
                 code="context_length_exceeded")
-        ids = self.tokenize(messages)
-        if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
+
+    def _max_tokens(self, num_prompt: int, asked: int | None, param: str, default: int) -> int:
+        if self.max_prompt_tokens and num_prompt > self.max_prompt_tokens:
             raise errors.InvalidRequest(
-                f"The messages have {len(ids)} tokens; this server takes at most "
-                f"{self.max_prompt_tokens}.", param="messages", code="context_length_exceeded")
-        room = self.max_model_len - len(ids)
+                f"{param}: {num_prompt} tokens; this server takes at most "
+                f"{self.max_prompt_tokens}.", param=param, code="context_length_exceeded")
+        room = self.max_model_len - num_prompt
         if room < 1:
             raise errors.InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens; the "
-                f"messages have {len(ids)}.", param="messages", code="context_length_exceeded")
-        asked = chat.requested_max_tokens()
+                f"{param} takes {num_prompt}.", param=param, code="context_length_exceeded")
         if asked is not None and asked > room:
             raise errors.InvalidRequest(
                 f"max_tokens is {asked}, but the prompt leaves room for {room} of this model's "
                 f"{self.max_model_len}-token context.", param="max_tokens",
                 code="context_length_exceeded")
-        return ids, asked if asked is not None else min(self.default_max_tokens, room)
+        return asked if asked is not None else min(default, room)
 
     def _check_max_tokens(self, asked: int | None) -> None:
         if asked is not None and self.max_output_tokens and asked > self.max_output_tokens:
@@ -71,8 +163,28 @@ class PromptBuilder:
                 f"max_tokens is {asked}; this server allows at most {self.max_output_tokens}.",
                 param="max_tokens", code="integer_above_max_value")
 
-    def tokenize(self, messages: list[dict[str, str]]) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True)
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        return [int(t) for t in ids]
+
+def _plain(m: MessageBase) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _hf_message(m: MessageBase) -> dict[str, Any]:
+    """transformers' message shape for templates with a tool section."""
+    out = _plain(m)
+    if m.tool_calls:
+        out["tool_calls"] = [{"type": "function", "id": c.id, "function": {
+            "name": c.function.name, "arguments": _loads(c.function.arguments)}}
+            for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -1,42 +1,74 @@
-"""OpenAI chat-completions request validation and response bodies."""
+"""Request validation shared by chat and text completions, and the chat request itself.
+
+Every field a request may carry is declared here (or in completion_protocol.py): an
+unknown one is a 400 that names it, as OpenAI answers, and a known OpenAI parameter that
+Halfmoon does not implement is a 400 that says so. Nothing is accepted and then ignored.
+`null` for an optional field means its default, as most clients send it.
+"""
 
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+import json
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
 from shared import errors
-from shared.messages import SamplingParams, Usage
+from shared.messages import SamplingParams
+
+# OpenAI parameters Halfmoon does not implement: refused by name, with why.
+UNSUPPORTED = {
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "the deprecated `functions` is not supported; use `tools`",
+    "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
+    "store": "stored completions are not supported",
+    "metadata": "stored completions (and their metadata) are not supported",
+    "service_tier": "service tiers are not supported",
+    "reasoning_effort": "this model does not reason; reasoning_effort is not supported",
+    "verbosity": "verbosity is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "prompt_cache_key": "prompt_cache_key is not supported (the prefix cache needs no key)",
+    "safety_identifier": "safety_identifier is not supported",
+}
+_ALLOWED_DEFAULTS = {"modalities": [["text"]], "store": [False], "service_tier": ["auto", "default"]}
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    type: Literal["text"]
-    text: str
+def _drop_nulls(data: Any) -> Any:
+    """`null` means "not given": the field's default applies."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None}
+    return data
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+def _integral(data: Any, names: tuple[str, ...]) -> Any:
+    # JSON has one number type: 8.0 is the integer 8 (JSON Schema agrees), but strict mode
+    # would refuse it. Strings stay refused.
+    if isinstance(data, dict):
+        fixed = {k: int(v) for k in names
+                 if isinstance(v := data.get(k), float) and v.is_integer()}
+        if fixed:
+            data = {**data, **fixed}
+    return data
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class Strict(BaseModel):
+    """Strict types ("5" is not a number), unknown fields refused, null as absent."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _drop_nulls(data)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
-
-
-_INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "n", "seed")
 
 
 def _stop_schema(schema: dict[str, Any]) -> None:
@@ -48,37 +80,97 @@ def _stop_schema(schema: dict[str, Any]) -> None:
             branch.update(maxItems=4, items={"type": "string", "minLength": 1})
 
 
-class ChatCompletionRequest(BaseModel):
-    # strict: "5" is not a number here, as with OpenAI. Unknown fields are ignored.
-    model_config = ConfigDict(extra="ignore", strict=True)
+SCHEMA_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class JsonSchemaFormat(Strict):
+    name: str = Field(pattern=SCHEMA_NAME)
+    description: str | None = None
+    # Any JSON schema the grammar library compiles (checked before placement).
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+FORMAT_TYPES = ("text", "json_object", "json_schema")
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat,
+                           Field(discriminator="type")]
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, json_schema_extra={"format": "regex"})
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "n", "seed", "min_tokens",
+              "logprobs", "top_logprobs", "best_of")
+SEED_RANGE = 2 ** 63
+
+
+class SamplingFields(Strict):
+    """What chat and text completions share: the model, streaming, sampling and the
+    structured-output extensions."""
 
     model: str = Field(min_length=1)
-    messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # extension, as in vLLM
-    n: int = Field(1, ge=1, le=1)
+    top_k: int = Field(0, ge=-1)  # extension, as in vLLM: 0 and -1 mean off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension
+    n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = Field(None, json_schema_extra=_stop_schema)
-    seed: int | None = None
-    user: str | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=64)  # extension
+    seed: int | None = Field(None, ge=-SEED_RANGE, lt=SEED_RANGE)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # extension
+    # Token id (as a string, as OpenAI has it) -> bias added to its logit.
+    logit_bias: dict[str, float] | None = Field(None, max_length=300)
+    min_tokens: int = Field(0, ge=0)  # extension
+    user: str | None = None  # a caller's tag: logged with the request id, never used
     ignore_eos: bool = False  # extension: benchmarks need fixed output lengths
     ttft_slo_ms: float | None = Field(None, gt=0)  # extension: this request's SLOs
     tbt_slo_ms: float | None = Field(None, gt=0)
+    response_format: ResponseFormat | None = None
+    # vLLM-style structured-output extensions (one constraint per request in all).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, json_schema_extra={"format": "regex"})
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, min_length=1)
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _integral_floats(cls, data: Any) -> Any:
-        # JSON has one number type: 8.0 is the integer 8 (JSON Schema agrees), but strict
-        # mode would refuse it. Strings stay refused.
+    def _prepare(cls, data: Any) -> Any:
+        data = _integral(_drop_nulls(data), INT_FIELDS)
         if isinstance(data, dict):
-            fixed = {k: int(v) for k in _INT_FIELDS
-                     if isinstance(v := data.get(k), float) and v.is_integer()}
-            if fixed:
-                data = {**data, **fixed}
+            for name in data:
+                if name in UNSUPPORTED and data[name] not in _ALLOWED_DEFAULTS.get(name, []):
+                    raise errors.InvalidRequest(f"{name}: {UNSUPPORTED[name]}", param=name,
+                                                code="unsupported_parameter")
+            data = {k: v for k, v in data.items() if k not in UNSUPPORTED}
         return data
 
     @field_validator("stop")
@@ -89,63 +181,215 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("stop takes at most 4 non-empty strings")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not re.fullmatch("[0-9]{1,30}", key):
+                raise ValueError(f"logit_bias keys are token ids; {key!r} is not one")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are from -100 to 100; {key} has {bias}")
+        return v
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+        """The bus's sampling parameters (the constraint is added by structured.py)."""
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+            min_p=self.min_p, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=self.stops(), stop_token_ids=list(self.stop_token_ids or []), seed=self.seed,
+            ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logprobs=logprobs)
+
+
+# -- chat --------------------------------------------------------------------------------
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Strict):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCall(Strict):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class MessageBase(Strict):
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # passed to the chat template, which may render it
+    tool_calls: None = None  # only assistant messages have them
+    tool_call_id: None = None  # only tool messages have one
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class SystemMessage(MessageBase):
+    role: Literal["system", "developer"]
+    content: str | list[TextPart]
+
+
+class UserMessage(MessageBase):
+    role: Literal["user"]
+    content: str | list[TextPart]
+
+
+class AssistantMessage(MessageBase):
+    role: Literal["assistant"]
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1)  # type: ignore[assignment]
+
+
+class ToolMessage(MessageBase):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str  # type: ignore[assignment]  # which call this answers
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage,
+                        Field(discriminator="role")]
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class FunctionDef(Strict):
+    name: str = Field(pattern=SCHEMA_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments
+    strict: bool | None = None  # arguments follow the schema when the grammar applies
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str = Field(pattern=SCHEMA_NAME)
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise errors.InvalidRequest("top_logprobs needs logprobs: true",
+                                        param="top_logprobs")
+        names = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise errors.InvalidRequest("tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise errors.InvalidRequest(f"tool_choice names {choice.function.name!r}, which "
+                                        "is not among the tools", param="tool_choice")
+        return self
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=max_tokens, stop=stops, seed=self.seed,
-                              ignore_eos=self.ignore_eos)
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """none without tools; auto with tools unless told otherwise (OpenAI's defaults)."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
 
 
-def parse_request(body: Any) -> ChatCompletionRequest:
+def parse_body(model: type[SamplingFields], body: Any) -> Any:
+    """Validate a request body, or raise a 400 naming the first problem."""
     if not isinstance(body, dict):
         raise errors.InvalidRequest("request body must be a JSON object")
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = ".".join(str(p) for p in _field_path(first["loc"])) or None
+        if first["type"] == "extra_forbidden":
+            raise errors.InvalidRequest(f"Unrecognized request argument supplied: {param}",
+                                        param=param, code="unknown_parameter") from None
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, errors.HalfmoonError):
+            raise cause from None
         raise errors.InvalidRequest(f"{param}: {first['msg']}" if param else first["msg"],
                                     param=param) from None
 
 
-def usage_body(usage: Usage | None) -> dict[str, Any] | None:
-    if usage is None:
-        return None
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|\w+\[.*\]|function-\w+.*)$")
 
 
-def completion_body(request_id: str, model: str, created: int, text: str,
-                    finish_reason: str | None, usage: Usage | None) -> dict[str, Any]:
-    return {
-        "id": request_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_body(usage),
-    }
+def _field_path(loc: tuple[Any, ...]) -> list[Any]:
+    """pydantic's error location without its union-branch tags (`str`, `list[int]`, a
+    message's role...): the parameter as the client wrote it."""
+    out: list[Any] = []
+    for part in loc:
+        if isinstance(part, str) and (_TAG.match(part) or
+                                      (part in ROLES and out and isinstance(out[-1], int)) or
+                                      (part in FORMAT_TYPES and out == ["response_format"])):
+            continue
+        out.append(part)
+    return out
 
 
-def chunk_body(request_id: str, model: str, created: int, delta: dict[str, Any],
-               finish_reason: str | None = None, usage: Usage | None = None,
-               with_choice: bool = True) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk",
-                            "created": created, "model": model, "choices": []}
-    if with_choice:
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None,
-                            "finish_reason": finish_reason}]
-    if usage is not None:
-        body["usage"] = usage_body(usage)
-    return body
+def parse_request(body: Any) -> ChatCompletionRequest:
+    result: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+    return result
 
 
-def models_body(model: str, created: float) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model",
-                                        "created": int(created), "owned_by": "halfmoon"}]}
+def check_unicode(body: Any, path: str = "") -> None:
+    """A lone surrogate ("\\ud800") is valid JSON but not Unicode: no tokenizer, template
+    or log line can take it, so it is a 400 here, naming where it is."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    where = _surrogate_path(body, path)
+    raise errors.InvalidRequest(f"{where or 'the body'}: text with a lone surrogate is not "
+                                "valid Unicode", param=where or None)
 
 
-def now_s() -> int:
-    return int(time.time())
+def _surrogate_path(value: Any, path: str) -> str:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return ""
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        sub = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _surrogate_path(key, sub):
+            return sub
+        if found := _surrogate_path(item, sub):
+            return found
+    return ""

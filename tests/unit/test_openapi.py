@@ -59,7 +59,7 @@ def test_errors_are_openai_style_and_auth_shows_only_when_keys_are_on():
     assert keyed["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
     for path, ops in keyed["paths"].items():
         for method, op in ops.items():
-            public = path in ("/health", "/openapi.json", "/metrics")
+            public = path in ("/health", "/openapi.json", "/metrics", "/version")
             assert ("security" in op) != public, (method, path)
             assert ("401" in op["responses"]) != public
             assert ("403" in open_spec["paths"][path][method]["responses"]) is False

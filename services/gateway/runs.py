@@ -1,0 +1,265 @@
+"""One client request as one or more sub-requests, and the merged stream of their events.
+
+A request with `n` > 1 (or a batch of completion prompts) is fanned out here into one
+GenerateRequest per choice, ids `{id}-{k}`, each placed by the conductor as usual (its
+own record, decision, token stream and fault handling), seeds `seed + i` when a seed is
+given. They share the prompt's KV blocks through the engines' prefix caches. Their events
+are merged into one stream of (choice, event) for the response writers.
+
+Records: one per sub-request (n = 1: the request's own id, as before), so each choice's
+placement, instances and timings stay inspectable at /admin/requests/{id}-{k}.
+Metrics count the client's request once: one TTFT (its first token, any choice), one
+outcome and one e2e; ITL per choice; prompt tokens once per prompt, every generated token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from shared import errors
+from shared.db.schema import RequestStatus
+from shared.messages import FinishReason, GenerateRequest, TokenEvent, Usage
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.streams import Follower, TokenStream
+
+if TYPE_CHECKING:
+    from services.gateway.handlers import Gateway
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestLife:
+    """What the terminal SQL record will say about one accepted (sub-)request."""
+
+    request_id: str
+    arrival: float
+    status: RequestStatus = RequestStatus.FAILED
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    text_parts: list[str] = field(default_factory=list)
+    # Phase boundaries for the console's timeline: the placement reply, and the first token
+    # from an instance other than the one that sent the first (the decode side of a handoff).
+    dispatch_time: float | None = None
+    decode_first_token_time: float | None = None
+    first_instance: str = ""
+    metrics: Any = None  # GatewayMetrics, or a FirstTokenOnce of a fanned-out request
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+    def on_event(self, event: TokenEvent) -> None:
+        if event.token_ids:
+            now = time.time()
+            if self.metrics is not None:
+                self.metrics.token_event(self.arrival, self.last_token_time, now)
+            if self.first_token_time is None:
+                self.first_token_time, self.first_instance = now, event.instance_id
+            elif (self.decode_first_token_time is None and event.instance_id
+                  and event.instance_id != self.first_instance):
+                self.decode_first_token_time = now
+            self.last_token_time = now
+            self.num_tokens += len(event.token_ids)
+        if event.text:
+            self.text_parts.append(event.text)
+        if event.usage is not None:
+            self.usage = event.usage
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason.value
+            if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self.status = RequestStatus.COMPLETED
+
+    def terminal_values(self) -> dict[str, Any]:
+        now = time.time()
+        values: dict[str, Any] = {"finish_time": now, "e2e_ms": (now - self.arrival) * 1e3,
+                                  "finish_reason": self.finish_reason, "error": self.error}
+        if self.first_token_time is not None:
+            values["first_token_time"] = self.first_token_time
+            values["ttft_ms"] = (self.first_token_time - self.arrival) * 1e3
+        for key in ("dispatch_time", "decode_first_token_time"):
+            if getattr(self, key) is not None:
+                values[key] = getattr(self, key)
+        if self.usage is not None:
+            values["completion_tokens"] = self.usage.completion_tokens
+            values["cached_tokens"] = self.usage.cached_tokens
+        return values
+
+
+class FirstTokenOnce:
+    """The choices of one request share its TTFT: only the first token of any choice is
+    one; each choice's later tokens are its inter-token gaps."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.seen = False
+
+    def token_event(self, arrival: float, previous: float | None, now: float) -> None:
+        if previous is not None:
+            self.metrics.itl.observe(now - previous)
+        elif not self.seen:
+            self.seen = True
+            self.metrics.ttft.observe(now - arrival)
+
+
+@dataclass
+class Sub:
+    index: int  # the choice index in the response
+    prompt_index: int
+    gen: GenerateRequest
+    life: RequestLife
+    stream: TokenStream | None = None
+    follow: Follower | None = None
+
+
+_DONE = object()
+
+
+class Fanout:
+    def __init__(self, gw: "Gateway", subs: list[Sub], stream: bool) -> None:
+        self.gw = gw
+        self.subs = subs
+        self.stream = stream
+        if len(subs) > 1:
+            shared = FirstTokenOnce(gw.metrics)
+            for s in subs:
+                s.life.metrics = shared
+        else:
+            subs[0].life.metrics = gw.metrics
+
+    @property
+    def arrival(self) -> float:
+        return self.subs[0].life.arrival
+
+    async def start(self) -> None:
+        """Records, token streams (subscribed before dispatch), then every placement at
+        once. One refused (429, 503...) refuses the request: the others are cancelled."""
+        gw = self.gw
+        for s in self.subs:
+            g = s.gen
+            gw.records.request_accepted(
+                id=g.request_id, model=g.model, tenant=g.tenant,
+                status=RequestStatus.QUEUED.value, arrival_time=g.arrival_time,
+                prompt_tokens=len(g.prompt_token_ids), max_tokens=g.sampling.max_tokens,
+                stream=self.stream)
+            s.stream = await TokenStream(gw.nc, g.request_id, gw.settings.gap_timeout_s).open()
+            s.follow = Follower(gw.nc, gw.settings, gw.liveness, s.stream, g,
+                                lambda again, s=s: gw._place(again, s.life),
+                                lambda p, d, rid=g.request_id: gw._placed_again(rid, p, d))
+        results = await asyncio.gather(*(self._place(s) for s in self.subs),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                for s in self.subs:
+                    if s.life.error is None:
+                        s.life.status = RequestStatus.CANCELLED
+                        s.life.error = "another choice of the request could not be placed"
+                raise r
+
+    async def _place(self, s: Sub) -> None:
+        assert s.stream is not None and s.follow is not None
+        placement = await self.gw._place(s.gen, s.life, s.stream.retarget)
+        s.follow.placed(placement)
+        self.gw.records.request_update(s.gen.request_id, status=RequestStatus.RUNNING.value,
+                                       prefill_instance=placement.prefill_id,
+                                       # colocated: the prefill instance decodes too
+                                       decode_instance=placement.decode_id or placement.prefill_id)
+
+    async def events(self) -> AsyncIterator[tuple[Sub, TokenEvent]]:
+        """Every choice's events as they come, each choice's in order, until all end. A
+        worker's error arrives as an event (with `error`); a timeout or a request that
+        could not be placed again raises."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(s: Sub) -> None:
+            assert s.follow is not None
+            try:
+                async with contextlib.aclosing(s.follow.events()) as events:
+                    async for event in events:
+                        await queue.put((s, event))
+            except errors.HalfmoonError as exc:
+                await queue.put((s, exc))
+            await queue.put((s, _DONE))
+
+        tasks = [asyncio.create_task(pump(s)) for s in self.subs]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                s, item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                    continue
+                if isinstance(item, errors.HalfmoonError):
+                    s.life.error = s.life.error or f"{item.code}: {item.message}"
+                    raise item
+                if item.error is not None:
+                    s.life.error = f"{item.error.code}: {item.error.message}"
+                else:
+                    s.life.on_event(item)
+                yield s, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def disconnected(self, why: str) -> None:
+        for s in self.subs:
+            if s.life.status != RequestStatus.COMPLETED:
+                s.life.status, s.life.error = RequestStatus.CANCELLED, f"client disconnected: {why}"
+                s.life.finish_reason = FinishReason.CANCELLED.value
+
+    async def close(self) -> None:
+        """Whatever is left of each choice, anywhere: one cancel for every way it can end;
+        then each record's terminal row, and the request's metrics."""
+        gw = self.gw
+        for s in self.subs:
+            if s.follow is not None and s.follow.attempt is not None and \
+                    s.life.status != RequestStatus.COMPLETED:
+                await s.follow.cancel(s.life.error or "request ended")
+            if s.stream is not None:
+                await s.stream.close()
+            gw.records.request_finished(s.gen.request_id, s.life.status.value,
+                                        **s.life.terminal_values())
+        self._count()
+
+    def _count(self) -> None:
+        lives = [s.life for s in self.subs]
+        if len(lives) == 1:
+            self.gw.metrics.finished(lives[0], len(self.subs[0].gen.prompt_token_ids))
+            return
+        status = next((lf.status for lf in lives if lf.status != RequestStatus.COMPLETED),
+                      RequestStatus.COMPLETED)
+        self.gw.metrics.finished_request(status, self.arrival, prompt_tokens(self.subs),
+                                         sum(lf.num_tokens for lf in lives),
+                                         cached_tokens(self.subs))
+
+
+def prompt_tokens(subs: list[Sub]) -> int:
+    """Each distinct prompt once, as OpenAI counts n > 1."""
+    seen: dict[int, int] = {}
+    for s in subs:
+        seen[s.prompt_index] = len(s.gen.prompt_token_ids)
+    return sum(seen.values())
+
+
+def cached_tokens(subs: list[Sub]) -> int:
+    """Per prompt, the cache hits of the choice that hit least: the one that computed it."""
+    least: dict[int, int] = {}
+    for s in subs:
+        got = s.life.usage.cached_tokens if s.life.usage else 0
+        least[s.prompt_index] = min(least.get(s.prompt_index, got), got)
+    return sum(least.values())
+
+
+def usage_of(subs: list[Sub], counted: bool = True) -> Usage:
+    """The response's usage: prompts once, every choice's completion tokens (none when
+    `counted` is False: echo with max_tokens 0 generates nothing the client gets)."""
+    done = sum(s.life.usage.completion_tokens if s.life.usage else s.life.num_tokens
+               for s in subs) if counted else 0
+    return Usage(prompt_tokens=prompt_tokens(subs), completion_tokens=done,
+                 cached_tokens=cached_tokens(subs))
