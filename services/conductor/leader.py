@@ -156,14 +156,14 @@ class Election:
             await self._deposed("lease expired before it could be renewed")
         sent_at = time.monotonic()
         try:
-            kv = await self._bucket()
             if self.is_leader:
-                # Never wait past our deadline: by then we must have stepped down.
+                # Never wait past our deadline: by then we must have stepped down. Opening
+                # the bucket again (after a failed renewal) counts against the same budget.
                 budget = max(0.01, self.lease.valid_until - sent_at)
-                rev = await asyncio.wait_for(
-                    kv.update(KEY, self._value, last=self.lease.revision), budget)
+                rev = await asyncio.wait_for(self._renew(), budget)
                 self.lease.renewed(rev, sent_at)
             else:
+                kv = await self._bucket()
                 rev = await kv.create(KEY, self._value)
                 self.lease.acquired(rev, sent_at)
                 await self._elected()
@@ -177,6 +177,10 @@ class Election:
             log.debug("lease %s failed: %s", "renewal" if self.is_leader else "campaign", exc)
             if self.lease.failed(time.monotonic()):
                 await self._deposed(f"could not renew the lease: {exc!r}")
+
+    async def _renew(self) -> int:
+        kv = await self._bucket()
+        return await kv.update(KEY, self._value, last=self.lease.revision)
 
     async def resign(self) -> None:
         """Step down and delete our entry so a standby takes over without waiting for TTL."""
