@@ -331,7 +331,10 @@ def parse_body(model: type[SamplingFields], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        # Of a union's failed branches, the one that got furthest names the real problem
+        # (an image part: not "content is not a string", but "type should be 'text'").
+        found = exc.errors()
+        first = max(found, key=lambda e: (e["loc"][:1] == found[0]["loc"][:1], len(e["loc"])))
         param = ".".join(str(p) for p in _field_path(first["loc"])) or None
         if first["type"] == "extra_forbidden":
             raise errors.InvalidRequest(f"Unrecognized request argument supplied: {param}",
@@ -348,14 +351,15 @@ _TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|\w+\[.*\]|function-\w+.*)
 
 def _field_path(loc: tuple[Any, ...]) -> list[Any]:
     """pydantic's error location without its union-branch tags (`str`, `list[int]`, a
-    message's role...): the parameter as the client wrote it."""
+    message's role, a response_format's type): the parameter as the client wrote it."""
     out: list[Any] = []
-    for part in loc:
-        if isinstance(part, str) and (_TAG.match(part) or
-                                      (part in ROLES and out and isinstance(out[-1], int)) or
-                                      (part in FORMAT_TYPES and out == ["response_format"])):
-            continue
-        out.append(part)
+    for i, part in enumerate(loc):
+        tag = isinstance(part, str) and (
+            bool(_TAG.match(part))
+            or (i == 2 and loc[0] in ("messages",) and part in ROLES)
+            or (i == 1 and loc[0] == "response_format" and part in FORMAT_TYPES))
+        if not tag:
+            out.append(part)
     return out
 
 

@@ -28,7 +28,6 @@ by its tool_call_id.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import string
 from dataclasses import dataclass, field
@@ -60,7 +59,6 @@ class HermesFormat:
 
     name = "hermes"
     open, close = "<tool_call>", "</tool_call>"
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def system_text(self, tools: list[Tool]) -> str:
         lines = "\n".join(json.dumps(t.model_dump(mode="json", by_alias=True,
@@ -82,22 +80,6 @@ class HermesFormat:
         return "<tool_response>\n" + json.dumps({"name": name, "content": content}) + \
             "\n</tool_response>"
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """The text outside any call, and the calls (a block that is not a valid call stays
-        text)."""
-        calls: list[ParsedCall] = []
-        kept: list[str] = []
-        pos = 0
-        for m in self._block.finditer(text):
-            call = _call(m.group(1))
-            if call is None:
-                continue
-            kept.append(text[pos:m.start()])
-            pos = m.end()
-            calls.append(call)
-        kept.append(text[pos:])
-        return "".join(kept).strip() if calls else text, calls
-
     def grammar(self, tools: list[Tool], choice: str | NamedToolChoice, parallel: bool) -> str:
         """Lark (llguidance's dialect): one call, or one or more, of the allowed tools, each
         function's arguments held to its parameters schema by %json."""
@@ -108,7 +90,11 @@ class HermesFormat:
             schema = {"type": "object", "properties": {
                 "name": {"const": t.function.name},
                 "arguments": t.function.parameters or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False}
+                "required": ["name", "arguments"], "additionalProperties": False,
+                # Compact, one-line JSON as the format shows it: a small model given free
+                # whitespace wanders in it until max_tokens.
+                "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                               "key_separator": ": "}}
             rules.append(f'call_{i}: "{self.open}\\n" %json {json.dumps(schema)} '
                          f'"\\n{self.close}"')
         alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
