@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install up test clean
+.PHONY: install up test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/halfmoon model pull
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Lint and format check on the whole tree, strict types on the pure core (pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hmac
 import sys
 from dataclasses import dataclass
-from functools import cached_property
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,14 @@ class View:
         if not samples:
             return None
         now = self.snap.now  # type: ignore[union-attr]
-        bucket = queries.bucket_seconds(self.window_s, samples, now, key="t",
-                                        finest=history.SAMPLE_S)
-        return (history.load_series(samples, bucket), bucket,
-                queries.time_range(self.window_s, samples, now, key="t"))
+        bucket = queries.bucket_seconds(
+            self.window_s, samples, now, key="t", finest=history.SAMPLE_S
+        )
+        return (
+            history.load_series(samples, bucket),
+            bucket,
+            queries.time_range(self.window_s, samples, now, key="t"),
+        )
 
 
 # -- data, with the two failure messages ------------------------------------------------
@@ -78,8 +82,10 @@ def _load_cluster() -> dict[str, Any] | None:
     try:
         return live.fetch_state(SETTINGS.gateway_url, admin_key=SETTINGS.admin_key)
     except live.ClusterUnavailable as exc:
-        st.warning(f"Cluster unreachable at {live.admin_url(SETTINGS.gateway_url)} ({exc}); "
-                   "instance data below comes from SQL.")
+        st.warning(
+            f"Cluster unreachable at {live.admin_url(SETTINGS.gateway_url)} ({exc}); "
+            "instance data below comes from SQL."
+        )
         return None
 
 
@@ -117,9 +123,12 @@ def overview_page(view: View) -> None:
     cols[1].metric("Requests/s", f"{m['requests_per_s']:.3f}")
     cols[2].metric("TTFT p50", _ms(m["ttft_p50_ms"]))
     cols[3].metric("TTFT p99", _ms(m["ttft_p99_ms"]))
-    cols[4].metric("SLO attainment", _pct(m["slo_attainment"]),
-                   help=f"completed with TTFT ≤ {view.slo_ms:g} ms, over completed + failed + "
-                   "rejected (cancelled requests are left out)")
+    cols[4].metric(
+        "SLO attainment",
+        _pct(m["slo_attainment"]),
+        help=f"completed with TTFT ≤ {view.slo_ms:g} ms, over completed + failed + "
+        "rejected (cancelled requests are left out)",
+    )
     cols[5].metric("Rejection rate", _pct(m["rejection_rate"]))
     cols = st.columns(6)
     cols[0].metric("TBT p50", _ms(m["tbt_p50_ms"]), help="mean gap between output tokens")
@@ -144,12 +153,16 @@ def _pool_rows(view: View) -> tuple[list[dict[str, Any]], str, float] | None:
     """Rows, where they came from, and after how many silent seconds an instance is dead."""
     if view.cluster is not None:
         c = view.cluster
-        source = (f"Live from gateway {c.get('gateway', '?')}: "
-                  f"{c.get('in_flight', 0)} requests in flight")
+        source = (
+            f"Live from gateway {c.get('gateway', '?')}: {c.get('in_flight', 0)} requests in flight"
+        )
         return live.pool_from_live(c), source, live.DEAD_AFTER_S
     if view.snap is not None:
-        return (live.pool_from_sql(view.snap.instances, view.snap.now),
-                "From SQL (instances table)", live.SQL_STALE_AFTER_S)
+        return (
+            live.pool_from_sql(view.snap.instances, view.snap.now),
+            "From SQL (instances table)",
+            live.SQL_STALE_AFTER_S,
+        )
     return None
 
 
@@ -175,8 +188,10 @@ def _pool_tables(view: View) -> None:
         return
     dead = [r["instance"] for r in rows if r["health"] == "DEAD"]
     if dead:
-        st.warning(f"Dead instances: {', '.join(dead)} (no heartbeat for "
-                   f"{dead_after_s:g} s, or marked dead)")
+        st.warning(
+            f"Dead instances: {', '.join(dead)} (no heartbeat for "
+            f"{dead_after_s:g} s, or marked dead)"
+        )
     for role in live.POOL_ROLES:
         part = [r for r in rows if r["role"] == role]
         st.subheader(f"{role.capitalize()} pool ({len(part)})")
@@ -189,9 +204,12 @@ def _pool_tables(view: View) -> None:
 def _history(view: View) -> History | None:
     """The window's load history, or None after saying why there is none."""
     if view.load_history is None:
-        st.info("No load samples in this time window: the conductor writes one per instance "
-                "every few seconds (load_samples table)." if view.snap is not None else
-                "No load history without the database.")
+        st.info(
+            "No load samples in this time window: the conductor writes one per instance "
+            "every few seconds (load_samples table)."
+            if view.snap is not None
+            else "No load history without the database."
+        )
     return view.load_history
 
 
@@ -204,19 +222,34 @@ def _pool_history(view: View) -> None:
     st.caption(f"Per instance, mean of the conductor's samples in each {bucket:g} s.")
     left, right = st.columns(2)
     with left:
-        _chart(charts.over_time(series, {"queue_depth": "queued"}, "Queue depth over time",
-                                "requests", span), "pool_queue_t")
+        _chart(
+            charts.over_time(
+                series, {"queue_depth": "queued"}, "Queue depth over time", "requests", span
+            ),
+            "pool_queue_t",
+        )
     with right:
-        _chart(charts.over_time(series, {"running": "running"}, "Running batch over time",
-                                "sequences", span), "pool_running_t")
+        _chart(
+            charts.over_time(
+                series, {"running": "running"}, "Running batch over time", "sequences", span
+            ),
+            "pool_running_t",
+        )
     tiers = [("DRAM", "kv_blocks")]
     if history.has_disk(series):
         tiers.append(("disk", "disk_blocks"))
     for col, (tier, key) in zip(st.columns(len(tiers)), tiers):
         with col:
-            _chart(charts.over_time(series, {f"{key}_used": "used", f"{key}_free": "free"},
-                                    f"KV blocks over time, {tier} tier", "blocks", span),
-                   f"pool_{key}_t")
+            _chart(
+                charts.over_time(
+                    series,
+                    {f"{key}_used": "used", f"{key}_free": "free"},
+                    f"KV blocks over time, {tier} tier",
+                    "blocks",
+                    span,
+                ),
+                f"pool_{key}_t",
+            )
 
 
 def kv_page(view: View) -> None:
@@ -242,8 +275,9 @@ def _hit_rates(view: View) -> None:
     if not series["t"]:
         st.info("No completed requests in this time window.")
         return
-    _chart(charts.hit_rate_over_time(series, queries.time_range(view.window_s, rows, now)),
-           "kv_hits")
+    _chart(
+        charts.hit_rate_over_time(series, queries.time_range(view.window_s, rows, now)), "kv_hits"
+    )
 
 
 def _cache_contents(view: View) -> None:
@@ -253,9 +287,11 @@ def _cache_contents(view: View) -> None:
     if not hot:
         st.info("The KV manager has recorded no cached blocks (kv_blocks table).")
         return
-    st.caption("A block's hash names its whole prefix (hashes are chained). Hits: placements "
-               "that reused the block (counted on the instance with the longest match); "
-               "replicas: its (instance, tier) copies.")
+    st.caption(
+        "A block's hash names its whole prefix (hashes are chained). Hits: placements "
+        "that reused the block (counted on the instance with the longest match); "
+        "replicas: its (instance, tier) copies."
+    )
     frame = pd.DataFrame(hot).assign(last_access=[_when(h["last_access"]) for h in hot])
     st.dataframe(frame, hide_index=True)
     _chart(charts.kv_blocks_by_tier(view.snap.kv_tiers), "kv_tiers")
@@ -273,32 +309,66 @@ def _kv_activity(view: View) -> None:
     cols[1].metric("Blocks evicted", f"{totals['blocks_evicted']:,}")
     cols[2].metric("Transfers in", f"{totals['transfers_in']:,}")
     cols[3].metric("Transfers out", f"{totals['transfers_out']:,}")
-    cols[4].metric("MiB transferred", f"{(totals['bytes_in']) / 2**20:,.1f}",
-                   help="fetched by instances (in); what they served (out) is the same traffic")
+    cols[4].metric(
+        "MiB transferred",
+        f"{(totals['bytes_in']) / 2**20:,.1f}",
+        help="fetched by instances (in); what they served (out) is the same traffic",
+    )
     churn = {"blocks_stored": "stored", "blocks_evicted": "evicted"}
     if history.has_disk(series):
         churn.update({"disk_stored": "to disk", "disk_removed": "off disk"})
-    _chart(charts.over_time(series, churn, f"KV blocks stored and evicted per {bucket:g} s",
-                            "blocks", span), "kv_evictions_t")
+    _chart(
+        charts.over_time(
+            series, churn, f"KV blocks stored and evicted per {bucket:g} s", "blocks", span
+        ),
+        "kv_evictions_t",
+    )
     left, right = st.columns(2)
     with left:
-        _chart(charts.over_time(series, {"transfers_in": "in", "transfers_out": "out"},
-                                f"KV transfers per {bucket:g} s", "transfers", span),
-               "kv_transfers_t")
+        _chart(
+            charts.over_time(
+                series,
+                {"transfers_in": "in", "transfers_out": "out"},
+                f"KV transfers per {bucket:g} s",
+                "transfers",
+                span,
+            ),
+            "kv_transfers_t",
+        )
     with right:
-        _chart(charts.over_time(series, {"bytes_in": "in", "bytes_out": "out"},
-                                f"KV MiB transferred per {bucket:g} s", "MiB", span, 1 / 2**20),
-               "kv_bytes_t")
+        _chart(
+            charts.over_time(
+                series,
+                {"bytes_in": "in", "bytes_out": "out"},
+                f"KV MiB transferred per {bucket:g} s",
+                "MiB",
+                span,
+                1 / 2**20,
+            ),
+            "kv_bytes_t",
+        )
 
 
 def _table(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    return pd.DataFrame([{
-        "id": r["id"], "status": r["status"], "arrival": _when(r["arrival_time"]),
-        "ttft_ms": r.get("ttft_ms"), "e2e_ms": r.get("e2e_ms"),
-        "prompt_tokens": r.get("prompt_tokens"), "cached_tokens": r.get("cached_tokens"),
-        "completion_tokens": r.get("completion_tokens"), "prefill": r.get("prefill_instance"),
-        "decode": r.get("decode_instance"), "finish_reason": r.get("finish_reason"),
-        "error": r.get("error")} for r in rows[:TABLE_ROWS]])
+    return pd.DataFrame(
+        [
+            {
+                "id": r["id"],
+                "status": r["status"],
+                "arrival": _when(r["arrival_time"]),
+                "ttft_ms": r.get("ttft_ms"),
+                "e2e_ms": r.get("e2e_ms"),
+                "prompt_tokens": r.get("prompt_tokens"),
+                "cached_tokens": r.get("cached_tokens"),
+                "completion_tokens": r.get("completion_tokens"),
+                "prefill": r.get("prefill_instance"),
+                "decode": r.get("decode_instance"),
+                "finish_reason": r.get("finish_reason"),
+                "error": r.get("error"),
+            }
+            for r in rows[:TABLE_ROWS]
+        ]
+    )
 
 
 def requests_page(view: View) -> None:
@@ -306,15 +376,18 @@ def requests_page(view: View) -> None:
         st.info("No request history without the database.")
         return
     rows = view.snap.requests
-    instances = sorted({r[k] for r in rows for k in ("prefill_instance", "decode_instance")
-                        if r.get(k)})
+    instances = sorted(
+        {r[k] for r in rows for k in ("prefill_instance", "decode_instance") if r.get(k)}
+    )
     left, right = st.columns(2)
-    statuses = left.multiselect("Status", queries.STATUSES, default=queries.STATUSES,
-                                key="req_status")
+    statuses = left.multiselect(
+        "Status", queries.STATUSES, default=queries.STATUSES, key="req_status"
+    )
     instance = right.selectbox("Instance", ["any", *instances], key="req_instance")
     chosen = queries.filter_requests(rows, statuses, None if instance == "any" else instance)
-    st.caption(f"{len(chosen):,} requests match; the newest {min(len(chosen), TABLE_ROWS):,} "
-               "are shown.")
+    st.caption(
+        f"{len(chosen):,} requests match; the newest {min(len(chosen), TABLE_ROWS):,} are shown."
+    )
     if not chosen:
         return
     st.dataframe(_table(chosen), hide_index=True)
@@ -327,9 +400,11 @@ def requests_page(view: View) -> None:
 def _request_detail(row: dict[str, Any]) -> None:
     rid = row["id"]
     _chart(charts.request_timeline(queries.request_timeline(row), rid), "req_timeline")
-    st.caption("Phase boundaries as the gateway saw them: the placement reply, the first token, "
-               "the first token from the decode instance (so the handoff includes one decode "
-               "step), the last token. Phases not measured for this request are left out.")
+    st.caption(
+        "Phase boundaries as the gateway saw them: the placement reply, the first token, "
+        "the first token from the decode instance (so the handoff includes one decode "
+        "step), the last token. Phases not measured for this request are left out."
+    )
     if row.get("error"):
         st.code(row["error"])
     try:
@@ -351,8 +426,11 @@ def _report_table(name: str, rows: list[dict[str, Any]]) -> None:
     st.subheader(name)
     frame = pd.DataFrame(rows)
     st.dataframe(frame, hide_index=True)
-    numeric = [c for c in frame.columns if pd.api.types.is_numeric_dtype(frame[c])
-               and not pd.api.types.is_bool_dtype(frame[c])]
+    numeric = [
+        c
+        for c in frame.columns
+        if pd.api.types.is_numeric_dtype(frame[c]) and not pd.api.types.is_bool_dtype(frame[c])
+    ]
     labels = [c for c in frame.columns if c not in numeric]
     if numeric and labels:
         metric = st.selectbox(f"Plot a column of {name}", numeric, key=f"report_col_{name}")
@@ -374,21 +452,30 @@ def benchmarks_page(view: View) -> None:
         st.info("The report has no numbers or tables this page can show.")
     for start in range(0, len(metrics), 4):
         cols = st.columns(4)
-        for col, (key, value) in zip(cols, list(metrics.items())[start:start + 4]):
+        for col, (key, value) in zip(cols, list(metrics.items())[start : start + 4]):
             col.metric(key, f"{value:,.4g}")
     for name, rows in tables.items():
         _report_table(name, rows)
 
 
-PAGES = {"Overview": overview_page, "Pools": pools_page, "KV cache": kv_page,
-         "Requests": requests_page, "Benchmarks": benchmarks_page}
+PAGES = {
+    "Overview": overview_page,
+    "Pools": pools_page,
+    "KV cache": kv_page,
+    "Requests": requests_page,
+    "Benchmarks": benchmarks_page,
+}
 
 
 # -- layout ---------------------------------------------------------------------------
 @st.fragment(run_every=SETTINGS.refresh_s)
 def pages(window_label: str, slo_ms: float) -> None:
-    view = View(_load_snapshot(queries.WINDOWS[window_label]), _load_cluster(),
-                queries.WINDOWS[window_label], slo_ms)
+    view = View(
+        _load_snapshot(queries.WINDOWS[window_label]),
+        _load_cluster(),
+        queries.WINDOWS[window_label],
+        slo_ms,
+    )
     for tab, (name, page) in zip(st.tabs(list(PAGES)), PAGES.items()):
         with tab:
             try:
@@ -404,9 +491,11 @@ def admitted() -> bool:
         return True
     st.title("Halfmoon console")
     if not SETTINGS.admin_key:
-        st.error(f"This console listens on {SETTINGS.host}, beyond this machine, and has no "
-                 "admin key to check visitors against: set HALFMOON_ADMIN_KEY or "
-                 "HALFMOON_ADMIN_KEY_FILE, or bind it to 127.0.0.1.")
+        st.error(
+            f"This console listens on {SETTINGS.host}, beyond this machine, and has no "
+            "admin key to check visitors against: set HALFMOON_ADMIN_KEY or "
+            "HALFMOON_ADMIN_KEY_FILE, or bind it to 127.0.0.1."
+        )
         return False
     given = st.text_input("Admin key", type="password", key="login_key")
     if not given:
@@ -426,8 +515,9 @@ def main() -> None:
         return
     st.sidebar.title("Halfmoon")
     window = st.sidebar.selectbox("Time window", list(queries.WINDOWS), index=1, key="window")
-    slo_ms = st.sidebar.number_input("TTFT SLO (ms)", min_value=1, value=2000, step=100,
-                                     key="slo_ms")
+    slo_ms = st.sidebar.number_input(
+        "TTFT SLO (ms)", min_value=1, value=2000, step=100, key="slo_ms"
+    )
     st.sidebar.caption(f"Database: {queries.safe_url(SETTINGS.database_url)}")
     st.sidebar.caption(f"Gateway: {SETTINGS.gateway_url}")
     st.sidebar.caption(f"Refresh every {SETTINGS.refresh_s:g} s")

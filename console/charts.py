@@ -13,8 +13,14 @@ from typing import Any
 import plotly.colors
 import plotly.graph_objects as go
 
-STATUS_COLORS = {"completed": "#2ca02c", "running": "#1f77b4", "queued": "#9ecae1",
-                 "failed": "#d62728", "rejected": "#ff7f0e", "cancelled": "#7f7f7f"}
+STATUS_COLORS = {
+    "completed": "#2ca02c",
+    "running": "#1f77b4",
+    "queued": "#9ecae1",
+    "failed": "#d62728",
+    "rejected": "#ff7f0e",
+    "cancelled": "#7f7f7f",
+}
 DEAD_COLOR = "#d62728"
 PALETTE = plotly.colors.qualitative.Plotly
 DASHES = ("solid", "dot", "dash", "dashdot")
@@ -24,34 +30,56 @@ def _times(ts: list[float]) -> list[datetime]:
     return [datetime.fromtimestamp(t) for t in ts]
 
 
-def _layout(fig: go.Figure, title: str, x: str, y: str,
-            x_range: tuple[float, float] | None = None) -> go.Figure:
+def _layout(
+    fig: go.Figure, title: str, x: str, y: str, x_range: tuple[float, float] | None = None
+) -> go.Figure:
     # A fixed time axis keeps one lonely bucket from zooming the axis to milliseconds.
     if x_range is not None:
         fig.update_xaxes(range=_times(list(x_range)))
-    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, legend_title_text="",
-                      margin={"l": 40, "r": 20, "t": 50, "b": 40})
+    fig.update_layout(
+        title=title,
+        xaxis_title=x,
+        yaxis_title=y,
+        legend_title_text="",
+        margin={"l": 40, "r": 20, "t": 50, "b": 40},
+    )
     return fig
 
 
-def requests_by_status(series: dict[str, Any], bucket_s: float,
-                       x_range: tuple[float, float] | None = None) -> go.Figure:
+def requests_by_status(
+    series: dict[str, Any], bucket_s: float, x_range: tuple[float, float] | None = None
+) -> go.Figure:
     # Each bar covers its interval: centred on the middle, as wide as the bucket (axis in ms).
     mid = _times([t + bucket_s / 2 for t in series["t"]])
-    fig = go.Figure([go.Bar(name=status, x=mid, y=list(counts), width=900.0 * bucket_s,
-                            marker_color=STATUS_COLORS.get(status))
-                     for status, counts in series["by_status"].items()])
+    fig = go.Figure(
+        [
+            go.Bar(
+                name=status,
+                x=mid,
+                y=list(counts),
+                width=900.0 * bucket_s,
+                marker_color=STATUS_COLORS.get(status),
+            )
+            for status, counts in series["by_status"].items()
+        ]
+    )
     fig.update_layout(barmode="stack")
     return _layout(fig, f"Requests per {bucket_s:g} s by status", "arrival", "requests", x_range)
 
 
-def ttft_over_time(series: dict[str, Any], slo_ms: float,
-                   x_range: tuple[float, float] | None = None) -> go.Figure:
+def ttft_over_time(
+    series: dict[str, Any], slo_ms: float, x_range: tuple[float, float] | None = None
+) -> go.Figure:
     x = _times(series["t"])
-    fig = go.Figure([go.Scatter(name="TTFT p50", x=x, y=list(series["p50"]), mode="lines+markers"),
-                     go.Scatter(name="TTFT p99", x=x, y=list(series["p99"]), mode="lines+markers")])
-    fig.add_hline(y=slo_ms, line_dash="dash", line_color=DEAD_COLOR,
-                  annotation_text=f"SLO {slo_ms:g} ms")
+    fig = go.Figure(
+        [
+            go.Scatter(name="TTFT p50", x=x, y=list(series["p50"]), mode="lines+markers"),
+            go.Scatter(name="TTFT p99", x=x, y=list(series["p99"]), mode="lines+markers"),
+        ]
+    )
+    fig.add_hline(
+        y=slo_ms, line_dash="dash", line_color=DEAD_COLOR, annotation_text=f"SLO {slo_ms:g} ms"
+    )
     return _layout(fig, "Time to first token", "arrival", "ms", x_range)
 
 
@@ -59,25 +87,46 @@ def pool_load(rows: list[dict[str, Any]]) -> go.Figure:
     """Queue depth and running per instance; dead instances get a marked name and red edges."""
     names = [r["instance"] + (" (DEAD)" if r["health"] == "DEAD" else "") for r in rows]
     edges = [DEAD_COLOR if r["health"] == "DEAD" else "rgba(0,0,0,0)" for r in rows]
-    fig = go.Figure([
-        go.Bar(name="queue depth", x=names, y=[r["queue_depth"] for r in rows],
-               marker={"line": {"color": edges, "width": 3}}),
-        go.Bar(name="running", x=names, y=[r["running"] for r in rows],
-               marker={"line": {"color": edges, "width": 3}}),
-    ])
+    fig = go.Figure(
+        [
+            go.Bar(
+                name="queue depth",
+                x=names,
+                y=[r["queue_depth"] for r in rows],
+                marker={"line": {"color": edges, "width": 3}},
+            ),
+            go.Bar(
+                name="running",
+                x=names,
+                y=[r["running"] for r in rows],
+                marker={"line": {"color": edges, "width": 3}},
+            ),
+        ]
+    )
     fig.update_layout(barmode="group")
     return _layout(fig, "Load per instance", "instance", "requests")
 
 
-def hit_rate_over_time(series: dict[str, Any],
-                       x_range: tuple[float, float] | None = None) -> go.Figure:
+def hit_rate_over_time(
+    series: dict[str, Any], x_range: tuple[float, float] | None = None
+) -> go.Figure:
     """Token-weighted KV hit rate in percent: the cluster, then each prefill instance."""
     x = _times(series["t"])
     pct = lambda vs: [None if v is None else 100.0 * v for v in vs]  # noqa: E731
-    traces = [go.Scatter(name="cluster", x=x, y=pct(series["cluster"]), mode="lines+markers",
-                         line={"width": 4}, connectgaps=True)]
-    traces += [go.Scatter(name=name, x=x, y=pct(values), mode="lines+markers", connectgaps=True)
-               for name, values in series["per_instance"].items()]
+    traces = [
+        go.Scatter(
+            name="cluster",
+            x=x,
+            y=pct(series["cluster"]),
+            mode="lines+markers",
+            line={"width": 4},
+            connectgaps=True,
+        )
+    ]
+    traces += [
+        go.Scatter(name=name, x=x, y=pct(values), mode="lines+markers", connectgaps=True)
+        for name, values in series["per_instance"].items()
+    ]
     fig = go.Figure(traces)
     fig.update_yaxes(range=[0, 100])
     return _layout(fig, "KV cache hit rate (cached / prompt tokens)", "arrival", "%", x_range)
@@ -85,24 +134,46 @@ def hit_rate_over_time(series: dict[str, Any],
 
 def request_timeline(segments: list[dict[str, Any]], request_id: str) -> go.Figure:
     """One horizontal bar per phase, placed on a milliseconds-since-arrival axis."""
-    fig = go.Figure([go.Bar(name=s["phase"], y=[s["phase"]], x=[s["end_ms"] - s["start_ms"]],
-                            base=[s["start_ms"]], orientation="h") for s in segments])
+    fig = go.Figure(
+        [
+            go.Bar(
+                name=s["phase"],
+                y=[s["phase"]],
+                x=[s["end_ms"] - s["start_ms"]],
+                base=[s["start_ms"]],
+                orientation="h",
+            )
+            for s in segments
+        ]
+    )
     fig.update_yaxes(autorange="reversed")
     return _layout(fig, f"Timeline of {request_id}", "ms since arrival", "")
 
 
-def over_time(series: dict[str, dict[str, Any]], fields: dict[str, str], title: str, y: str,
-              x_range: tuple[float, float] | None = None, scale: float = 1.0) -> go.Figure:
+def over_time(
+    series: dict[str, dict[str, Any]],
+    fields: dict[str, str],
+    title: str,
+    y: str,
+    x_range: tuple[float, float] | None = None,
+    scale: float = 1.0,
+) -> go.Figure:
     """One line per instance and field (console.history.load_series): an instance keeps its
     colour, the first field is solid, the next dotted. `fields` maps a key to its label."""
     traces = []
     for i, (inst, s) in enumerate(series.items()):
         color = PALETTE[i % len(PALETTE)]
         for dash, (key, label) in zip(DASHES, fields.items()):
-            traces.append(go.Scatter(
-                name=inst if len(fields) == 1 else f"{inst} {label}", x=_times(s["t"]),
-                y=[None if v is None else v * scale for v in s[key]], mode="lines+markers",
-                line={"color": color, "dash": dash}, marker={"size": 4}))
+            traces.append(
+                go.Scatter(
+                    name=inst if len(fields) == 1 else f"{inst} {label}",
+                    x=_times(s["t"]),
+                    y=[None if v is None else v * scale for v in s[key]],
+                    mode="lines+markers",
+                    line={"color": color, "dash": dash},
+                    marker={"size": 4},
+                )
+            )
     return _layout(go.Figure(traces), title, "time", y, x_range)
 
 
@@ -111,8 +182,12 @@ def kv_blocks_by_tier(rows: list[dict[str, Any]]) -> go.Figure:
     instances = sorted({r["instance"] for r in rows})
     tiers = sorted({r["tier"] for r in rows})
     count = {(r["instance"], r["tier"]): r["blocks"] for r in rows}
-    fig = go.Figure([go.Bar(name=tier, x=instances, y=[count.get((i, tier), 0) for i in instances])
-                     for tier in tiers])
+    fig = go.Figure(
+        [
+            go.Bar(name=tier, x=instances, y=[count.get((i, tier), 0) for i in instances])
+            for tier in tiers
+        ]
+    )
     fig.update_layout(barmode="stack")
     return _layout(fig, "Cached KV blocks per instance and tier", "instance", "blocks")
 
@@ -121,14 +196,23 @@ def candidate_costs(rows: list[dict[str, Any]], request_id: str) -> go.Figure:
     """The conductor's predicted TTFT per candidate, split into its parts."""
     names = [str(r.get("instance")) + (" (chosen)" if r.get("chosen") else "") for r in rows]
     parts = (("transfer_ms", "prefix transfer"), ("queue_ms", "queue"), ("prefill_ms", "prefill"))
-    fig = go.Figure([go.Bar(name=label, y=names, x=[r.get(key) or 0.0 for r in rows],
-                            orientation="h") for key, label in parts])
+    fig = go.Figure(
+        [
+            go.Bar(name=label, y=names, x=[r.get(key) or 0.0 for r in rows], orientation="h")
+            for key, label in parts
+        ]
+    )
     fig.update_layout(barmode="stack", height=max(260, 140 + 40 * len(rows)))
     fig.update_yaxes(autorange="reversed")
     return _layout(fig, f"Predicted TTFT per candidate for {request_id}", "ms", "")
 
 
 def report_bars(rows: list[dict[str, Any]], label_key: str, value_key: str) -> go.Figure:
-    fig = go.Figure(go.Bar(x=[str(r.get(label_key)) for r in rows],
-                           y=[r.get(value_key) for r in rows], name=value_key))
+    fig = go.Figure(
+        go.Bar(
+            x=[str(r.get(label_key)) for r in rows],
+            y=[r.get(value_key) for r in rows],
+            name=value_key,
+        )
+    )
     return _layout(fig, value_key, label_key, value_key)

@@ -19,8 +19,15 @@ from shared.hashing import from_signed
 MAX_SAMPLES = 50_000  # newest first: 24 h of 5 s samples is 17,280 per instance
 HOT_BLOCKS = 20
 SAMPLE_S = 5.0  # the conductor's default sampling interval: no finer buckets than that
-GAUGES = ("queue_depth", "running", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached",
-          "disk_blocks_used", "disk_blocks_free")
+GAUGES = (
+    "queue_depth",
+    "running",
+    "kv_blocks_used",
+    "kv_blocks_free",
+    "kv_blocks_cached",
+    "disk_blocks_used",
+    "disk_blocks_free",
+)
 
 
 # -- SQL ------------------------------------------------------------------------------
@@ -36,27 +43,54 @@ async def read_samples(conn: AsyncConnection, since: float | None) -> list[dict[
 async def read_kv(conn: AsyncConnection) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(blocks per instance and tier, the hottest blocks with their replicas)."""
     t = KVBlockRecord.__table__
-    tiers = [{"instance": i, "tier": tier, "blocks": n, "nbytes": int(b or 0), "hits": int(h or 0)}
-             for i, tier, n, b, h in await conn.execute(
-                 select(t.c.instance_id, t.c.tier, func.count(), func.sum(t.c.nbytes),
-                        func.sum(t.c.hit_count))
-                 .group_by(t.c.instance_id, t.c.tier).order_by(t.c.instance_id, t.c.tier))]
+    tiers = [
+        {"instance": i, "tier": tier, "blocks": n, "nbytes": int(b or 0), "hits": int(h or 0)}
+        for i, tier, n, b, h in await conn.execute(
+            select(
+                t.c.instance_id,
+                t.c.tier,
+                func.count(),
+                func.sum(t.c.nbytes),
+                func.sum(t.c.hit_count),
+            )
+            .group_by(t.c.instance_id, t.c.tier)
+            .order_by(t.c.instance_id, t.c.tier)
+        )
+    ]
     hits, replicas = func.sum(t.c.hit_count).label("hits"), func.count().label("replicas")
-    top = (await conn.execute(
-        select(t.c.block_hash, hits, replicas, func.count(func.distinct(t.c.instance_id)),
-               func.max(t.c.last_access))
-        .group_by(t.c.block_hash).order_by(hits.desc(), replicas.desc(), t.c.block_hash)
-        .limit(HOT_BLOCKS))).all()
+    top = (
+        await conn.execute(
+            select(
+                t.c.block_hash,
+                hits,
+                replicas,
+                func.count(func.distinct(t.c.instance_id)),
+                func.max(t.c.last_access),
+            )
+            .group_by(t.c.block_hash)
+            .order_by(hits.desc(), replicas.desc(), t.c.block_hash)
+            .limit(HOT_BLOCKS)
+        )
+    ).all()
     holders: dict[int, list[str]] = {}
     if top:
         for h, inst, tier in await conn.execute(
-                select(t.c.block_hash, t.c.instance_id, t.c.tier)
-                .where(t.c.block_hash.in_([row[0] for row in top]))
-                .order_by(t.c.instance_id, t.c.tier)):
+            select(t.c.block_hash, t.c.instance_id, t.c.tier)
+            .where(t.c.block_hash.in_([row[0] for row in top]))
+            .order_by(t.c.instance_id, t.c.tier)
+        ):
             holders.setdefault(h, []).append(f"{inst}/{tier}")
-    hot = [{"block": f"{from_signed(h):016x}", "hits": int(n_hits), "replicas": n,
-            "instances": n_inst, "holders": ", ".join(holders.get(h, [])), "last_access": last}
-           for h, n_hits, n, n_inst, last in top]
+    hot = [
+        {
+            "block": f"{from_signed(h):016x}",
+            "hits": int(n_hits),
+            "replicas": n,
+            "instances": n_inst,
+            "holders": ", ".join(holders.get(h, [])),
+            "last_access": last,
+        }
+        for h, n_hits, n, n_inst, last in top
+    ]
     return tiers, hot
 
 
@@ -99,8 +133,12 @@ def load_series(samples: list[dict[str, Any]], bucket_s: float) -> dict[str, dic
 
 
 def has_disk(series: dict[str, dict[str, Any]]) -> bool:
-    return any(v for s in series.values()
-               for key in ("disk_blocks_used", "disk_blocks_free", "disk_stored") for v in s[key])
+    return any(
+        v
+        for s in series.values()
+        for key in ("disk_blocks_used", "disk_blocks_free", "disk_stored")
+        for v in s[key]
+    )
 
 
 def activity_totals(samples: list[dict[str, Any]]) -> dict[str, int]:
@@ -111,8 +149,11 @@ def activity_totals(samples: list[dict[str, Any]]) -> dict[str, int]:
 def candidates_table(decision: dict[str, Any]) -> list[dict[str, Any]]:
     """The conductor's candidates for one request, best predicted TTFT first, chosen marked."""
     chosen = decision.get("prefill_instance")
-    rows = [{"chosen": c.get("instance") == chosen, **c}
-            for c in decision.get("candidates") or [] if isinstance(c, dict)]
+    rows = [
+        {"chosen": c.get("instance") == chosen, **c}
+        for c in decision.get("candidates") or []
+        if isinstance(c, dict)
+    ]
     return sorted(rows, key=lambda r: (not r["chosen"], r.get("ttft_ms") or math.inf))
 
 

@@ -18,9 +18,26 @@ DEAD_AFTER_S = 3.0  # heartbeats come every second; three missed ones mean dead
 SQL_STALE_AFTER_S = 15.0
 POOL_ROLES = ("prefill", "decode")
 # Fields shown in fixed columns, or too noisy for the table.
-_KNOWN = {"instance_id", "id", "role", "status", "heartbeat_age_s", "queue_depth", "running",
-          "kv_tokens_used", "v", "pid", "host", "kv_host", "kv_port", "started_at", "sent_at",
-          "last_heartbeat", "info", "model"}
+_KNOWN = {
+    "instance_id",
+    "id",
+    "role",
+    "status",
+    "heartbeat_age_s",
+    "queue_depth",
+    "running",
+    "kv_tokens_used",
+    "v",
+    "pid",
+    "host",
+    "kv_host",
+    "kv_port",
+    "started_at",
+    "sent_at",
+    "last_heartbeat",
+    "info",
+    "model",
+}
 
 
 class ClusterUnavailable(Exception):
@@ -58,17 +75,27 @@ def _number(value: Any, default: float = 0.0) -> float:
 
 def _extras(fields: dict[str, Any]) -> dict[str, Any]:
     """Fields newer gateways add (KV blocks per tier, hit rates...), if they are scalars."""
-    return {k: v for k, v in fields.items()
-            if k not in _KNOWN and (isinstance(v, (str, int, float, bool)) or v is None)}
+    return {
+        k: v
+        for k, v in fields.items()
+        if k not in _KNOWN and (isinstance(v, (str, int, float, bool)) or v is None)
+    }
 
 
-def _row(instance: str, role: str, status: str, age: float | None, fields: dict[str, Any],
-         alive: bool) -> dict[str, Any]:
-    return {"instance": instance, "role": role, "health": "alive" if alive else "DEAD",
-            "status": status, "heartbeat_age_s": None if age is None else round(age, 1),
-            "queue_depth": int(_number(fields.get("queue_depth"))),
-            "running": int(_number(fields.get("running"))),
-            "kv_tokens_used": int(_number(fields.get("kv_tokens_used"))), **_extras(fields)}
+def _row(
+    instance: str, role: str, status: str, age: float | None, fields: dict[str, Any], alive: bool
+) -> dict[str, Any]:
+    return {
+        "instance": instance,
+        "role": role,
+        "health": "alive" if alive else "DEAD",
+        "status": status,
+        "heartbeat_age_s": None if age is None else round(age, 1),
+        "queue_depth": int(_number(fields.get("queue_depth"))),
+        "running": int(_number(fields.get("running"))),
+        "kv_tokens_used": int(_number(fields.get("kv_tokens_used"))),
+        **_extras(fields),
+    }
 
 
 def _sorted(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -95,6 +122,7 @@ def pool_from_sql(instances: list[dict[str, Any]], now: float) -> list[dict[str,
         info = inst.get("info") if isinstance(inst.get("info"), dict) else {}
         age = now - _number(inst.get("last_heartbeat"), now)
         alive = inst.get("status") != "dead" and age <= SQL_STALE_AFTER_S
-        rows.append(_row(str(inst["id"]), inst["role"], str(inst.get("status", "")), age,
-                         info, alive))
+        rows.append(
+            _row(str(inst["id"]), inst["role"], str(inst.get("status", "")), age, info, alive)
+        )
     return _sorted(rows)

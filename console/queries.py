@@ -33,7 +33,11 @@ DB_TIMEOUT_S = 10.0  # a blackholed database host must not hang the page for a m
 STATUSES = [s.value for s in RequestStatus]
 MAX_ROWS = 50_000  # newest first; the console is for operations, not for archives
 WINDOWS: dict[str, float | None] = {
-    "last 5 min": 300.0, "last 1 h": 3600.0, "last 24 h": 86400.0, "all": None}
+    "last 5 min": 300.0,
+    "last 1 h": 3600.0,
+    "last 24 h": 86400.0,
+    "all": None,
+}
 
 
 class DatabaseUnavailable(Exception):
@@ -56,10 +60,13 @@ class ConsoleSettings:
             refresh = float(os.environ.get("HALFMOON_CONSOLE_REFRESH_S") or DEFAULT_REFRESH_S)
         except ValueError:
             refresh = DEFAULT_REFRESH_S
-        return cls(database_url=os.environ.get("HALFMOON_DATABASE_URL") or default_url(),
-                   gateway_url=os.environ.get("HALFMOON_GATEWAY_URL") or DEFAULT_GATEWAY_URL,
-                   refresh_s=max(refresh, 0.5), admin_key=admin_key_from_env(),
-                   host=os.environ.get("HALFMOON_CONSOLE_HOST") or "127.0.0.1")
+        return cls(
+            database_url=os.environ.get("HALFMOON_DATABASE_URL") or default_url(),
+            gateway_url=os.environ.get("HALFMOON_GATEWAY_URL") or DEFAULT_GATEWAY_URL,
+            refresh_s=max(refresh, 0.5),
+            admin_key=admin_key_from_env(),
+            host=os.environ.get("HALFMOON_CONSOLE_HOST") or "127.0.0.1",
+        )
 
     @property
     def needs_login(self) -> bool:
@@ -116,8 +123,11 @@ def _describe(exc: BaseException) -> str:
     inner = getattr(exc, "orig", None) or exc
     text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
     missing = ("no such table", "no such column", "does not exist")
-    hint = (" (have the migrations run? `halfmoon up` runs them)"
-            if any(m in text for m in missing) else "")
+    hint = (
+        " (have the migrations run? `halfmoon up` runs them)"
+        if any(m in text for m in missing)
+        else ""
+    )
     return f"{type(inner).__name__}: {text}"[:300] + hint
 
 
@@ -125,7 +135,7 @@ def _check_sqlite_file(url: str) -> None:
     # Connecting would create an empty file; a read-only console should say "missing" instead.
     prefix = "sqlite+aiosqlite:///"
     if url.startswith(prefix):
-        path = url[len(prefix):].split("?", 1)[0]
+        path = url[len(prefix) :].split("?", 1)[0]
         if path and path != ":memory:" and not Path(path).expanduser().exists():
             raise DatabaseUnavailable(f"no SQLite database at {path}")
 
@@ -149,9 +159,15 @@ async def _read(conn: AsyncConnection, since: float | None, now: float) -> Snaps
     instances = [dict(r._mapping) for r in await conn.execute(select(InstanceRecord.__table__))]
     samples = await history.read_samples(conn, since)
     kv_tiers, hot_blocks = await history.read_kv(conn)
-    return Snapshot(now=now, requests=requests[:MAX_ROWS], instances=instances,
-                    truncated=len(requests) > MAX_ROWS, samples=samples, kv_tiers=kv_tiers,
-                    hot_blocks=hot_blocks)
+    return Snapshot(
+        now=now,
+        requests=requests[:MAX_ROWS],
+        instances=instances,
+        truncated=len(requests) > MAX_ROWS,
+        samples=samples,
+        kv_tiers=kv_tiers,
+        hot_blocks=hot_blocks,
+    )
 
 
 def _run_sync(coro_factory) -> Any:  # type: ignore[no-untyped-def]
@@ -220,14 +236,18 @@ def hit_rate(rows: Iterable[dict[str, Any]]) -> float | None:
     return None if prompt == 0 else sum(r.get("cached_tokens") or 0 for r in done) / prompt
 
 
-def overview(rows: list[dict[str, Any]], now: float, window_s: float | None,
-             slo_ms: float) -> dict[str, Any]:
+def overview(
+    rows: list[dict[str, Any]], now: float, window_s: float | None, slo_ms: float
+) -> dict[str, Any]:
     """The Overview page's numbers. Rates are over the window ("all": since the first arrival)."""
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    span = window_s if window_s is not None else (
-        max(now - min(r["arrival_time"] for r in rows), 1.0) if rows else 1.0)
+    span = (
+        window_s
+        if window_s is not None
+        else (max(now - min(r["arrival_time"] for r in rows), 1.0) if rows else 1.0)
+    )
     completed = [r for r in rows if r["status"] == "completed"]
     # Cancelled requests are the client's choice, so they count neither for nor against the SLO.
     judged = [r for r in rows if r["status"] in ("completed", "failed", "rejected")]
@@ -236,18 +256,24 @@ def overview(rows: list[dict[str, Any]], now: float, window_s: float | None,
     e2e = [r.get("e2e_ms") for r in completed]
     tbt = [tbt_ms(r) for r in completed]
     return {
-        "requests": len(rows), "counts": counts, "requests_per_s": len(rows) / span,
-        "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-        "tbt_p50_ms": percentile(tbt, 50), "tbt_p99_ms": percentile(tbt, 99),
-        "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
+        "requests": len(rows),
+        "counts": counts,
+        "requests_per_s": len(rows) / span,
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "tbt_p50_ms": percentile(tbt, 50),
+        "tbt_p99_ms": percentile(tbt, 99),
+        "e2e_p50_ms": percentile(e2e, 50),
+        "e2e_p99_ms": percentile(e2e, 99),
         "slo_attainment": met / len(judged) if judged else None,
         "rejection_rate": counts.get("rejected", 0) / len(rows) if rows else None,
         "hit_rate": hit_rate(rows),
     }
 
 
-def time_range(window_s: float | None, rows: list[dict[str, Any]], now: float,
-               key: str = "arrival_time") -> tuple[float, float]:
+def time_range(
+    window_s: float | None, rows: list[dict[str, Any]], now: float, key: str = "arrival_time"
+) -> tuple[float, float]:
     """The x axis of time charts: the whole window ("all": from the first row's `key`), up to
     now, with a little room on both sides so that edge buckets are not cut in half."""
     if window_s is not None:
@@ -258,8 +284,13 @@ def time_range(window_s: float | None, rows: list[dict[str, Any]], now: float,
     return start - pad, now + pad
 
 
-def bucket_seconds(window_s: float | None, rows: list[dict[str, Any]], now: float,
-                   key: str = "arrival_time", finest: float = 1.0) -> float:
+def bucket_seconds(
+    window_s: float | None,
+    rows: list[dict[str, Any]],
+    now: float,
+    key: str = "arrival_time",
+    finest: float = 1.0,
+) -> float:
     """About 60 buckets per window ("all": from the first row's `key`), rounded to a readable
     size and never under `finest` seconds."""
     if window_s is not None:
@@ -284,15 +315,21 @@ def status_series(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, Any]
     """Requests per bucket (by arrival), one count list per status."""
     groups = _buckets(rows, bucket_s)
     statuses = sorted({r["status"] for r in rows})
-    return {"t": list(groups), "by_status": {
-        s: [sum(1 for r in g if r["status"] == s) for g in groups.values()] for s in statuses}}
+    return {
+        "t": list(groups),
+        "by_status": {
+            s: [sum(1 for r in g if r["status"] == s) for g in groups.values()] for s in statuses
+        },
+    }
 
 
 def ttft_series(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, Any]:
     groups = _buckets([r for r in rows if r.get("ttft_ms") is not None], bucket_s)
-    return {"t": list(groups),
-            "p50": [percentile([r["ttft_ms"] for r in g], 50) for g in groups.values()],
-            "p99": [percentile([r["ttft_ms"] for r in g], 99) for g in groups.values()]}
+    return {
+        "t": list(groups),
+        "p50": [percentile([r["ttft_ms"] for r in g], 50) for g in groups.values()],
+        "p99": [percentile([r["ttft_ms"] for r in g], 99) for g in groups.values()],
+    }
 
 
 def hit_rate_series(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, Any]:
@@ -300,20 +337,27 @@ def hit_rate_series(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, An
     done = [r for r in rows if r.get("status") == "completed"]
     groups = _buckets(done, bucket_s)
     names = sorted({r["prefill_instance"] for r in done if r.get("prefill_instance")})
-    return {"t": list(groups),
-            "cluster": [hit_rate(g) for g in groups.values()],
-            "per_instance": {n: [hit_rate([r for r in g if r.get("prefill_instance") == n])
-                                 for g in groups.values()] for n in names}}
+    return {
+        "t": list(groups),
+        "cluster": [hit_rate(g) for g in groups.values()],
+        "per_instance": {
+            n: [hit_rate([r for r in g if r.get("prefill_instance") == n]) for g in groups.values()]
+            for n in names
+        },
+    }
 
 
-def filter_requests(rows: list[dict[str, Any]], statuses: Iterable[str] | None = None,
-                    instance: str | None = None) -> list[dict[str, Any]]:
+def filter_requests(
+    rows: list[dict[str, Any]], statuses: Iterable[str] | None = None, instance: str | None = None
+) -> list[dict[str, Any]]:
     """Rows with one of `statuses` (None: any) that ran on `instance` (None: any)."""
     wanted = set(statuses) if statuses is not None else None
-    return [r for r in rows
-            if (wanted is None or r["status"] in wanted)
-            and (instance is None
-                 or instance in (r.get("prefill_instance"), r.get("decode_instance")))]
+    return [
+        r
+        for r in rows
+        if (wanted is None or r["status"] in wanted)
+        and (instance is None or instance in (r.get("prefill_instance"), r.get("decode_instance")))
+    ]
 
 
 def request_timeline(row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -332,13 +376,19 @@ def request_timeline(row: dict[str, Any]) -> list[dict[str, Any]]:
         label = "prefill queue → " if dispatch is not None else "arrival → "
         return phases + [{"phase": label + row["status"], "start_ms": ms(start), "end_ms": ms(end)}]
     if dispatch is not None:
-        phases.append({"phase": "prefill queue + prefill", "start_ms": ms(dispatch),
-                       "end_ms": ms(first)})
+        phases.append(
+            {"phase": "prefill queue + prefill", "start_ms": ms(dispatch), "end_ms": ms(first)}
+        )
     else:
         phases.append({"phase": "queue + prefill (TTFT)", "start_ms": 0.0, "end_ms": ms(first)})
     if handoff is not None:
-        phases.append({"phase": "KV transfer + decode admission", "start_ms": ms(first),
-                       "end_ms": ms(handoff)})
+        phases.append(
+            {
+                "phase": "KV transfer + decode admission",
+                "start_ms": ms(first),
+                "end_ms": ms(handoff),
+            }
+        )
     if finish is not None:
         phases.append({"phase": "decode", "start_ms": ms(handoff or first), "end_ms": ms(finish)})
     return phases
@@ -383,8 +433,13 @@ def _flat(row: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in row.items():
         if isinstance(v, dict):
-            out.update({f"{k}.{kk}": vv for kk, vv in v.items()
-                        if isinstance(vv, (str, int, float, bool)) or vv is None})
+            out.update(
+                {
+                    f"{k}.{kk}": vv
+                    for kk, vv in v.items()
+                    if isinstance(vv, (str, int, float, bool)) or vv is None
+                }
+            )
         elif isinstance(v, (str, int, float, bool)) or v is None:
             out[str(k)] = v
     return out

@@ -21,35 +21,66 @@ from console.queries import admin_key_from_env, is_loopback
 APP = Path(__file__).resolve().parent / "app.py"
 ROOT = APP.parents[1]
 # Console settings the app reads from the environment: flag name -> env var.
-_APP_ENV = {"database_url": "HALFMOON_DATABASE_URL", "gateway_url": "HALFMOON_GATEWAY_URL",
-            "refresh_s": "HALFMOON_CONSOLE_REFRESH_S"}
+_APP_ENV = {
+    "database_url": "HALFMOON_DATABASE_URL",
+    "gateway_url": "HALFMOON_GATEWAY_URL",
+    "refresh_s": "HALFMOON_CONSOLE_REFRESH_S",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(
         prog="halfmoon serve console",
-        description="Halfmoon operations console (Streamlit). Unknown flags go to streamlit.")
-    p.add_argument("--host", default=env("HALFMOON_CONSOLE_HOST") or "127.0.0.1",
-                   help="address to listen on [env HALFMOON_CONSOLE_HOST; default 127.0.0.1]")
+        description="Halfmoon operations console (Streamlit). Unknown flags go to streamlit.",
+    )
+    p.add_argument(
+        "--host",
+        default=env("HALFMOON_CONSOLE_HOST") or "127.0.0.1",
+        help="address to listen on [env HALFMOON_CONSOLE_HOST; default 127.0.0.1]",
+    )
     # A string default goes through type=int too, so a bad env value is a usage error.
-    p.add_argument("--port", type=int, default=env("HALFMOON_CONSOLE_PORT") or "8501",
-                   help="port [env HALFMOON_CONSOLE_PORT; default 8501]")
-    p.add_argument("--database-url", default=None,
-                   help="SQLAlchemy URL [env HALFMOON_DATABASE_URL; "
-                   "default SQLite in HALFMOON_HOME]")
-    p.add_argument("--gateway-url", default=None,
-                   help="gateway base URL [env HALFMOON_GATEWAY_URL; "
-                   "default http://127.0.0.1:8000]")
-    p.add_argument("--refresh-s", default=None,
-                   help="seconds between refreshes [env HALFMOON_CONSOLE_REFRESH_S; default 3]")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=env("HALFMOON_CONSOLE_PORT") or "8501",
+        help="port [env HALFMOON_CONSOLE_PORT; default 8501]",
+    )
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="SQLAlchemy URL [env HALFMOON_DATABASE_URL; default SQLite in HALFMOON_HOME]",
+    )
+    p.add_argument(
+        "--gateway-url",
+        default=None,
+        help="gateway base URL [env HALFMOON_GATEWAY_URL; default http://127.0.0.1:8000]",
+    )
+    p.add_argument(
+        "--refresh-s",
+        default=None,
+        help="seconds between refreshes [env HALFMOON_CONSOLE_REFRESH_S; default 3]",
+    )
     return p
 
 
 def command(host: str, port: int, extra: Sequence[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "streamlit", "run", str(APP),
-            "--server.headless", "true", "--server.port", str(port), "--server.address", host,
-            "--browser.gatherUsageStats", "false", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.headless",
+        "true",
+        "--server.port",
+        str(port),
+        "--server.address",
+        host,
+        "--browser.gatherUsageStats",
+        "false",
+        *extra,
+    ]
 
 
 def child_env(args: argparse.Namespace) -> dict[str, str]:
@@ -68,9 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not is_loopback(args.host) and not admin_key_from_env():
         # Beyond loopback the app asks visitors for the admin key; without one to check
         # against it could only turn everyone away, so say why now.
-        parser.error(f"--host {args.host} is reachable from other machines: set "
-                     "HALFMOON_ADMIN_KEY or HALFMOON_ADMIN_KEY_FILE (visitors must type that "
-                     "key), or listen on 127.0.0.1")
+        parser.error(
+            f"--host {args.host} is reachable from other machines: set "
+            "HALFMOON_ADMIN_KEY or HALFMOON_ADMIN_KEY_FILE (visitors must type that "
+            "key), or listen on 127.0.0.1"
+        )
     env = child_env(args)
     env["HALFMOON_CONSOLE_HOST"] = args.host  # the app asks for the key beyond loopback
     child = subprocess.Popen(command(args.host, args.port, extra), env=env)
@@ -81,8 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Handlers can only be set from the main thread; elsewhere the child gets signals itself.
     in_main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, forward)
-                for sig in (signal.SIGTERM, signal.SIGINT) if in_main}
+    previous = {
+        sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT) if in_main
+    }
     try:
         code = child.wait()
     finally:

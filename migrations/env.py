@@ -13,8 +13,11 @@ target_metadata = Base.metadata
 
 
 def _run(connection) -> None:  # type: ignore[no-untyped-def]
-    context.configure(connection=connection, target_metadata=target_metadata,
-                      render_as_batch=connection.dialect.name == "sqlite")
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -34,8 +37,11 @@ def run_migrations_online() -> None:
 
 
 if context.is_offline_mode():
-    context.configure(url=context.config.get_main_option("sqlalchemy.url"),
-                      target_metadata=target_metadata, literal_binds=True)
+    context.configure(
+        url=context.config.get_main_option("sqlalchemy.url"),
+        target_metadata=target_metadata,
+        literal_binds=True,
+    )
     with context.begin_transaction():
         context.run_migrations()
 else:

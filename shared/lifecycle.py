@@ -24,8 +24,11 @@ log = logging.getLogger(__name__)
 def setup_logging(level: str, service: str, instance_id: str = "") -> None:
     tag = f"{service}:{instance_id}" if instance_id else service
     logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr, force=True,
-        format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
+        level=getattr(logging, level.upper(), logging.INFO),
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s",
+    )
     # aiohttp's access log and nats' reconnect chatter are noise at INFO.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
@@ -51,8 +54,9 @@ async def publish_heartbeat(nc: NATS, msg: InstanceInfo) -> None:
         log.debug("heartbeat not sent: %s", exc)
 
 
-async def heartbeat_loop(nc: NATS, info: Callable[[], InstanceInfo], interval_s: float,
-                         stop: asyncio.Event) -> None:
+async def heartbeat_loop(
+    nc: NATS, info: Callable[[], InstanceInfo], interval_s: float, stop: asyncio.Event
+) -> None:
     """Publish this instance's state until `stop`; a NATS outage only skips beats."""
     while not stop.is_set():
         await publish_heartbeat(nc, info())

@@ -18,10 +18,9 @@ import logging
 from typing import Callable, Iterable, Sequence, TypeVar
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client import disable_created_metrics
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", GaugeMetricFamily, CounterMetricFamily)
@@ -30,14 +29,60 @@ F = TypeVar("F", GaugeMetricFamily, CounterMetricFamily)
 disable_created_metrics()
 
 # Request-scale latencies on a loaded CPU box reach minutes (TTFT under a queue, e2e).
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-                   160.0, 320.0)
+LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
 # Per-token and per-step times: milliseconds to a few seconds.
-FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
-                5.12, 10.24)
+FAST_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+)
 # Control-plane decisions: tens of microseconds up.
-DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-                    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+DECISION_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 def new_registry() -> CollectorRegistry:
@@ -57,21 +102,37 @@ class ScrapeCollector:
         return []  # names are only known at scrape time; nothing to pre-register
 
 
-def _family(cls: type[F], name: str, doc: str, value: float | None, labels: Sequence[str],
-            samples: Iterable[tuple[Sequence[str], float]]) -> F:
+def _family(
+    cls: type[F],
+    name: str,
+    doc: str,
+    value: float | None,
+    labels: Sequence[str],
+    samples: Iterable[tuple[Sequence[str], float]],
+) -> F:
     fam = cls(name, doc, value=value, labels=labels if value is None else None)
     for label_values, v in samples:
         fam.add_metric(list(label_values), v)
     return fam
 
 
-def gauge(name: str, doc: str, value: float | None = None, labels: Sequence[str] = (),
-          samples: Iterable[tuple[Sequence[str], float]] = ()) -> GaugeMetricFamily:
+def gauge(
+    name: str,
+    doc: str,
+    value: float | None = None,
+    labels: Sequence[str] = (),
+    samples: Iterable[tuple[Sequence[str], float]] = (),
+) -> GaugeMetricFamily:
     return _family(GaugeMetricFamily, name, doc, value, labels, samples)
 
 
-def counter(name: str, doc: str, value: float | None = None, labels: Sequence[str] = (),
-            samples: Iterable[tuple[Sequence[str], float]] = ()) -> CounterMetricFamily:
+def counter(
+    name: str,
+    doc: str,
+    value: float | None = None,
+    labels: Sequence[str] = (),
+    samples: Iterable[tuple[Sequence[str], float]] = (),
+) -> CounterMetricFamily:
     """A counter whose running total lives elsewhere (the engine, an index)."""
     return _family(CounterMetricFamily, name, doc, value, labels, samples)
 
@@ -84,14 +145,16 @@ def metrics_handler(registry: CollectorRegistry) -> Callable[[web.Request], obje
     async def handle(request: web.Request) -> web.Response:
         # Our names are all legacy-valid, so this is the 0.0.4 text format every Prometheus
         # reads (the library's "latest" label, 1.0.0, trips older scrapers).
-        return web.Response(body=exposition(registry),
-                            headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+        return web.Response(
+            body=exposition(registry), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4}
+        )
 
     return handle
 
 
-async def start_metrics_server(registry: CollectorRegistry, host: str,
-                               port: int) -> web.AppRunner | None:
+async def start_metrics_server(
+    registry: CollectorRegistry, host: str, port: int
+) -> web.AppRunner | None:
     """Serve GET /metrics on host:port; None when port is 0 or cannot be bound.
 
     A port that is taken only costs the metrics (logged), never the service itself:
@@ -113,8 +176,9 @@ async def start_metrics_server(registry: CollectorRegistry, host: str,
     return runner
 
 
-async def serve_metrics(stack: contextlib.AsyncExitStack, registry: CollectorRegistry,
-                        host: str, port: int) -> web.AppRunner | None:
+async def serve_metrics(
+    stack: contextlib.AsyncExitStack, registry: CollectorRegistry, host: str, port: int
+) -> web.AppRunner | None:
     """`start_metrics_server`, stopped when `stack` closes."""
     runner = await start_metrics_server(registry, host, port)
     if runner is not None:

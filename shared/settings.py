@@ -31,31 +31,46 @@ class BaseSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222", description="NATS server URL(s), comma separated"
+    )
     nats_user: str = Field("", description="NATS user (empty: no auth)")
     nats_password: str = Field("", description="NATS password")
     # Control-plane security (see docs/deploy.md, "Security"): KV transfer ids, prompts and
     # tokens ride NATS, so on a network it wants credentials and TLS.
-    nats_creds: str = Field("", description="NATS credentials file (user JWT + NKey seed, as "
-                            "`nsc` writes it; needs `pip install nkeys`; empty: none)")
-    nats_tls_ca: str = Field("", description="CA bundle the NATS servers' certificates chain "
-                             "to; setting it (or any nats_tls_* field, or a tls:// URL) turns "
-                             "TLS on (empty: the system's CAs)")
-    nats_tls_cert: str = Field("", description="client certificate, for NATS servers that "
-                               "verify clients (tls { verify: true })")
+    nats_creds: str = Field(
+        "",
+        description="NATS credentials file (user JWT + NKey seed, as "
+        "`nsc` writes it; needs `pip install nkeys`; empty: none)",
+    )
+    nats_tls_ca: str = Field(
+        "",
+        description="CA bundle the NATS servers' certificates chain "
+        "to; setting it (or any nats_tls_* field, or a tls:// URL) turns "
+        "TLS on (empty: the system's CAs)",
+    )
+    nats_tls_cert: str = Field(
+        "",
+        description="client certificate, for NATS servers that "
+        "verify clients (tls { verify: true })",
+    )
     nats_tls_key: str = Field("", description="private key of nats_tls_cert")
-    nats_tls_hostname: str = Field("", description="name the NATS servers' certificates are "
-                                   "checked against (empty: each URL's host)")
+    nats_tls_hostname: str = Field(
+        "",
+        description="name the NATS servers' certificates are "
+        "checked against (empty: each URL's host)",
+    )
     log_level: str = Field("INFO", description="logging level")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
     # Prometheus /metrics for services without an HTTP API; the gateway always serves it on
     # its own port too. A port already taken is logged and the service runs on unobserved.
-    metrics_port: int = Field(0, ge=0, le=65535, description="serve Prometheus GET /metrics "
-                              "on this port (0: off)")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="serve Prometheus GET /metrics on this port (0: off)"
+    )
     metrics_host: str = Field("127.0.0.1", description="address the /metrics server binds")
 
     @model_validator(mode="after")
-    def _nats_files(self) -> "BaseSettings":
+    def _nats_files(self) -> BaseSettings:
         """A mistyped path fails at start, naming the setting, not at the first reconnect."""
         if self.nats_tls_key and not self.nats_tls_cert:
             raise ValueError("nats_tls_key is set without nats_tls_cert")
@@ -67,7 +82,9 @@ class BaseSettings(BaseModel):
 
 
 class DatabaseSettings(BaseModel):
-    database_url: str = Field("", description="SQLAlchemy async URL (empty: SQLite in HALFMOON_HOME)")
+    database_url: str = Field(
+        "", description="SQLAlchemy async URL (empty: SQLite in HALFMOON_HOME)"
+    )
 
 
 def env_name(field: str) -> str:
@@ -89,16 +106,21 @@ def build_parser(cls: type[BaseModel], prog: str, description: str = "") -> argp
         default = info.default
         help_text = f"{info.description or name} [env {env_name(name)}; default {default!r}]"
         if _is_bool(info.annotation):
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_text)
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
-            parser.add_argument(flag, dest=name, default=None, help=help_text,
-                                choices=_choices(info.annotation))
+            parser.add_argument(
+                flag, dest=name, default=None, help=help_text, choices=_choices(info.annotation)
+            )
     return parser
 
 
-def settings_from(cls: type[S], namespace: argparse.Namespace | None = None,
-                  overrides: dict[str, Any] | None = None) -> S:
+def settings_from(
+    cls: type[S],
+    namespace: argparse.Namespace | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> S:
     """Resolve flag > env > default and validate."""
     values: dict[str, Any] = {}
     for name in cls.model_fields:

@@ -30,8 +30,10 @@ def _load_chain(ctx: ssl.SSLContext, setting: str, cert: str, key: str) -> None:
     try:
         ctx.load_cert_chain(cert, key or None)
     except (ssl.SSLError, OSError) as exc:
-        raise ValueError(f"{setting}: cannot load certificate {cert} with key "
-                         f"{key or '(in the same file)'}: {exc}") from None
+        raise ValueError(
+            f"{setting}: cannot load certificate {cert} with key "
+            f"{key or '(in the same file)'}: {exc}"
+        ) from None
 
 
 def _load_ca(ctx: ssl.SSLContext, setting: str, ca: str) -> None:
@@ -42,8 +44,9 @@ def _load_ca(ctx: ssl.SSLContext, setting: str, ca: str) -> None:
         raise ValueError(f"{setting}: cannot load CA bundle {ca}: {exc}") from None
 
 
-def client_context(ca: str = "", cert: str = "", key: str = "",
-                   prefix: str = "nats_tls") -> ssl.SSLContext:
+def client_context(
+    ca: str = "", cert: str = "", key: str = "", prefix: str = "nats_tls"
+) -> ssl.SSLContext:
     """Verifies the server (against `ca`, or the system's CAs without one) and its name;
     presents `cert` when given (servers that verify clients)."""
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
@@ -69,16 +72,18 @@ def check_mutual(cert: str, key: str, ca: str, prefix: str = "kv_tls") -> None:
     """Mutual TLS needs all three files; one or two of them is a half-done set-up."""
     given = [bool(cert), bool(key), bool(ca)]
     if any(given) and not all(given):
-        raise ValueError(f"{prefix}_cert, {prefix}_key and {prefix}_ca go together: set all "
-                         "three (mutual TLS) or none (plain TCP)")
+        raise ValueError(
+            f"{prefix}_cert, {prefix}_key and {prefix}_ca go together: set all "
+            "three (mutual TLS) or none (plain TCP)"
+        )
 
 
-def kv_contexts(cert: str, key: str, ca: str
-                ) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+def kv_contexts(
+    cert: str, key: str, ca: str
+) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
     """(sender's server context, receiver's client context) of the data plane, or
     (None, None) when its TLS is off."""
     check_mutual(cert, key, ca)
     if not cert:
         return None, None
-    return (server_context(cert, key, ca),
-            client_context(ca, cert, key, prefix="kv_tls"))
+    return (server_context(cert, key, ca), client_context(ca, cert, key, prefix="kv_tls"))

@@ -39,11 +39,27 @@ def _openssl(*args: str) -> None:
 
 def _ca(folder: Path, name: str) -> tuple[Path, Path]:
     ca, key = folder / f"{name}-ca.pem", folder / f"{name}-ca.key"
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", str(key), "-out", str(ca), "-days", "2",
-             "-subj", f"/CN=halfmoon test CA {name}",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(ca),
+        "-days",
+        "2",
+        "-subj",
+        f"/CN=halfmoon test CA {name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
     return ca, key
 
 
@@ -51,10 +67,38 @@ def _leaf(folder: Path, name: str, ca: Path, ca_key: Path) -> tuple[Path, Path]:
     cert, key, csr = folder / f"{name}.pem", folder / f"{name}.key", folder / f"{name}.csr"
     ext = folder / f"{name}.ext"
     ext.write_text(_EXT)
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
-             "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    _openssl(
+        "req",
+        "-new",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+        "-subj",
+        f"/CN={name}",
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-out",
+        str(cert),
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+    )
     return cert, key
 
 

@@ -16,8 +16,12 @@ from typing import Any, Callable
 FAILURE_S = 30.0
 
 
-async def until(cond: Callable[[], Any], timeout_s: float = FAILURE_S,
-                what: str = "the condition", step_s: float = 0.02) -> Any:
+async def until(
+    cond: Callable[[], Any],
+    timeout_s: float = FAILURE_S,
+    what: str = "the condition",
+    step_s: float = 0.02,
+) -> Any:
     """Poll `cond` (sync or async) until it returns something truthy; return that."""
     deadline = time.monotonic() + timeout_s
     while True:

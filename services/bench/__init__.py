@@ -1,1 +1,2 @@
-"""Benchmarks (`halfmoon bench ...`): each prints its figures against a baseline from the same run."""
+"""Benchmarks (`halfmoon bench ...`): each prints its figures against a baseline from the
+same run."""

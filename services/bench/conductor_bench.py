@@ -35,17 +35,38 @@ def decision_latency(instances: int, blocks: int, runs: int, seed: int) -> dict[
     rng = random.Random(seed)
     reg = Registry(expiry_s=3)
     for i in range(instances):
-        reg.seen(InstanceInfo(instance_id=f"prefill-{i}", role=Role.PREFILL,
-                              queue_prompts=[rng.randrange(64, 2048) for _ in range(rng.randrange(4))]), 0)
+        reg.seen(
+            InstanceInfo(
+                instance_id=f"prefill-{i}",
+                role=Role.PREFILL,
+                queue_prompts=[rng.randrange(64, 2048) for _ in range(rng.randrange(4))],
+            ),
+            0,
+        )
     for i in range(max(1, instances // 2)):
-        reg.seen(InstanceInfo(instance_id=f"decode-{i}", role=Role.DECODE, running=rng.randrange(64),
-                              mean_context=rng.randrange(100, 2000)), 0)
+        reg.seen(
+            InstanceInfo(
+                instance_id=f"decode-{i}",
+                role=Role.DECODE,
+                running=rng.randrange(64),
+                mean_context=rng.randrange(100, 2000),
+            ),
+            0,
+        )
     cost, policy = CostModel(), make_policy("kvcentric")
-    req = GenerateRequest(request_id="r", model="m", prompt_token_ids=[1] * blocks * 16,
-                          sampling=SamplingParams(), arrival_time=0)
+    req = GenerateRequest(
+        request_id="r",
+        model="m",
+        prompt_token_ids=[1] * blocks * 16,
+        sampling=SamplingParams(),
+        arrival_time=0,
+    )
     times = []
     for _ in range(runs):
-        matches = {f"prefill-{i}": rng.randrange(blocks + 1) for i in rng.sample(range(instances), k=min(instances, 8))}
+        matches = {
+            f"prefill-{i}": rng.randrange(blocks + 1)
+            for i in rng.sample(range(instances), k=min(instances, 8))
+        }
         t0 = time.perf_counter()
         snap = snapshot.build(reg.alive(Role.PREFILL, 0), reg.alive(Role.DECODE, 0), cost, 1.5)
         policy.decide(snap, snapshot.request_view(req, matches, 30.0, 0.3))
@@ -54,17 +75,24 @@ def decision_latency(instances: int, blocks: int, runs: int, seed: int) -> dict[
 
 
 async def _one(http: aiohttp.ClientSession, url: str, model: str, prompt: str) -> dict[str, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
-            "temperature": 0}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
         return {"status": resp.status, "id": resp.headers.get("X-Request-Id", "")}
 
 
-async def live(url: str, database_url: str, requests: int, rate: float,
-               calibration: int) -> dict[str, Any]:
+async def live(
+    url: str, database_url: str, requests: int, rate: float, calibration: int
+) -> dict[str, Any]:
     rng = random.Random(9)
-    docs = [" ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.choice((40, 120, 200))))
-            for _ in range(4)]
+    docs = [
+        " ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.choice((40, 120, 200))))
+        for _ in range(4)
+    ]
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
@@ -78,20 +106,34 @@ async def live(url: str, database_url: str, requests: int, rate: float,
         after = await _cost_model(http, url)
     pairs = await _records(database_url, [r["id"] for r in results])
     first, rest = pairs[:calibration], pairs[calibration:]
-    return {"requests": requests, "rate_per_s": rate, "compared": len(pairs),
-            "prior": prior, "cost_model_after": after, "calibration_requests": calibration,
-            "during_calibration": _errors(first), "after_calibration": _errors(rest)}
+    return {
+        "requests": requests,
+        "rate_per_s": rate,
+        "compared": len(pairs),
+        "prior": prior,
+        "cost_model_after": after,
+        "calibration_requests": calibration,
+        "during_calibration": _errors(first),
+        "after_calibration": _errors(rest),
+    }
 
 
 async def _cost_model(http: aiohttp.ClientSession, url: str) -> str:
     async with http.get(f"{url}/admin/state") as resp:
         state = await resp.json()
-    return next((i.get("cost_model", "") for i in state["instances"] if i["role"] == "conductor"
-                 and i.get("leader", True)), "")
+    return next(
+        (
+            i.get("cost_model", "")
+            for i in state["instances"]
+            if i["role"] == "conductor" and i.get("leader", True)
+        ),
+        "",
+    )
 
 
-async def _records(database_url: str, ids: list[str], timeout_s: float = 30.0
-                   ) -> list[tuple[float, float]]:
+async def _records(
+    database_url: str, ids: list[str], timeout_s: float = 30.0
+) -> list[tuple[float, float]]:
     """(predicted, measured) TTFT per request, in order, once their records are written."""
     from shared.db.schema import DecisionRecord, RequestRecord
     from shared.db.session import make_engine, sessionmaker
@@ -115,42 +157,59 @@ async def _records(database_url: str, ids: list[str], timeout_s: float = 30.0
 
 def _errors(pairs: list[tuple[float, float]]) -> dict[str, Any]:
     errs = [abs(p - m) / m for p, m in pairs]
-    return {"requests": len(pairs),
-            "median_abs_error": statistics.median(errs) if errs else float("nan"),
-            "p90_abs_error": percentile(errs, 90) if errs else float("nan"),
-            "median_predicted_ms": statistics.median(p for p, _ in pairs) if pairs else None,
-            "median_measured_ms": statistics.median(m for _, m in pairs) if pairs else None}
+    return {
+        "requests": len(pairs),
+        "median_abs_error": statistics.median(errs) if errs else float("nan"),
+        "p90_abs_error": percentile(errs, 90) if errs else float("nan"),
+        "median_predicted_ms": statistics.median(p for p, _ in pairs) if pairs else None,
+        "median_measured_ms": statistics.median(m for _, m in pairs) if pairs else None,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="halfmoon bench conductor", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="halfmoon bench conductor",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--runs", type=int, default=2000)
     p.add_argument("--url", default="", help="a running gateway, for the live accuracy run")
     p.add_argument("--database-url", default="", help="that stack's database")
     p.add_argument("--requests", type=int, default=100)
-    p.add_argument("--calibration-requests", type=int, default=50,
-                   help="requests the error is not counted over (the conductor learns)")
+    p.add_argument(
+        "--calibration-requests",
+        type=int,
+        default=50,
+        help="requests the error is not counted over (the conductor learns)",
+    )
     p.add_argument("--rate", type=float, default=1.0, help="requests per second in the live run")
     args = p.parse_args(argv)
-    out: dict[str, Any] = {"decision_latency": {
-        str(n): decision_latency(n, 100, args.runs, seed=n) for n in (8, 64, 256)}}
+    out: dict[str, Any] = {
+        "decision_latency": {
+            str(n): decision_latency(n, 100, args.runs, seed=n) for n in (8, 64, 256)
+        }
+    }
     if args.url:
-        out["live"] = asyncio.run(live(args.url, args.database_url, args.requests, args.rate,
-                                       args.calibration_requests))
+        out["live"] = asyncio.run(
+            live(args.url, args.database_url, args.requests, args.rate, args.calibration_requests)
+        )
     print(json.dumps(out, indent=2))
     for n, r in out["decision_latency"].items():
-        print(f"decision, {n:>3} instances, 100-block prompt: p50 {r['p50_ms']:.3f} ms, "
-              f"p99 {r['p99_ms']:.3f} ms")
+        print(
+            f"decision, {n:>3} instances, 100-block prompt: p50 {r['p50_ms']:.3f} ms, "
+            f"p99 {r['p99_ms']:.3f} ms"
+        )
     if "live" in out:
         lv = out["live"]
         print(f"live: prior {lv['prior']!r}")
         for name in ("during_calibration", "after_calibration"):
             e = lv[name]
-            print(f"live, {name.replace('_', ' ')} ({e['requests']} requests): predicted vs "
-                  f"measured TTFT median abs error {e['median_abs_error'] * 100:.1f}% "
-                  f"(p90 {e['p90_abs_error'] * 100:.1f}%), medians {e['median_predicted_ms']} / "
-                  f"{e['median_measured_ms']} ms")
+            print(
+                f"live, {name.replace('_', ' ')} ({e['requests']} requests): predicted vs "
+                f"measured TTFT median abs error {e['median_abs_error'] * 100:.1f}% "
+                f"(p90 {e['p90_abs_error'] * 100:.1f}%), medians {e['median_predicted_ms']} / "
+                f"{e['median_measured_ms']} ms"
+            )
     return 0
 
 

@@ -35,19 +35,29 @@ from typing import Any, Sequence
 import aiohttp
 
 from services.bench.client import Result, stream_chat
-from services.bench.servers import (HalfmoonServer, Placement, Server, TransformersServer,
-                                    format_cpus, parse_cpus, placements)
+from services.bench.servers import (
+    HalfmoonServer,
+    Placement,
+    Server,
+    TransformersServer,
+    format_cpus,
+    parse_cpus,
+    placements,
+)
 from services.bench.stats import percentile
 from shared.engine import cpu
 from shared.model_store import ensure_model
 
-WORDS = ("moon tide harbor lantern river stone garden winter signal orbit copper meadow "
-         "engine archive bridge falcon canyon ember glacier harvest island jungle kettle").split()
+WORDS = (
+    "moon tide harbor lantern river stone garden winter signal orbit copper meadow "
+    "engine archive bridge falcon canyon ember glacier harvest island jungle kettle"
+).split()
 PROMPT_LABELS = {"fresh": "fresh", "fixed": "cache-friendly"}
 Messages = list[dict[str, str]]
 
 
 # --- prompts ----------------------------------------------------------------------------
+
 
 def prompt_tag(mode: str, seed: str, concurrency: int, rnd: int) -> str:
     """What makes a round's prompts its own: under fresh, the run's seed, the level and
@@ -97,17 +107,23 @@ class PromptMaker:
 
 # --- one system -------------------------------------------------------------------------
 
+
 def body(model: str, messages: Messages, out_tokens: int, eos_style: str) -> dict[str, Any]:
     """The request; how to ask for exactly `out_tokens` depends on the server: Halfmoon
     and vLLM take `ignore_eos`, transformers serve a `generation_config` (and refuses
     fields it does not know)."""
-    b: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": out_tokens,
-                         "temperature": 0}
+    b: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": out_tokens,
+        "temperature": 0,
+    }
     if eos_style == "ignore_eos":
         b["ignore_eos"] = True
     elif eos_style == "generation_config":
-        b["generation_config"] = json.dumps({"max_new_tokens": out_tokens,
-                                             "min_new_tokens": out_tokens, "do_sample": False})
+        b["generation_config"] = json.dumps(
+            {"max_new_tokens": out_tokens, "min_new_tokens": out_tokens, "do_sample": False}
+        )
     return b
 
 
@@ -120,8 +136,9 @@ async def model_id(http: aiohttp.ClientSession, url: str, fallback: str) -> str:
         return fallback
 
 
-async def run_rounds(url: str, maker: PromptMaker, args: argparse.Namespace, concurrency: int,
-                     eos_style: str) -> dict[str, Any]:
+async def run_rounds(
+    url: str, maker: PromptMaker, args: argparse.Namespace, concurrency: int, eos_style: str
+) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         model = await model_id(http, url, str(maker.model_dir))
@@ -131,8 +148,12 @@ async def run_rounds(url: str, maker: PromptMaker, args: argparse.Namespace, con
             tag = prompt_tag(args.prompts, args.prompt_seed, concurrency, rnd)
             prompts = maker.round(tag, concurrency)
             t0 = time.perf_counter()
-            batch = await asyncio.gather(*(stream_chat(
-                http, url, body(model, p, args.output_tokens, eos_style)) for p in prompts))
+            batch = await asyncio.gather(
+                *(
+                    stream_chat(http, url, body(model, p, args.output_tokens, eos_style))
+                    for p in prompts
+                )
+            )
             if rnd >= args.warmup:
                 wall += time.perf_counter() - t0
                 results.extend(batch)
@@ -145,14 +166,22 @@ def summarize(results: list[Result], wall: float) -> dict[str, Any]:
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.end_s for r in ok]
     tokens = sum(r.completion_tokens for r in ok)
-    return {"requests": len(results), "failures": len(results) - len(ok),
-            "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall if wall else 0.0,
-            "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
-            "itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3,
-            "e2e_p50_ms": percentile(e2e, 50) * 1e3, "e2e_p99_ms": percentile(e2e, 99) * 1e3,
-            "prompt_tokens": sum(r.prompt_tokens for r in ok),
-            "cached_tokens": sum(r.cached_tokens for r in ok),
-            "errors": sorted({r.error for r in results if r.error})[:3]}
+    return {
+        "requests": len(results),
+        "failures": len(results) - len(ok),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall if wall else 0.0,
+        "ttft_p50_ms": percentile(ttft, 50) * 1e3,
+        "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+        "itl_p50_ms": percentile(gaps, 50) * 1e3,
+        "itl_p99_ms": percentile(gaps, 99) * 1e3,
+        "e2e_p50_ms": percentile(e2e, 50) * 1e3,
+        "e2e_p99_ms": percentile(e2e, 99) * 1e3,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+    }
 
 
 def servers_for(names: list[str], model_dir: Path, args: argparse.Namespace) -> list[Server]:
@@ -172,8 +201,9 @@ def servers_for(names: list[str], model_dir: Path, args: argparse.Namespace) -> 
     return made
 
 
-def measure(server: Server | None, url: str, maker: PromptMaker, args: argparse.Namespace,
-            levels: list[int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def measure(
+    server: Server | None, url: str, maker: PromptMaker, args: argparse.Namespace, levels: list[int]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """({concurrency: summary}, the server's processes as seen after the runs)."""
     eos_style = args.eos_style
     try:
@@ -181,8 +211,7 @@ def measure(server: Server | None, url: str, maker: PromptMaker, args: argparse.
             server.start()
             url = server.url
             eos_style = "ignore_eos" if isinstance(server, HalfmoonServer) else "generation_config"
-        by_level = {str(c): asyncio.run(run_rounds(url, maker, args, c, eos_style))
-                    for c in levels}
+        by_level = {str(c): asyncio.run(run_rounds(url, maker, args, c, eos_style)) for c in levels}
         return by_level, server.observe() if server is not None else []
     finally:
         if server is not None:
@@ -191,32 +220,49 @@ def measure(server: Server | None, url: str, maker: PromptMaker, args: argparse.
 
 # --- what ran where ---------------------------------------------------------------------
 
+
 def system_setup(server: Server) -> dict[str, Any]:
     p: Placement = server.placement
-    return {"placement": p.as_dict(), "env": p.env(), "command": server.command(),
-            "prefix_cache": server.prefix_cache,
-            "reports_cached_tokens": server.reports_cached_tokens}
+    return {
+        "placement": p.as_dict(),
+        "env": p.env(),
+        "command": server.command(),
+        "prefix_cache": server.prefix_cache,
+        "reports_cached_tokens": server.reports_cached_tokens,
+    }
 
 
 def setup_for(args: argparse.Namespace, servers: list[Server]) -> dict[str, Any]:
     dtype, why = cpu.resolve_dtype(args.dtype)
     cpus = parse_cpus(args.cpus)
     systems = {s.name: system_setup(s) for s in servers}
-    systems.update({url: {"placement": None, "prefix_cache": "unknown (external)"}
-                    for url in args.url})
-    return {"cpus": format_cpus(cpus), "cpu_count": len(cpus), "machine_cpus": os.cpu_count(),
-            "dtype": dtype, "dtype_why": why, "prompts": args.prompts,
-            "prompts_label": PROMPT_LABELS[args.prompts], "prompt_seed": args.prompt_seed,
-            "client": {"pid": os.getpid(), "cpus": format_cpus(sorted(os.sched_getaffinity(0)))},
-            "systems": systems}
+    systems.update(
+        {url: {"placement": None, "prefix_cache": "unknown (external)"} for url in args.url}
+    )
+    return {
+        "cpus": format_cpus(cpus),
+        "cpu_count": len(cpus),
+        "machine_cpus": os.cpu_count(),
+        "dtype": dtype,
+        "dtype_why": why,
+        "prompts": args.prompts,
+        "prompts_label": PROMPT_LABELS[args.prompts],
+        "prompt_seed": args.prompt_seed,
+        "client": {"pid": os.getpid(), "cpus": format_cpus(sorted(os.sched_getaffinity(0)))},
+        "systems": systems,
+    }
 
 
 def _prompts_line(setup: dict[str, Any]) -> str:
     if setup["prompts"] == "fresh":
-        return ("fresh: every round and the warm-up send prompts never sent before "
-                f"(seed {setup['prompt_seed']}); no prefix cache can serve them")
-    return ("fixed (cache-friendly): the same prompts every round, warm-up included, so a "
-            "prefix cache serves the repeats")
+        return (
+            "fresh: every round and the warm-up send prompts never sent before "
+            f"(seed {setup['prompt_seed']}); no prefix cache can serve them"
+        )
+    return (
+        "fixed (cache-friendly): the same prompts every round, warm-up included, so a "
+        "prefix cache serves the repeats"
+    )
 
 
 def _count(n: int, word: str) -> str:
@@ -228,9 +274,11 @@ def _system_line(name: str, s: dict[str, Any]) -> str:
     if p is None:
         return f"  {name:24} external: not started nor pinned here; prefix cache unknown"
     unit = "engine" if name == "halfmoon" else "process"
-    return (f"  {name:24} {_count(p['processes'], unit)} x {_count(p['threads'], 'thread')} "
-            f"({p['total_threads']} in total, OMP_NUM_THREADS={s['env']['OMP_NUM_THREADS']}) "
-            f"on cpus {p['cpus']}; prefix cache: {s['prefix_cache']}")
+    return (
+        f"  {name:24} {_count(p['processes'], unit)} x {_count(p['threads'], 'thread')} "
+        f"({p['total_threads']} in total, OMP_NUM_THREADS={s['env']['OMP_NUM_THREADS']}) "
+        f"on cpus {p['cpus']}; prefix cache: {s['prefix_cache']}"
+    )
 
 
 def _observed_line(name: str, s: dict[str, Any]) -> str:
@@ -238,19 +286,24 @@ def _observed_line(name: str, s: dict[str, Any]) -> str:
     want = s["placement"]["cpus"]
     off = [p for p in seen if p["cpus"] != want]
     procs = ", ".join(f"{p['name']} ({p['os_threads']} thr, nice {p['nice']})" for p in seen)
-    verdict = (f"all on cpus {want}" if not off else
-               "NOT all pinned: " + ", ".join(f"{p['name']} on {p['cpus']}" for p in off))
+    verdict = (
+        f"all on cpus {want}"
+        if not off
+        else "NOT all pinned: " + ", ".join(f"{p['name']} on {p['cpus']}" for p in off)
+    )
     return f"  {name:24} {_count(len(seen), 'process')}, {verdict}: {procs}"
 
 
 def banner(setup: dict[str, Any]) -> str:
-    rows = ["what ran where",
-            f"  cpus     {setup['cpus']} ({setup['cpu_count']} of {setup['machine_cpus']} on this "
-            "machine): every process of every system started here is pinned to them",
-            f"  dtype    {setup['dtype']} for every system ({setup['dtype_why']})",
-            f"  prompts  {_prompts_line(setup)}",
-            f"  client   this process (pid {setup['client']['pid']}), cpus "
-            f"{setup['client']['cpus']}, not pinned"]
+    rows = [
+        "what ran where",
+        f"  cpus     {setup['cpus']} ({setup['cpu_count']} of {setup['machine_cpus']} on this "
+        "machine): every process of every system started here is pinned to them",
+        f"  dtype    {setup['dtype']} for every system ({setup['dtype_why']})",
+        f"  prompts  {_prompts_line(setup)}",
+        f"  client   this process (pid {setup['client']['pid']}), cpus "
+        f"{setup['client']['cpus']}, not pinned",
+    ]
     rows += [_system_line(name, s) for name, s in setup["systems"].items()]
     observed = [(n, s) for n, s in setup["systems"].items() if s.get("observed")]
     if observed:
@@ -261,12 +314,15 @@ def banner(setup: dict[str, Any]) -> str:
 
 # --- the report -------------------------------------------------------------------------
 
+
 def _ratio(base: dict[str, Any], r: dict[str, Any]) -> str:
     if not (r["output_tok_s"] and r["ttft_p50_ms"] and r["itl_p99_ms"]):
         return "n/a: nothing measured"
-    return (f"{base['output_tok_s'] / r['output_tok_s']:.2f}x tok/s, TTFT p50 "
-            f"{base['ttft_p50_ms'] / r['ttft_p50_ms']:.2f}x, ITL p99 "
-            f"{base['itl_p99_ms'] / r['itl_p99_ms']:.2f}x")
+    return (
+        f"{base['output_tok_s'] / r['output_tok_s']:.2f}x tok/s, TTFT p50 "
+        f"{base['ttft_p50_ms'] / r['ttft_p50_ms']:.2f}x, ITL p99 "
+        f"{base['itl_p99_ms'] / r['itl_p99_ms']:.2f}x"
+    )
 
 
 def _cached(r: dict[str, Any], s: dict[str, Any]) -> str:
@@ -277,39 +333,65 @@ def _cached(r: dict[str, Any], s: dict[str, Any]) -> str:
 
 def render(report: dict[str, Any]) -> str:
     w, setup = report["workload"], report["setup"]
-    rows = [banner(setup), "",
-            f"serving benchmark: {w['prompt_tokens']}+{w['output_tokens']} tokens, "
-            f"{w['rounds']} rounds after {w['warmup']} warm-up, prompts {w['prompts_label']}, "
-            f"{w['dtype']}"]
+    rows = [
+        banner(setup),
+        "",
+        f"serving benchmark: {w['prompt_tokens']}+{w['output_tokens']} tokens, "
+        f"{w['rounds']} rounds after {w['warmup']} warm-up, prompts {w['prompts_label']}, "
+        f"{w['dtype']}",
+    ]
     base = report["systems"].get("halfmoon")
     compare = base is not None and len(report["systems"]) > 1  # a "vs" column needs both
     for c in report["concurrency"]:
-        rows += ["", f"concurrency {c}", f"{'system':26}{'out tok/s':>10}{'TTFT p50':>10}"
-                 f"{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'e2e p50':>9}{'cached':>7}"
-                 f"{'fail':>5}" + ("  halfmoon vs this" if compare else "")]
+        rows += [
+            "",
+            f"concurrency {c}",
+            f"{'system':26}{'out tok/s':>10}{'TTFT p50':>10}"
+            f"{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'e2e p50':>9}{'cached':>7}"
+            f"{'fail':>5}" + ("  halfmoon vs this" if compare else ""),
+        ]
         for name, by_c in report["systems"].items():
             r, s = by_c[str(c)], setup["systems"][name]
             ratio = ""
             if compare and name != "halfmoon":
-                ratio = "  " + (_ratio(base[str(c)], r) if not (
-                    w["prompts"] == "fixed" and s["prefix_cache"] == "none")
-                    else "n/a: no prefix cache, and the prompts are cache-friendly")
-            rows.append(f"{name:26}{r['output_tok_s']:>10.1f}{r['ttft_p50_ms']:>10.0f}"
-                        f"{r['ttft_p99_ms']:>10.0f}{r['itl_p50_ms']:>9.0f}{r['itl_p99_ms']:>9.0f}"
-                        f"{r['e2e_p50_ms']:>9.0f}{_cached(r, s):>7}{r['failures']:>5}{ratio}")
+                ratio = "  " + (
+                    _ratio(base[str(c)], r)
+                    if not (w["prompts"] == "fixed" and s["prefix_cache"] == "none")
+                    else "n/a: no prefix cache, and the prompts are cache-friendly"
+                )
+            rows.append(
+                f"{name:26}{r['output_tok_s']:>10.1f}{r['ttft_p50_ms']:>10.0f}"
+                f"{r['ttft_p99_ms']:>10.0f}{r['itl_p50_ms']:>9.0f}{r['itl_p99_ms']:>9.0f}"
+                f"{r['e2e_p50_ms']:>9.0f}{_cached(r, s):>7}{r['failures']:>5}{ratio}"
+            )
     return "\n".join(rows)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="halfmoon bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default="halfmoon,transformers-cb,transformers",
-                   help="servers to start and compare (halfmoon, transformers-cb, transformers)")
-    p.add_argument("--url", action="append", default=[], help="also measure this OpenAI-compatible URL")
+    p = argparse.ArgumentParser(
+        prog="halfmoon bench serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--systems",
+        default="halfmoon,transformers-cb,transformers",
+        help="servers to start and compare (halfmoon, transformers-cb, transformers)",
+    )
+    p.add_argument(
+        "--url", action="append", default=[], help="also measure this OpenAI-compatible URL"
+    )
     p.add_argument("--model", default="", help="model folder (default: the pulled default model)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)")
-    p.add_argument("--cpus", default="", help="CPUs every started system is pinned to, e.g. "
-                   "0-3 (default: all this process may use)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)",
+    )
+    p.add_argument(
+        "--cpus",
+        default="",
+        help="CPUs every started system is pinned to, e.g. 0-3 (default: all this process may use)",
+    )
     p.add_argument("--halfmoon-args", default="", help="extra flags for halfmoon up")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--sweep", default="", help="concurrency levels, e.g. 1,4,16,64")
@@ -317,14 +399,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--prompts", choices=["fresh", "fixed"], default="fresh",
-                   help="fresh: prompts never sent before in every round and the warm-up; "
-                   "fixed: the same ones every round (cache-friendly)")
-    p.add_argument("--prompt-seed", default="", help="makes the prompts (default: a new "
-                   "random one per run, so even a long-running --url server has not seen them)")
+    p.add_argument(
+        "--prompts",
+        choices=["fresh", "fixed"],
+        default="fresh",
+        help="fresh: prompts never sent before in every round and the warm-up; "
+        "fixed: the same ones every round (cache-friendly)",
+    )
+    p.add_argument(
+        "--prompt-seed",
+        default="",
+        help="makes the prompts (default: a new "
+        "random one per run, so even a long-running --url server has not seen them)",
+    )
     p.add_argument("--request-timeout-s", type=float, default=600)
-    p.add_argument("--eos-style", choices=["ignore_eos", "generation_config", "none"],
-                   default="ignore_eos", help="how --url servers are asked to ignore end of sequence")
+    p.add_argument(
+        "--eos-style",
+        choices=["ignore_eos", "generation_config", "none"],
+        default="ignore_eos",
+        help="how --url servers are asked to ignore end of sequence",
+    )
     p.add_argument("--json-out", default="")
     return p
 
@@ -336,11 +430,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     levels = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.concurrency]
     servers = servers_for([s for s in args.systems.split(",") if s], model_dir, args)
     maker = PromptMaker(model_dir, args.prompt_tokens)
-    report: dict[str, Any] = {"workload": {k: getattr(args, k) for k in (
-        "prompt_tokens", "output_tokens", "rounds", "warmup", "prompts", "prompt_seed")},
-        "concurrency": levels, "setup": setup_for(args, servers), "systems": {}}
-    report["workload"].update(dtype=report["setup"]["dtype"],
-                              prompts_label=PROMPT_LABELS[args.prompts])
+    report: dict[str, Any] = {
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                "prompt_tokens",
+                "output_tokens",
+                "rounds",
+                "warmup",
+                "prompts",
+                "prompt_seed",
+            )
+        },
+        "concurrency": levels,
+        "setup": setup_for(args, servers),
+        "systems": {},
+    }
+    report["workload"].update(
+        dtype=report["setup"]["dtype"], prompts_label=PROMPT_LABELS[args.prompts]
+    )
     print(banner(report["setup"]), file=sys.stderr, flush=True)
     for server in servers:
         print(f"measuring {server.name} ...", file=sys.stderr, flush=True)

@@ -35,8 +35,9 @@ def free_port() -> int:
 
 # --- where a system runs ----------------------------------------------------------------
 
+
 def parse_cpus(spec: str) -> tuple[int, ...]:
-    """"0-3,6" -> (0, 1, 2, 3, 6); "" -> every core this process may run on."""
+    """ "0-3,6" -> (0, 1, 2, 3, 6); "" -> every core this process may run on."""
     if not spec.strip():
         return tuple(sorted(os.sched_getaffinity(0)))
     cpus: set[int] = set()
@@ -48,8 +49,10 @@ def parse_cpus(spec: str) -> tuple[int, ...]:
         cpus.update(range(first, last + 1))
     allowed = os.sched_getaffinity(0)
     if not cpus <= allowed:
-        raise ValueError(f"CPUs {format_cpus(tuple(sorted(cpus - allowed)))} are not available "
-                         f"to this process (it may use {format_cpus(tuple(sorted(allowed)))})")
+        raise ValueError(
+            f"CPUs {format_cpus(tuple(sorted(cpus - allowed)))} are not available "
+            f"to this process (it may use {format_cpus(tuple(sorted(allowed)))})"
+        )
     return tuple(sorted(cpus))
 
 
@@ -107,6 +110,7 @@ def placements(cpus: tuple[int, ...], halfmoon_extra: list[str]) -> tuple[Placem
 
 # --- what actually ran where (read back from /proc) -------------------------------------
 
+
 def _stat(pid: int) -> tuple[int, int]:
     """(parent pid, nice) from /proc/PID/stat; the name may hold spaces and parentheses."""
     with open(f"/proc/{pid}/stat") as f:
@@ -151,11 +155,20 @@ def observe(root: int) -> list[dict[str, Any]]:
     seen = []
     for pid in process_tree(root):
         try:
-            status = dict(line.split(":\t", 1) for line in
-                          Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
-            seen.append({"pid": pid, "name": _name(pid), "nice": _stat(pid)[1],
-                         "cpus": status["Cpus_allowed_list"].strip(),
-                         "os_threads": int(status["Threads"])})
+            status = dict(
+                line.split(":\t", 1)
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if ":\t" in line
+            )
+            seen.append(
+                {
+                    "pid": pid,
+                    "name": _name(pid),
+                    "nice": _stat(pid)[1],
+                    "cpus": status["Cpus_allowed_list"].strip(),
+                    "os_threads": int(status["Threads"]),
+                }
+            )
         except (OSError, KeyError, ValueError):
             continue
     return seen
@@ -163,14 +176,21 @@ def observe(root: int) -> list[dict[str, Any]]:
 
 # --- the servers ------------------------------------------------------------------------
 
+
 class Server:
     name = "server"
     has_ready_line = False  # else /health answering means ready
     prefix_cache = "none"  # what it reuses across requests: none, or how
     reports_cached_tokens = False  # usage.prompt_tokens_details.cached_tokens is real
 
-    def __init__(self, model_dir: Path, dtype: str, placement: Placement,
-                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str,
+        placement: Placement,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.model_dir, self.dtype, self.placement = model_dir, dtype, placement
         self.extra, self.env = extra or [], env or {}
         self.port = free_port()
@@ -184,8 +204,14 @@ class Server:
         raise NotImplementedError
 
     def launch_env(self) -> dict[str, str]:
-        return dict(os.environ, HALFMOON_HOME=str(self.tmp / "home"), PYTHONUNBUFFERED="1",
-                    HF_HUB_OFFLINE="1", **self.placement.env(), **self.env)
+        return dict(
+            os.environ,
+            HALFMOON_HOME=str(self.tmp / "home"),
+            PYTHONUNBUFFERED="1",
+            HF_HUB_OFFLINE="1",
+            **self.placement.env(),
+            **self.env,
+        )
 
     def ready_line(self, line: str) -> bool:
         return False
@@ -197,8 +223,14 @@ class Server:
         child_preexec()
 
     def start(self, timeout_s: float = 300) -> None:
-        self.proc = subprocess.Popen(self.command(), env=self.launch_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, preexec_fn=self._preexec)
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=self.launch_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=self._preexec,
+        )
         threading.Thread(target=self._pump, daemon=True).start()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -239,37 +271,65 @@ class HalfmoonServer(Server):
 
     def command(self) -> list[str]:
         # --threads explicitly: `up` would divide every core of the machine, not the pinned set.
-        return [sys.executable, "-m", "services.cli", "up", "--no-console", "--port",
-                str(self.port), "--model", str(self.model_dir), "--dtype", self.dtype,
-                "--threads", str(self.placement.threads), *self.extra]
+        return [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--no-console",
+            "--port",
+            str(self.port),
+            "--model",
+            str(self.model_dir),
+            "--dtype",
+            self.dtype,
+            "--threads",
+            str(self.placement.threads),
+            *self.extra,
+        ]
 
     def ready_line(self, line: str) -> bool:
         return "Halfmoon is up." in line
 
 
 class TransformersServer(Server):
-    def __init__(self, model_dir: Path, dtype: str, placement: Placement,
-                 continuous_batching: bool) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: str, placement: Placement, continuous_batching: bool
+    ) -> None:
         self.cb = continuous_batching
         self.name = "transformers-serve" + ("-cb" if continuous_batching else "")
         # transformers 5.x: continuous batching keeps finished requests' full blocks for reuse
         # (ContinuousBatchingConfig.allow_block_sharing, on by default); without it, nothing.
-        self.prefix_cache = ("finished requests' full blocks, shared (transformers' default)"
-                             if self.cb else "none")
+        self.prefix_cache = (
+            "finished requests' full blocks, shared (transformers' default)" if self.cb else "none"
+        )
         super().__init__(model_dir, dtype, placement)
 
     def command(self) -> list[str]:
         exe = Path(sys.executable).with_name("transformers")
         cb = ["--continuous-batching"] if self.cb else []
-        return [*torch_launch(exe, self.placement.threads), "serve", str(self.model_dir),
-                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
-                "--device", "cpu", *cb]
+        return [
+            *torch_launch(exe, self.placement.threads),
+            "serve",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--device",
+            "cpu",
+            *cb,
+        ]
 
 
 # torch caps OMP_NUM_THREADS at the core count when it starts, but Halfmoon's engines may
 # hold more threads in total than there are cores (torch.set_num_threads is not capped).
-_LAUNCH = ("import runpy, sys, torch; torch.set_num_threads(int(sys.argv.pop(1))); "
-           "sys.argv[0] = sys.argv.pop(1); runpy.run_path(sys.argv[0], run_name='__main__')")
+_LAUNCH = (
+    "import runpy, sys, torch; torch.set_num_threads(int(sys.argv.pop(1))); "
+    "sys.argv[0] = sys.argv.pop(1); runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def torch_launch(script: Path, threads: int) -> list[str]:

@@ -24,28 +24,48 @@ from shared.engine.runner import load_model
 from shared.model_store import ensure_model
 
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                      "tags": {"type": "array", "maxItems": 4,
-                                               "items": {"type": "string", "maxLength": 12}}},
-     "required": ["city", "tags"], "additionalProperties": False},
-    {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                      "level": {"enum": ["low", "mid", "high"]},
-                                      "score": {"type": "number"}},
-     "required": ["ok", "level", "score"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "tags": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 12}},
+        },
+        "required": ["city", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "level": {"enum": ["low", "mid", "high"]},
+            "score": {"type": "number"},
+        },
+        "required": ["ok", "level", "score"],
+        "additionalProperties": False,
+    },
 ]
 
 
 def prompts(lm: Any, n: int) -> list[list[int]]:
-    return [lm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Tell me about item {i} in a few sentences, as JSON."}],
-        add_generation_prompt=True)["input_ids"] for i in range(n)]
+    return [
+        lm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Tell me about item {i} in a few sentences, as JSON."}],
+            add_generation_prompt=True,
+        )["input_ids"]
+        for i in range(n)
+    ]
 
 
-def run(engine: LLMEngine, batch: list[tuple[str, list[int], SamplingParams]]
-        ) -> dict[str, Any]:
+def run(engine: LLMEngine, batch: list[tuple[str, list[int], SamplingParams]]) -> dict[str, Any]:
     for rid, prompt, params in batch:
         engine.add_request(rid, prompt, params)
     text: dict[str, str] = {rid: "" for rid, _, _ in batch}
@@ -60,13 +80,20 @@ def run(engine: LLMEngine, batch: list[tuple[str, list[int], SamplingParams]]
             text[o.request_id] += o.text
     full_steps.sort()
     step = full_steps[len(full_steps) // 2] if full_steps else float("nan")
-    return {"text": text, "step_p50_s": step, "per_request_tok_s": 1.0 / step,
-            "full_steps": len(full_steps)}
+    return {
+        "text": text,
+        "step_p50_s": step,
+        "per_request_tok_s": 1.0 / step,
+        "full_steps": len(full_steps),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="halfmoon bench structured", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="halfmoon bench structured",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0)
@@ -86,9 +113,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, p_ in enumerate(ps):
         if i < args.constrained:
             schema = SCHEMAS[i % len(SCHEMAS)]
-            mixed_batch.append((f"c{i}", p_, SamplingParams(
-                temperature=0.8, seed=i, max_tokens=args.tokens * 2,
-                constraint=Constraint("json_schema", json.dumps(schema)))))
+            mixed_batch.append(
+                (
+                    f"c{i}",
+                    p_,
+                    SamplingParams(
+                        temperature=0.8,
+                        seed=i,
+                        max_tokens=args.tokens * 2,
+                        constraint=Constraint("json_schema", json.dumps(schema)),
+                    ),
+                )
+            )
         else:
             mixed_batch.append((f"m{i}", p_, free))
     mixed = run(engine, mixed_batch)
@@ -100,16 +136,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, jsonschema.ValidationError):
             pass
     ratio = mixed["per_request_tok_s"] / plain["per_request_tok_s"]
-    out = {"model": lm.name, "dtype": str(lm.dtype)[6:], "threads": torch.get_num_threads(),
-           "batch": args.batch, "constrained": args.constrained,
-           "unmixed": {k: plain[k] for k in ("step_p50_s", "per_request_tok_s", "full_steps")},
-           "mixed": {k: mixed[k] for k in ("step_p50_s", "per_request_tok_s", "full_steps")},
-           "ratio": ratio, "constrained_valid": valid}
+    out = {
+        "model": lm.name,
+        "dtype": str(lm.dtype)[6:],
+        "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "constrained": args.constrained,
+        "unmixed": {k: plain[k] for k in ("step_p50_s", "per_request_tok_s", "full_steps")},
+        "mixed": {k: mixed[k] for k in ("step_p50_s", "per_request_tok_s", "full_steps")},
+        "ratio": ratio,
+        "constrained_valid": valid,
+    }
     print(json.dumps(out, indent=2))
-    print(f"batch of {args.batch}, decode per unconstrained request: "
-          f"{plain['per_request_tok_s']:.1f} tok/s unmixed, {mixed['per_request_tok_s']:.1f} "
-          f"tok/s with {args.constrained} constrained beside them ({ratio:.3f}x); "
-          f"{valid}/{args.constrained} constrained outputs valid", file=sys.stderr)
+    print(
+        f"batch of {args.batch}, decode per unconstrained request: "
+        f"{plain['per_request_tok_s']:.1f} tok/s unmixed, {mixed['per_request_tok_s']:.1f} "
+        f"tok/s with {args.constrained} constrained beside them ({ratio:.3f}x); "
+        f"{valid}/{args.constrained} constrained outputs valid",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -43,8 +43,7 @@ import xxhash
 
 from shared.messages import KVHandle
 from shared.transfer.shm import ShmKVReceiver, ShmKVSender, segments
-from shared.transfer.tcp import (TcpKVReceiver, TcpKVSender, connect, recv_into_exact,
-                                 tune_socket)
+from shared.transfer.tcp import TcpKVReceiver, TcpKVSender, connect, recv_into_exact, tune_socket
 
 MODES = ("plain", "plain_reused", "tcp", "tcp_reused", "shm", "shm_copy")
 # name: (numerator mode, denominator mode, target or None); all of end_to_end_mib_s
@@ -60,6 +59,7 @@ RATIO_METRIC = "end_to_end_mib_s"
 
 # --- the child: holds the payload and sends ---------------------------------------------
 
+
 async def _serve_plain(payload: memoryview, frame: int) -> tuple[asyncio.Task, int]:
     """A bare server: one copy of the payload per connection, after a 1-byte request."""
     loop = asyncio.get_running_loop()
@@ -70,7 +70,7 @@ async def _serve_plain(payload: memoryview, frame: int) -> tuple[asyncio.Task, i
         with conn:
             await loop.sock_recv(conn, 1)
             for start in range(0, len(payload), frame):
-                await loop.sock_sendall(conn, payload[start:start + frame])
+                await loop.sock_sendall(conn, payload[start : start + frame])
             await loop.sock_recv(conn, 1)  # the receiver's "got it": close after, not before
 
     async def accept() -> None:
@@ -114,14 +114,18 @@ def _say(obj: dict) -> None:
 
 # --- the parent: receives and times -----------------------------------------------------
 
+
 class Parent:
     def __init__(self, proc: asyncio.subprocess.Process, hello: dict, nbytes: int, frame: int):
         self.proc, self.hello, self.nbytes, self.frame = proc, hello, nbytes, frame
         self.reused = bytearray(nbytes)
         reused = self.reused
-        self.receivers = {"tcp": TcpKVReceiver(), "shm": ShmKVReceiver(),
-                          "tcp_reused": TcpKVReceiver(allocate=lambda n: memoryview(reused)[:n]),
-                          "shm_copy": ShmKVReceiver(copy=True)}
+        self.receivers = {
+            "tcp": TcpKVReceiver(),
+            "shm": ShmKVReceiver(),
+            "tcp_reused": TcpKVReceiver(allocate=lambda n: memoryview(reused)[:n]),
+            "shm_copy": ShmKVReceiver(copy=True),
+        }
 
     async def ask(self, line: str) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -138,7 +142,7 @@ class Parent:
             buf = self.reused if reuse else bytearray(self.nbytes)
             view = memoryview(buf)
             for start in range(0, self.nbytes, self.frame):
-                await recv_into_exact(sock, view[start:start + self.frame])
+                await recv_into_exact(sock, view[start : start + self.frame])
             dt = time.perf_counter() - t0
             await loop.sock_sendall(sock, b"k")
         finally:
@@ -179,8 +183,9 @@ def _ratios(res: dict[str, dict]) -> dict[str, dict]:
     """best/best and median/median, end to end; a target counts as met on the medians."""
     out = {}
     for name, (num, den, target) in RATIOS.items():
-        r: dict[str, Any] = {k: res[num][RATIO_METRIC][k] / res[den][RATIO_METRIC][k]
-                             for k in ("best", "median")}
+        r: dict[str, Any] = {
+            k: res[num][RATIO_METRIC][k] / res[den][RATIO_METRIC][k] for k in ("best", "median")
+        }
         r["of"] = f"{num} / {den}, {RATIO_METRIC} (offer + fetch)"
         if target is not None:
             r.update(target=target, met=r["median"] >= target)
@@ -190,9 +195,17 @@ def _ratios(res: dict[str, dict]) -> dict[str, dict]:
 
 async def run(mib: int, rounds: int, frame: int) -> dict[str, Any]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.bench.transfer_bench", "--child", "--mib", str(mib),
-        "--frame-kib", str(frame >> 10), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE)  # -m: the child imports what this process imports
+        sys.executable,
+        "-m",
+        "services.bench.transfer_bench",
+        "--child",
+        "--mib",
+        str(mib),
+        "--frame-kib",
+        str(frame >> 10),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )  # -m: the child imports what this process imports
     assert proc.stdout is not None and proc.stdin is not None
     try:
         parent = Parent(proc, json.loads(await proc.stdout.readline()), mib << 20, frame)
@@ -210,16 +223,27 @@ async def run(mib: int, rounds: int, frame: int) -> dict[str, Any]:
             proc.stdin.close()  # the child closes its senders and exits on EOF
             try:
                 await asyncio.wait_for(proc.wait(), 30)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 proc.kill()
     results = {m: _summary(mib << 20, *times[m]) for m in MODES}
-    return {"bench": "transfer", "mib": mib, "rounds": rounds, "frame_kib": frame >> 10,
-            "setup": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
-                      "sender": "child process", "receiver": "this process",
-                      "link": "loopback TCP / this host's /dev/shm", "warmup_rounds": 1},
-            "results": results, "ratios": _ratios(results),
-            "included": dict(_INCLUDED),
-            "leftover_shm_segments": leftover}
+    return {
+        "bench": "transfer",
+        "mib": mib,
+        "rounds": rounds,
+        "frame_kib": frame >> 10,
+        "setup": {
+            "cpus": os.cpu_count(),
+            "loadavg_at_start": os.getloadavg(),
+            "sender": "child process",
+            "receiver": "this process",
+            "link": "loopback TCP / this host's /dev/shm",
+            "warmup_rounds": 1,
+        },
+        "results": results,
+        "ratios": _ratios(results),
+        "included": dict(_INCLUDED),
+        "leftover_shm_segments": leftover,
+    }
 
 
 _INCLUDED = {
@@ -230,7 +254,7 @@ _INCLUDED = {
     "shm": "fetch(): control connection, map segment, xxh3 verify, unlink, ack; returns a view",
     "shm_copy": "as shm, plus a copy into a new bytearray before the ack",
     "offer": "child side, before the fetch: xxh3 of the payload (+ shm: write the segment); "
-             "plain has none (it sends from the payload as it is)",
+    "plain has none (it sends from the payload as it is)",
     "end_to_end": "offer + fetch; every ratio is of these",
     "not timed": "freeing or unmapping the received payload afterwards, in every mode",
 }
@@ -245,14 +269,18 @@ def _offer_cell(mode: str, o: dict[str, float]) -> str:
 
 def render_table(doc: dict[str, Any]) -> str:
     res, rat = doc["results"], doc["ratios"]
-    lines = [f"transfer bench: {doc['mib']} MiB, {doc['rounds']} rounds (best / median), "
-             f"{doc['frame_kib']} KiB frames, load {doc['setup']['loadavg_at_start'][0]:.2f}",
-             f"{'mode':<13}{'fetch MiB/s':>22}{'offer ms':>16}{'end-to-end MiB/s':>22}"]
+    lines = [
+        f"transfer bench: {doc['mib']} MiB, {doc['rounds']} rounds (best / median), "
+        f"{doc['frame_kib']} KiB frames, load {doc['setup']['loadavg_at_start'][0]:.2f}",
+        f"{'mode':<13}{'fetch MiB/s':>22}{'offer ms':>16}{'end-to-end MiB/s':>22}",
+    ]
     for mode, r in res.items():
         f, e = r["fetch_mib_s"], r["end_to_end_mib_s"]
-        lines.append(f"{mode:<13}{f['best']:>11,.0f} /{f['median']:>8,.0f}"
-                     f"{_offer_cell(mode, r['offer_ms'])}"
-                     f"{e['best']:>11,.0f} /{e['median']:>8,.0f}")
+        lines.append(
+            f"{mode:<13}{f['best']:>11,.0f} /{f['median']:>8,.0f}"
+            f"{_offer_cell(mode, r['offer_ms'])}"
+            f"{e['best']:>11,.0f} /{e['median']:>8,.0f}"
+        )
     lines.append("ratios, end to end (offer, the sender's copy included, + fetch):")
     for name, r in rat.items():
         goal = ""
@@ -263,8 +291,11 @@ def render_table(doc: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="halfmoon bench transfer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="halfmoon bench transfer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--mib", type=int, default=64, help="payload size in MiB")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per mode")
     p.add_argument("--frame-kib", type=int, default=1024, help="plain copy's frame size")

@@ -14,29 +14,56 @@ TARGETS = ("prefill", "decode", "conductor", "kvmanager", "nats")
 class ChaosSettings(BaseModel):
     duration_s: float = Field(60.0, gt=0, description="how long load and faults run")
     rate: float = Field(2.0, gt=0, description="requests per second (Poisson arrivals)")
-    kill_every_s: float = Field(12.0, gt=0, description="one SIGKILL this often (±20%%), the "
-                                "targets in turn, in a seeded order")
+    kill_every_s: float = Field(
+        12.0,
+        gt=0,
+        description="one SIGKILL this often (±20%%), the targets in turn, in a seeded order",
+    )
     seed: int = Field(0, description="seeds prompts, arrivals and the kill order")
-    targets: str = Field(",".join(TARGETS), description="what to kill, comma separated: "
-                         + ", ".join(TARGETS))
-    max_tokens: int = Field(24, gt=0, description="tokens each request streams (end of "
-                            "sequence ignored, so a completed request has exactly this many)")
-    request_deadline_s: float = Field(150.0, gt=0, description="a request with no terminal "
-                                      "event (finish or error) by then is hung")
-    recovery_s: float = Field(120.0, gt=0, description="after the faults, the cluster must "
-                              "serve a request again within this")
+    targets: str = Field(
+        ",".join(TARGETS), description="what to kill, comma separated: " + ", ".join(TARGETS)
+    )
+    max_tokens: int = Field(
+        24,
+        gt=0,
+        description="tokens each request streams (end of "
+        "sequence ignored, so a completed request has exactly this many)",
+    )
+    request_deadline_s: float = Field(
+        150.0,
+        gt=0,
+        description="a request with no terminal event (finish or error) by then is hung",
+    )
+    recovery_s: float = Field(
+        120.0,
+        gt=0,
+        description="after the faults, the cluster must serve a request again within this",
+    )
     # The cluster: started here unless --url names one to attach to.
-    url: str = Field("", description="attach to the cluster behind this gateway URL (empty: "
-                     "start a local one); its `halfmoon up` restarts what is killed")
+    url: str = Field(
+        "",
+        description="attach to the cluster behind this gateway URL (empty: "
+        "start a local one); its `halfmoon up` restarts what is killed",
+    )
     nats_url: str = Field("", description="attached cluster's NATS (finds pids by heartbeat)")
-    database_url: str = Field("", description="attached cluster's SQL (empty: SQLite in "
-                              "HALFMOON_HOME); a started cluster gets a fresh one")
+    database_url: str = Field(
+        "",
+        description="attached cluster's SQL (empty: SQLite in "
+        "HALFMOON_HOME); a started cluster gets a fresh one",
+    )
     prefill: int = Field(2, ge=1, description="prefill instances of a started cluster")
     decode: int = Field(2, ge=1, description="decode instances of a started cluster")
     model: str = Field(DEFAULT_MODEL_NAME, description="model folder or name")
-    dtype: str = Field("auto", description="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)")
-    token_timeout_s: float = Field(20.0, gt=0, description="a started cluster's gateway: "
-                                   "silence between tokens before a request is placed again")
+    dtype: str = Field(
+        "auto",
+        description="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)",
+    )
+    token_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="a started cluster's gateway: "
+        "silence between tokens before a request is placed again",
+    )
     log_level: str = Field("WARNING", description="a started cluster's services' log level")
     report: str = Field("", description="also write the report here as JSON")
 
@@ -53,6 +80,9 @@ class ChaosSettings(BaseModel):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ChaosSettings:
-    return parse_settings(ChaosSettings, argv, "halfmoon chaos",
-                          "Kill cluster parts under load; report hung requests and lost "
-                          "records (exit 1 if any).")
+    return parse_settings(
+        ChaosSettings,
+        argv,
+        "halfmoon chaos",
+        "Kill cluster parts under load; report hung requests and lost records (exit 1 if any).",
+    )

@@ -25,8 +25,9 @@ class Audit:
         return len(self.not_terminal) + len(self.missing)
 
 
-async def audit(database_url: str, since: float, client_ids: set[str],
-                settle_s: float = 20.0) -> Audit:
+async def audit(
+    database_url: str, since: float, client_ids: set[str], settle_s: float = 20.0
+) -> Audit:
     """Rows of requests that arrived since `since` (unix s). Terminal writes are batched
     and off the request path, so wait up to `settle_s` for the last ones to land."""
     engine = make_engine(database_url)
@@ -46,7 +47,9 @@ async def _read(engine, since: float, client_ids: set[str]) -> Audit:  # type: i
     async with sessionmaker(engine)() as s:
         rows = (await s.execute(select(t.id, t.status).where(t.arrival_time >= since))).all()
     statuses = {rid: status for rid, status in rows}
-    return Audit(rows=len(rows), by_status=Counter(statuses.values()),
-                 not_terminal=sorted(r for r, st in statuses.items()
-                                     if st not in TERMINAL_STATUSES),
-                 missing=sorted(client_ids - set(statuses)))
+    return Audit(
+        rows=len(rows),
+        by_status=Counter(statuses.values()),
+        not_terminal=sorted(r for r, st in statuses.items() if st not in TERMINAL_STATUSES),
+        missing=sorted(client_ids - set(statuses)),
+    )

@@ -67,12 +67,16 @@ class Faults:
 
 def cluster_victims(cluster: Any) -> Victims:
     """Victims in a cluster this process supervises (services.up.LocalCluster)."""
+
     def find(target: str) -> list[tuple[str, int]]:
         if target == "nats":
             proc = cluster.nats.proc if cluster.nats is not None else None
             return [("nats-server", proc.pid)] if proc is not None and proc.poll() is None else []
-        return [(c.name, c.proc.pid) for c in cluster.children
-                if c.role == target and c.proc.returncode is None]
+        return [
+            (c.name, c.proc.pid)
+            for c in cluster.children
+            if c.role == target and c.proc.returncode is None
+        ]
 
     return find
 
@@ -92,9 +96,14 @@ class HeartbeatVictims:
 
     def __call__(self, target: str) -> list[tuple[str, int]]:
         now = time.monotonic()
-        return [(iid, info.pid) for iid, (at, info) in self._seen.items()
-                if info.role.value == target and now - at <= self.fresh_s and info.pid
-                and info.host in ("127.0.0.1", "localhost", os.uname().nodename)]
+        return [
+            (iid, info.pid)
+            for iid, (at, info) in self._seen.items()
+            if info.role.value == target
+            and now - at <= self.fresh_s
+            and info.pid
+            and info.host in ("127.0.0.1", "localhost", os.uname().nodename)
+        ]
 
     def roles(self) -> set[str]:
         now = time.monotonic()

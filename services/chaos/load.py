@@ -13,8 +13,10 @@ import aiohttp
 
 from services.bench.client import Result, stream_chat
 
-WORDS = ("moon tide harbor lantern river stone garden winter signal orbit copper meadow "
-         "engine archive bridge falcon canyon ember glacier harvest island jungle").split()
+WORDS = (
+    "moon tide harbor lantern river stone garden winter signal orbit copper meadow "
+    "engine archive bridge falcon canyon ember glacier harvest island jungle"
+).split()
 OUTCOMES = ("completed", "error", "hung", "inconsistent")
 
 
@@ -24,8 +26,13 @@ def make_body(model: str, rng: random.Random, max_tokens: int) -> dict[str, Any]
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))
     if rng.random() < 1 / 3:
         words = "Shared opening: " + " ".join(WORDS * 3) + ". " + words
-    return {"model": model, "messages": [{"role": "user", "content": f"Write about {words}"}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Write about {words}"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 def outcome(res: Result, max_tokens: int) -> str:
@@ -74,5 +81,8 @@ class Load:
         return Counter(outcome(r, self.max_tokens) for r in self.results)
 
     def examples(self, kind: str, n: int = 5) -> list[str]:
-        return [f"{r.request_id or '?'}: {r.error or r.finish_reason or 'no terminal event'}"
-                for r in self.results if outcome(r, self.max_tokens) == kind][:n]
+        return [
+            f"{r.request_id or '?'}: {r.error or r.finish_reason or 'no terminal event'}"
+            for r in self.results
+            if outcome(r, self.max_tokens) == kind
+        ][:n]

@@ -16,19 +16,19 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from services.bench.client import stream_chat
+from services.bench.servers import free_port
+from services.chaos.args import ChaosSettings, parse_args
+from services.chaos.audit import Audit, audit
+from services.chaos.faults import Faults, HeartbeatVictims, cluster_victims
+from services.chaos.load import Load, make_body
+from services.up import LocalCluster, UpSettings
 from shared import bus, subjects
 from shared.db import session as db
 from shared.lifecycle import install_stop_signals, setup_logging
 from shared.model_store import ensure_model
 from shared.natsd import EmbeddedNats
 from shared.settings import BaseSettings
-from services.bench.client import stream_chat
-from services.chaos.args import ChaosSettings, parse_args
-from services.chaos.audit import Audit, audit
-from services.chaos.faults import Faults, HeartbeatVictims, cluster_victims
-from services.bench.servers import free_port
-from services.chaos.load import Load, make_body
-from services.up import LocalCluster, UpSettings
 
 log = logging.getLogger("halfmoon.chaos")
 SERVING_ROLES = {"gateway", "conductor", "kvmanager", "prefill", "decode"}
@@ -42,16 +42,24 @@ async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> LocalCluster:
     # The gateway's fault handling, tightened so a lost stream is placed again quickly.
     os.environ["HALFMOON_TOKEN_TIMEOUT_S"] = str(s.token_timeout_s)
     os.environ["HALFMOON_FIRST_TOKEN_TIMEOUT_S"] = str(max(60.0, 3 * s.token_timeout_s))
-    up = UpSettings(port=free_port(), console=False, prefill=s.prefill, decode=s.decode,
-                    model=str(model_dir), dtype=s.dtype, log_level=s.log_level,
-                    database_url=f"sqlite+aiosqlite:///{home / 'halfmoon.db'}",
-                    restart=True, restart_backoff_s=0.5, metrics_base_port=0)
+    up = UpSettings(
+        port=free_port(),
+        console=False,
+        prefill=s.prefill,
+        decode=s.decode,
+        model=str(model_dir),
+        dtype=s.dtype,
+        log_level=s.log_level,
+        database_url=f"sqlite+aiosqlite:///{home / 'halfmoon.db'}",
+        restart=True,
+        restart_backoff_s=0.5,
+        metrics_base_port=0,
+    )
     cluster = LocalCluster(up)
     cluster.nats = EmbeddedNats(home / "nats")
     cluster.nats_url = await asyncio.to_thread(cluster.nats.start)
     await db.upgrade_async(cluster.database_url)
-    log.info("chaos: starting a cluster in %s (%d prefill, %d decode)", home, s.prefill,
-             s.decode)
+    log.info("chaos: starting a cluster in %s (%d prefill, %d decode)", home, s.prefill, s.decode)
     await cluster.start(model_dir)
     if not await cluster.wait_ready(stop):
         await cluster.stop()
@@ -82,12 +90,17 @@ async def recover(url: str, model: str, beats: HeartbeatVictims, s: ChaosSetting
         else:
             last = res.error or "no terminal event"
             await asyncio.sleep(1.0)
-    return {"recovered": ok == 2, "roles_back_s": round(roles_s, 1),
-            "serving_again_s": round(time.monotonic() - t0, 1), "last_error": last[:200]}
+    return {
+        "recovered": ok == 2,
+        "roles_back_s": round(roles_s, 1),
+        "serving_again_s": round(time.monotonic() - t0, 1),
+        "last_error": last[:200],
+    }
 
 
-async def chaos(s: ChaosSettings, url: str, nats_url: str, victims: Any, database_url: str,
-                stop: asyncio.Event) -> dict:
+async def chaos(
+    s: ChaosSettings, url: str, nats_url: str, victims: Any, database_url: str, stop: asyncio.Event
+) -> dict:
     model = await _model_name(url)
     beats = HeartbeatVictims()
     nc = await bus.connect(BaseSettings(nats_url=nats_url), "chaos")
@@ -99,8 +112,13 @@ async def chaos(s: ChaosSettings, url: str, nats_url: str, victims: Any, databas
     t0 = time.monotonic()
     until = t0 + s.duration_s
     try:
-        log.warning("chaos: %.0fs of load at %.1f req/s, a kill every ~%.0fs (%s)",
-                    s.duration_s, s.rate, s.kill_every_s, s.targets)
+        log.warning(
+            "chaos: %.0fs of load at %.1f req/s, a kill every ~%.0fs (%s)",
+            s.duration_s,
+            s.rate,
+            s.kill_every_s,
+            s.targets,
+        )
         await asyncio.gather(load.run(until, stop), faults.run(t0, until, s.kill_every_s, stop))
         recovery = await recover(url, model, beats, s)
     finally:
@@ -110,23 +128,40 @@ async def chaos(s: ChaosSettings, url: str, nats_url: str, victims: Any, databas
     return _report(s, load, faults, recovery, records, time.monotonic() - t0)
 
 
-def _report(s: ChaosSettings, load: Load, faults: Faults, recovery: dict, records: Audit,
-            wall_s: float) -> dict:
+def _report(
+    s: ChaosSettings, load: Load, faults: Faults, recovery: dict, records: Audit, wall_s: float
+) -> dict:
     tally = load.tally()
-    return {"settings": s.model_dump(), "wall_s": round(wall_s, 1), "sent": len(load.results),
-            "completed": tally["completed"], "error": tally["error"], "hung": tally["hung"],
-            "inconsistent": tally["inconsistent"], "records_lost": records.lost,
-            "records": {"rows": records.rows, "by_status": dict(records.by_status),
-                        "not_terminal": records.not_terminal[:10],
-                        "missing": records.missing[:10]},
-            "errors": load.examples("error"), "hung_examples": load.examples("hung"),
-            "kills": [asdict(k) for k in faults.kills], "skipped": faults.skipped,
-            "recovery": recovery}
+    return {
+        "settings": s.model_dump(),
+        "wall_s": round(wall_s, 1),
+        "sent": len(load.results),
+        "completed": tally["completed"],
+        "error": tally["error"],
+        "hung": tally["hung"],
+        "inconsistent": tally["inconsistent"],
+        "records_lost": records.lost,
+        "records": {
+            "rows": records.rows,
+            "by_status": dict(records.by_status),
+            "not_terminal": records.not_terminal[:10],
+            "missing": records.missing[:10],
+        },
+        "errors": load.examples("error"),
+        "hung_examples": load.examples("hung"),
+        "kills": [asdict(k) for k in faults.kills],
+        "skipped": faults.skipped,
+        "recovery": recovery,
+    }
 
 
 def failed(report: dict) -> bool:
-    return bool(report["hung"] or report["inconsistent"] or report["records_lost"]
-                or not report["recovery"]["recovered"])
+    return bool(
+        report["hung"]
+        or report["inconsistent"]
+        or report["records_lost"]
+        or not report["recovery"]["recovered"]
+    )
 
 
 def summary(report: dict) -> str:
@@ -161,11 +196,18 @@ async def run(s: ChaosSettings) -> int:
     try:
         if cluster is not None:
             url = f"http://{cluster.s.host}:{cluster.s.port}"
-            report = await chaos(s, url, cluster.nats_url, cluster_victims(cluster),
-                                 cluster.database_url, stop)
+            report = await chaos(
+                s, url, cluster.nats_url, cluster_victims(cluster), cluster.database_url, stop
+            )
         else:
-            report = await chaos(s, s.url.rstrip("/"), s.nats_url or BaseSettings().nats_url,
-                                 None, s.database_url, stop)
+            report = await chaos(
+                s,
+                s.url.rstrip("/"),
+                s.nats_url or BaseSettings().nats_url,
+                None,
+                s.database_url,
+                stop,
+            )
     finally:
         halt.set()
         if cluster is not None:

@@ -12,16 +12,22 @@ from typing import Awaitable, Callable, Sequence
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
-from shared import bus, subjects
-from shared.db.records import RecordWriter
-from shared.db.session import make_engine
-from shared.lifecycle import (heartbeat_loop, install_stop_signals, new_instance_id,
-                              publish_heartbeat, run_main, setup_logging)
-from shared.messages import InstanceInfo, Role
-from shared.metrics import serve_metrics
 from services.conductor.args import ConductorSettings, parse_args
 from services.conductor.handlers import Conductor
 from services.conductor.leader import Election
+from shared import bus, subjects
+from shared.db.records import RecordWriter
+from shared.db.session import make_engine
+from shared.lifecycle import (
+    heartbeat_loop,
+    install_stop_signals,
+    new_instance_id,
+    publish_heartbeat,
+    run_main,
+    setup_logging,
+)
+from shared.messages import InstanceInfo, Role
+from shared.metrics import serve_metrics
 
 log = logging.getLogger("services.conductor")
 
@@ -43,9 +49,11 @@ class Intake:
 
     async def open(self) -> None:
         if self._sub is None:
-            self._sub = await self.nc.subscribe(subjects.CONDUCTOR_SCHEDULE,
-                                                queue=subjects.CONDUCTOR_QUEUE,
-                                                cb=self.conductor.on_schedule)
+            self._sub = await self.nc.subscribe(
+                subjects.CONDUCTOR_SCHEDULE,
+                queue=subjects.CONDUCTOR_QUEUE,
+                cb=self.conductor.on_schedule,
+            )
             await self.nc.flush()  # the server routes requests here from now on
 
     async def close(self) -> None:
@@ -55,8 +63,13 @@ class Intake:
                 await sub.unsubscribe()
 
 
-def make_election(settings: ConductorSettings, nc: NATS, instance_id: str, intake: Intake,
-                  announce: Callable[[], Awaitable[None]]) -> Election | None:
+def make_election(
+    settings: ConductorSettings,
+    nc: NATS,
+    instance_id: str,
+    intake: Intake,
+    announce: Callable[[], Awaitable[None]],
+) -> Election | None:
     if not settings.election:
         return None
 
@@ -68,8 +81,15 @@ def make_election(settings: ConductorSettings, nc: NATS, instance_id: str, intak
         await intake.close()
         await announce()
 
-    return Election(nc, instance_id, settings.lease_ttl_s, settings.lease_renew_s,
-                    on_elected=elected, on_deposed=deposed, replicas=settings.lease_replicas)
+    return Election(
+        nc,
+        instance_id,
+        settings.lease_ttl_s,
+        settings.lease_renew_s,
+        on_elected=elected,
+        on_deposed=deposed,
+        replicas=settings.lease_replicas,
+    )
 
 
 async def _campaign(election: Election, stop: asyncio.Event, settings: ConductorSettings) -> None:
@@ -95,29 +115,44 @@ async def serve(settings: ConductorSettings) -> None:
         nc = await bus.connect(settings, instance_id)
         stack.push_async_callback(bus.close, nc)
         conductor = Conductor(settings, nc, records)
-        await serve_metrics(stack, conductor.metrics.registry, settings.metrics_host,
-                            settings.metrics_port)
+        await serve_metrics(
+            stack, conductor.metrics.registry, settings.metrics_host, settings.metrics_port
+        )
         # Every conductor tracks heartbeats, standbys too, so a new leader starts warm.
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat)
         intake = Intake(nc, conductor)
         info = lambda: InstanceInfo(  # noqa: E731
-            instance_id=instance_id, role=Role.CONDUCTOR, pid=os.getpid(), started_at=started,
-            leader=conductor.leading(), term=election.term if election else 0,
+            instance_id=instance_id,
+            role=Role.CONDUCTOR,
+            pid=os.getpid(),
+            started_at=started,
+            leader=conductor.leading(),
+            term=election.term if election else 0,
             cost_model=conductor.cost.source,
-            cost_samples_seen={"prefill": conductor.calibrator.prefill.seen,
-                               "decode": conductor.calibrator.decode.seen})
+            cost_samples_seen={
+                "prefill": conductor.calibrator.prefill.seen,
+                "decode": conductor.calibrator.decode.seen,
+            },
+        )
         # A change of leader is news at once, not at the next beat.
-        election = make_election(settings, nc, instance_id, intake,
-                                 lambda: publish_heartbeat(nc, info()))
+        election = make_election(
+            settings, nc, instance_id, intake, lambda: publish_heartbeat(nc, info())
+        )
         conductor.leading = lambda: election is None or election.is_leader
-        tasks = [asyncio.create_task(heartbeat_loop(nc, info, settings.heartbeat_interval_s, stop)),
-                 asyncio.create_task(_sweep(conductor, stop, settings.heartbeat_expiry_s / 3))]
+        tasks = [
+            asyncio.create_task(heartbeat_loop(nc, info, settings.heartbeat_interval_s, stop)),
+            asyncio.create_task(_sweep(conductor, stop, settings.heartbeat_expiry_s / 3)),
+        ]
         if election is None:
             await intake.open()
         else:
             tasks.append(asyncio.create_task(_campaign(election, stop, settings)))
-        log.info("conductor %s ready (policy %s, %s)", instance_id, settings.policy,
-                 "active/standby" if election else "no election: placing")
+        log.info(
+            "conductor %s ready (policy %s, %s)",
+            instance_id,
+            settings.policy,
+            "active/standby" if election else "no election: placing",
+        )
         await stop.wait()
         # Intake first (the election resigns and unsubscribes), then the rest.
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -12,41 +12,85 @@ from shared.settings import BaseSettings, DatabaseSettings, parse_settings
 class ConductorSettings(BaseSettings, DatabaseSettings):
     instance_id: str = Field("", description="instance id (empty: generated)")
     policy: Literal["kvcentric", "least_loaded", "largest_prefix", "round_robin", "random"] = Field(
-        "kvcentric", description="placement policy")
-    ttft_slo_ms: float = Field(30_000.0, gt=0, description="default TTFT SLO (requests may set their own)")
-    tbt_slo_ms: float = Field(300.0, gt=0, description="default TBT SLO (requests may set their own)")
-    slo_margin: float = Field(0.8, gt=0, le=1, description="admit only requests predicted within "
-                              "this share of their SLOs (predictions err)")
-    cost_model: str = Field("", description="fitted cost model JSON (empty: HALFMOON_HOME/costmodel.json)")
-    balancing_threshold: float = Field(1.5, gt=1, description="kvcentric pulls a prefix when its "
-                                       "holder has this many times more blocks (inf: never; "
-                                       "the other policies never pull)")
+        "kvcentric", description="placement policy"
+    )
+    ttft_slo_ms: float = Field(
+        30_000.0, gt=0, description="default TTFT SLO (requests may set their own)"
+    )
+    tbt_slo_ms: float = Field(
+        300.0, gt=0, description="default TBT SLO (requests may set their own)"
+    )
+    slo_margin: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="admit only requests predicted within "
+        "this share of their SLOs (predictions err)",
+    )
+    cost_model: str = Field(
+        "", description="fitted cost model JSON (empty: HALFMOON_HOME/costmodel.json)"
+    )
+    balancing_threshold: float = Field(
+        1.5,
+        gt=1,
+        description="kvcentric pulls a prefix when its "
+        "holder has this many times more blocks (inf: never; "
+        "the other policies never pull)",
+    )
     layout: Literal["disaggregated", "colocated"] = Field(
-        "disaggregated", description="colocated: the (prefill) instance chosen for a request "
-        "decodes it too, and there are no decode instances")
+        "disaggregated",
+        description="colocated: the (prefill) instance chosen for a request "
+        "decodes it too, and there are no decode instances",
+    )
     heartbeat_expiry_s: float = Field(3.0, gt=0, description="an instance silent this long is dead")
-    dispatch_timeout_s: float = Field(5.0, gt=0, description="wait for a prefill instance to take a job")
-    kv_match_timeout_s: float = Field(0.2, gt=0, description="wait for the KV manager's prefix match")
-    instance_record_interval_s: float = Field(5.0, gt=0, description="SQL refresh of instance rows "
-                                              "and of load samples (one per instance per interval)")
-    load_retention_s: float = Field(24 * 3600.0, gt=0, description="load samples older than this "
-                                    "are deleted")
-    election: bool = Field(True, description="run active/standby: only the holder of a NATS KV "
-                           "lease places requests (off: every conductor places, as a queue group)")
-    lease_ttl_s: float = Field(3.0, gt=0, description="leader lease TTL: a dead leader is replaced "
-                               "within about this plus half the renewal interval")
-    lease_renew_s: float = Field(1.0, gt=0, description="leader lease renewal interval (at most "
-                                 "half the TTL)")
-    lease_replicas: int = Field(1, ge=1, le=5, description="JetStream replicas of the lease bucket "
-                                "(3 on a NATS cluster, so losing one server keeps the election)")
+    dispatch_timeout_s: float = Field(
+        5.0, gt=0, description="wait for a prefill instance to take a job"
+    )
+    kv_match_timeout_s: float = Field(
+        0.2, gt=0, description="wait for the KV manager's prefix match"
+    )
+    instance_record_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="SQL refresh of instance rows "
+        "and of load samples (one per instance per interval)",
+    )
+    load_retention_s: float = Field(
+        24 * 3600.0, gt=0, description="load samples older than this are deleted"
+    )
+    election: bool = Field(
+        True,
+        description="run active/standby: only the holder of a NATS KV "
+        "lease places requests (off: every conductor places, as a queue group)",
+    )
+    lease_ttl_s: float = Field(
+        3.0,
+        gt=0,
+        description="leader lease TTL: a dead leader is replaced "
+        "within about this plus half the renewal interval",
+    )
+    lease_renew_s: float = Field(
+        1.0, gt=0, description="leader lease renewal interval (at most half the TTL)"
+    )
+    lease_replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="JetStream replicas of the lease bucket "
+        "(3 on a NATS cluster, so losing one server keeps the election)",
+    )
 
     @model_validator(mode="after")
-    def _renew_within_ttl(self) -> "ConductorSettings":
+    def _renew_within_ttl(self) -> ConductorSettings:
         if 2 * self.lease_renew_s > self.lease_ttl_s:
             raise ValueError("lease_renew_s must be at most half of lease_ttl_s")
         return self
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ConductorSettings:
-    return parse_settings(ConductorSettings, argv, "halfmoon serve conductor",
-                          "Conductor: instance registry and request placement.")
+    return parse_settings(
+        ConductorSettings,
+        argv,
+        "halfmoon serve conductor",
+        "Conductor: instance registry and request placement.",
+    )

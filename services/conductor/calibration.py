@@ -67,7 +67,9 @@ class OnlineFit:
 
         rows, targets, weights = [], [], []
         per_anchor = self.prior_weight / len(self.anchors)
-        ratios = [y / p for x1, x2, y in self.samples if (p := self.predict(x1, x2, self.prior)) > 0]
+        ratios = [
+            y / p for x1, x2, y in self.samples if (p := self.predict(x1, x2, self.prior)) > 0
+        ]
         level = statistics.median(ratios) if ratios else 1.0
         for x1, x2 in self.anchors:
             y = level * self.predict(x1, x2, self.prior)
@@ -90,10 +92,20 @@ class OnlineFit:
 class Calibrator:
     def __init__(self, prior: CostModel, window: int = 256, prior_weight: float = 2.0) -> None:
         self.prior = prior
-        self.prefill = OnlineFit(lambda n, c: prefill_features(n, c), list(prior.prefill_coef),
-                                 PREFILL_ANCHORS, window, prior_weight)
-        self.decode = OnlineFit(lambda b, ctx: decode_features(b, ctx), list(prior.decode_coef),
-                                DECODE_ANCHORS, window, prior_weight)
+        self.prefill = OnlineFit(
+            lambda n, c: prefill_features(n, c),
+            list(prior.prefill_coef),
+            PREFILL_ANCHORS,
+            window,
+            prior_weight,
+        )
+        self.decode = OnlineFit(
+            lambda b, ctx: decode_features(b, ctx),
+            list(prior.decode_coef),
+            DECODE_ANCHORS,
+            window,
+            prior_weight,
+        )
         self._model: CostModel | None = prior
 
     def observe(self, samples: Iterable[CostSample]) -> None:
@@ -106,7 +118,10 @@ class Calibrator:
         """The prior with both parts refit on what the instances reported so far."""
         if self._model is None:
             self._model = replace(
-                self.prior, prefill_coef=self.prefill.coef, decode_coef=self.decode.coef,
+                self.prior,
+                prefill_coef=self.prefill.coef,
+                decode_coef=self.decode.coef,
                 source=f"{self.prior.source}; calibrated online on {self.prefill.seen} "
-                       f"prefill and {self.decode.seen} decode samples")
+                f"prefill and {self.decode.seen} decode samples",
+            )
         return self._model

@@ -60,7 +60,7 @@ class CostModel:
         path.write_text(json.dumps(asdict(self), indent=2))
 
     @classmethod
-    def load(cls, path: Path) -> "CostModel":
+    def load(cls, path: Path) -> CostModel:
         return cls(**json.loads(path.read_text()))
 
 

@@ -10,17 +10,25 @@ from typing import Callable
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from shared import bus, errors, subjects
-from shared.db.records import RecordWriter
-from shared.messages import (Ack, GenerateRequest, InstanceInfo, KVMatchReply, KVMatchRequest,
-                             Placement, PrefillJob, Role)
-from services.conductor.args import ConductorSettings
 from services.conductor import snapshot
+from services.conductor.args import ConductorSettings
 from services.conductor.calibration import Calibrator
 from services.conductor.costmodel import CostModel, load_cost_model, prior_for
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.policy import Decision, make_policy
 from services.conductor.registry import Registry
+from shared import bus, errors, subjects
+from shared.db.records import RecordWriter
+from shared.messages import (
+    Ack,
+    GenerateRequest,
+    InstanceInfo,
+    KVMatchReply,
+    KVMatchRequest,
+    Placement,
+    PrefillJob,
+    Role,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +79,26 @@ class Conductor:
         if self.records is None:
             return
         if info.role in (Role.PREFILL, Role.DECODE):
-            self.records.load_sample(info, now, self.settings.instance_record_interval_s,
-                                     self.settings.load_retention_s)
+            self.records.load_sample(
+                info, now, self.settings.instance_record_interval_s, self.settings.load_retention_s
+            )
         last = self._recorded_at.get(info.instance_id)
-        if (last is not None and status != "dead"
-                and now - last < self.settings.instance_record_interval_s):
+        if (
+            last is not None
+            and status != "dead"
+            and now - last < self.settings.instance_record_interval_s
+        ):
             return
         self._recorded_at[info.instance_id] = now
-        self.records.instance_seen(id=info.instance_id, role=info.role.value, host=info.host,
-                                   status=status, started_at=info.started_at,
-                                   last_heartbeat=now, info=info.model_dump(mode="json"))
+        self.records.instance_seen(
+            id=info.instance_id,
+            role=info.role.value,
+            host=info.host,
+            status=status,
+            started_at=info.started_at,
+            last_heartbeat=now,
+            info=info.model_dump(mode="json"),
+        )
 
     def sweep(self) -> None:
         """Mark instances dead in SQL once their heartbeats stop."""
@@ -124,64 +142,93 @@ class Conductor:
             raise errors.Unavailable("no live prefill and decode instances", retry_after_s=2.0)
         live = {p.info.instance_id for p in prefills}
         matches = {k: v for k, v in (await self._prefix_matches(req)).items() if k in live}
-        view = snapshot.request_view(req, matches, self.settings.ttft_slo_ms / 1e3,
-                                     self.settings.tbt_slo_ms / 1e3)
+        view = snapshot.request_view(
+            req, matches, self.settings.ttft_slo_ms / 1e3, self.settings.tbt_slo_ms / 1e3
+        )
         while True:
-            snap = snapshot.build(prefills, decodes, self.cost,
-                                  self.settings.balancing_threshold, self.settings.slo_margin,
-                                  colocated)
+            snap = snapshot.build(
+                prefills,
+                decodes,
+                self.cost,
+                self.settings.balancing_threshold,
+                self.settings.slo_margin,
+                colocated,
+            )
             t_decide = time.perf_counter()
             decision = self.policy.decide(snap, view)
             self.metrics.decision_seconds.observe(time.perf_counter() - t_decide)
             if decision.rejected:
                 self._record(req, decision, now)
                 retry = max(1.0, decision.ttft_s - view.ttft_slo_s)
-                raise errors.Rejected(f"rejected: {decision.rejected}", code="slo_unattainable",
-                                      retry_after_s=retry)
+                raise errors.Rejected(
+                    f"rejected: {decision.rejected}", code="slo_unattainable", retry_after_s=retry
+                )
             assert decision.prefill is not None
             if not self.leading():
                 # Deposed while deciding: another conductor may be placing by now. Nothing
                 # was dispatched, so the gateway can safely ask the new leader.
-                raise errors.Unavailable("this conductor lost the leader lease",
-                                         code="not_leader", retry_after_s=1.0)
+                raise errors.Unavailable(
+                    "this conductor lost the leader lease", code="not_leader", retry_after_s=1.0
+                )
             try:
                 await self._dispatch(req, decision)
                 break
             except errors.HalfmoonError as exc:
                 # That instance refused or is gone: decide again without it.
                 chosen = decision.prefill.instance_id
-                log.warning("request %s: prefill %s refused: %s", req.request_id, chosen,
-                            exc.message)
+                log.warning(
+                    "request %s: prefill %s refused: %s", req.request_id, chosen, exc.message
+                )
                 prefills = [p for p in prefills if p.info.instance_id != chosen]
                 if not prefills:
                     raise
         self._record(req, decision, now)
-        return Placement(request_id=req.request_id, prefill_id=decision.prefill.instance_id,
-                         decode_id=decision.decode_id, policy=decision.policy,
-                         predicted_ttft_ms=decision.ttft_s * 1e3)
+        return Placement(
+            request_id=req.request_id,
+            prefill_id=decision.prefill.instance_id,
+            decode_id=decision.decode_id,
+            policy=decision.policy,
+            predicted_ttft_ms=decision.ttft_s * 1e3,
+        )
 
     def _record(self, req: GenerateRequest, d: Decision, now: float) -> None:
         if self.records is None:
             return
         self.records.decision(
-            request_id=req.request_id, created=now, policy=d.policy,
+            request_id=req.request_id,
+            created=now,
+            policy=d.policy,
             prefill_instance=d.prefill.instance_id if d.prefill and not d.rejected else None,
-            decode_instance=d.decode_id or None, rejected=d.rejected or None,
+            decode_instance=d.decode_id or None,
+            rejected=d.rejected or None,
             predicted_ttft_ms=d.ttft_s * 1e3 if d.prefill else None,
             predicted_tbt_ms=d.tbt_s * 1e3 if d.decode_id else None,
-            candidates=[{"instance": c.instance_id, "prefix_blocks": c.prefix_blocks,
-                         "pull_from": c.pull_from, "transfer_ms": c.transfer_s * 1e3,
-                         "queue_ms": c.queue_s * 1e3, "prefill_ms": c.prefill_s * 1e3,
-                         "ttft_ms": c.ttft_s * 1e3} for c in d.candidates])
+            candidates=[
+                {
+                    "instance": c.instance_id,
+                    "prefix_blocks": c.prefix_blocks,
+                    "pull_from": c.pull_from,
+                    "transfer_ms": c.transfer_s * 1e3,
+                    "queue_ms": c.queue_s * 1e3,
+                    "prefill_ms": c.prefill_s * 1e3,
+                    "ttft_ms": c.ttft_s * 1e3,
+                }
+                for c in d.candidates
+            ],
+        )
 
     async def _prefix_matches(self, req: GenerateRequest) -> dict[str, int]:
         """Cached prefix length (blocks) per instance, from the KV manager; {} if it is away."""
         if not req.block_hashes:
             return {}
         try:
-            reply = await bus.request(self.nc, subjects.KV_MATCH,
-                                      KVMatchRequest(block_hashes=req.block_hashes), KVMatchReply,
-                                      timeout_s=self.settings.kv_match_timeout_s)
+            reply = await bus.request(
+                self.nc,
+                subjects.KV_MATCH,
+                KVMatchRequest(block_hashes=req.block_hashes),
+                KVMatchReply,
+                timeout_s=self.settings.kv_match_timeout_s,
+            )
         except errors.HalfmoonError as exc:
             log.debug("request %s: no prefix match (%s)", req.request_id, exc.message)
             return {}
@@ -193,8 +240,13 @@ class Conductor:
         # Count the work before awaiting the ack, so decisions made meanwhile see it.
         self._account(req, d, +1)
         try:
-            await bus.request(self.nc, subjects.prefill_submit(d.prefill.instance_id), job, Ack,
-                              timeout_s=self.settings.dispatch_timeout_s)
+            await bus.request(
+                self.nc,
+                subjects.prefill_submit(d.prefill.instance_id),
+                job,
+                Ack,
+                timeout_s=self.settings.dispatch_timeout_s,
+            )
         except errors.HalfmoonError:
             self._account(req, d, -1)
             raise
@@ -205,14 +257,21 @@ class Conductor:
         assert d.prefill is not None
         self.registry.dispatched(d.prefill.instance_id, sign * d.prefill.prefill_s, count=sign)
         decode_id = d.decode_id or d.prefill.instance_id  # colocated: the same instance
-        self.registry.dispatched(decode_id, tokens=sign * len(req.prompt_token_ids),
-                                 count=sign if d.decode_id else 0,
-                                 blocks=sign * d.decode_blocks)
+        self.registry.dispatched(
+            decode_id,
+            tokens=sign * len(req.prompt_token_ids),
+            count=sign if d.decode_id else 0,
+            blocks=sign * d.decode_blocks,
+        )
 
 
 def prefill_job(req: GenerateRequest, d: Decision) -> PrefillJob:
     """The job that carries out decision `d`: its prefill pull, exactly as decided."""
     assert d.prefill is not None
     pull = d.prefill.pull_from
-    return PrefillJob(request=req, decode_id=d.decode_id, prefix_from=pull,
-                      prefix_blocks=d.prefill.prefix_blocks if pull else 0)
+    return PrefillJob(
+        request=req,
+        decode_id=d.decode_id,
+        prefix_from=pull,
+        prefix_blocks=d.prefill.prefix_blocks if pull else 0,
+    )

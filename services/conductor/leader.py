@@ -57,8 +57,10 @@ class Lease:
 
     def __post_init__(self) -> None:
         if not 0 < 2 * self.renew_s <= self.ttl_s:
-            raise ValueError(f"renew interval {self.renew_s}s must be at most half the lease "
-                             f"TTL {self.ttl_s}s, or one late renewal loses the lease")
+            raise ValueError(
+                f"renew interval {self.renew_s}s must be at most half the lease "
+                f"TTL {self.ttl_s}s, or one late renewal loses the lease"
+            )
 
     @property
     def is_leader(self) -> bool:
@@ -113,9 +115,17 @@ class Election:
     each change (deposed is called after `is_leader` is already False, so work in flight
     can check it before doing anything irreversible)."""
 
-    def __init__(self, nc: NATS, candidate: str, ttl_s: float, renew_s: float,
-                 on_elected: Callback, on_deposed: Callback, replicas: int = 1,
-                 bucket: str = BUCKET) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        candidate: str,
+        ttl_s: float,
+        renew_s: float,
+        on_elected: Callback,
+        on_deposed: Callback,
+        replicas: int = 1,
+        bucket: str = BUCKET,
+    ) -> None:
         self.nc = nc
         self.candidate = candidate
         self.lease = Lease(ttl_s, renew_s)
@@ -212,13 +222,20 @@ class Election:
             js = self.nc.jetstream(timeout=self.lease.renew_s)
             try:
                 self._kv = await js.create_key_value(
-                    bucket=self.bucket, ttl=self.lease.ttl_s, history=1,
-                    storage=StorageType.MEMORY, replicas=self.replicas,
-                    description="halfmoon conductor leader lease")
+                    bucket=self.bucket,
+                    ttl=self.lease.ttl_s,
+                    history=1,
+                    storage=StorageType.MEMORY,
+                    replicas=self.replicas,
+                    description="halfmoon conductor leader lease",
+                )
             except BadRequestError as exc:
                 # Made by a conductor with other settings: use it as it is, but say so.
-                log.warning("lease bucket %s exists with another configuration (%s); using it",
-                            self.bucket, exc.description)
+                log.warning(
+                    "lease bucket %s exists with another configuration (%s); using it",
+                    self.bucket,
+                    exc.description,
+                )
                 kv = await js.key_value(self.bucket)
                 self._adopt_ttl((await kv.status()).ttl)
                 self._kv = kv
@@ -228,9 +245,16 @@ class Election:
         """Our deadline must follow the bucket's real TTL when it is shorter than ours, or
         we would lead past the moment a standby can take the key."""
         if bucket_ttl_s and bucket_ttl_s < self.lease.ttl_s:
-            log.warning("lease bucket %s expires entries after %.2fs, not %.2fs: using %.2fs",
-                        self.bucket, bucket_ttl_s, self.lease.ttl_s, bucket_ttl_s)
+            log.warning(
+                "lease bucket %s expires entries after %.2fs, not %.2fs: using %.2fs",
+                self.bucket,
+                bucket_ttl_s,
+                self.lease.ttl_s,
+                bucket_ttl_s,
+            )
             if 2 * self.lease.renew_s > bucket_ttl_s:
-                log.error("renewing every %.2fs is too slow for that TTL: leadership will flap",
-                          self.lease.renew_s)
+                log.error(
+                    "renewing every %.2fs is too slow for that TTL: leadership will flap",
+                    self.lease.renew_s,
+                )
             self.lease.ttl_s = bucket_ttl_s

@@ -21,20 +21,34 @@ class ConductorMetrics:
     def __init__(self, instances: Registry) -> None:
         self.instances = instances
         self.registry = r = new_registry()
-        self.placements = Counter("halfmoon_conductor_placements",
-                                  "Requests placed (dispatched to a prefill instance), by policy",
-                                  ["policy"], registry=r)
-        self.rejections = Counter("halfmoon_conductor_rejections",
-                                  "Requests not placed, by error code", ["reason"], registry=r)
+        self.placements = Counter(
+            "halfmoon_conductor_placements",
+            "Requests placed (dispatched to a prefill instance), by policy",
+            ["policy"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "halfmoon_conductor_rejections",
+            "Requests not placed, by error code",
+            ["reason"],
+            registry=r,
+        )
         for reason in KNOWN_REJECTIONS:
             self.rejections.labels(reason)
         self.placement_seconds = Histogram(
-            "halfmoon_conductor_placement_seconds", "Whole placement of a request: prefix "
-            "match, policy, dispatch until the prefill instance acknowledges", ["outcome"],
-            buckets=DECISION_BUCKETS, registry=r)
-        self.decision_seconds = Histogram("halfmoon_conductor_decision_seconds",
-                                          "One policy decision (pure computation)",
-                                          buckets=DECISION_BUCKETS, registry=r)
+            "halfmoon_conductor_placement_seconds",
+            "Whole placement of a request: prefix "
+            "match, policy, dispatch until the prefill instance acknowledges",
+            ["outcome"],
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "halfmoon_conductor_decision_seconds",
+            "One policy decision (pure computation)",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
         r.register(ScrapeCollector(self.collect))
 
     def placed(self, policy: str, seconds: float) -> None:
@@ -47,7 +61,9 @@ class ConductorMetrics:
 
     def collect(self) -> Iterable[Metric]:
         now = time.time()
-        yield gauge("halfmoon_conductor_live_instances", "Instances with a recent ready "
-                    "heartbeat, by role", labels=("role",),
-                    samples=[((role.value,), len(self.instances.alive(role, now)))
-                             for role in Role])
+        yield gauge(
+            "halfmoon_conductor_live_instances",
+            "Instances with a recent ready heartbeat, by role",
+            labels=("role",),
+            samples=[((role.value,), len(self.instances.alive(role, now))) for role in Role],
+        )

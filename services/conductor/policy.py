@@ -92,8 +92,13 @@ def best_holder(req: RequestView) -> tuple[str, int]:
     return holder, blocks
 
 
-def candidate(snap: Snapshot, req: RequestView, inst: InstanceView, pull: bool,
-              holder: tuple[str, int] | None = None) -> Candidate:
+def candidate(
+    snap: Snapshot,
+    req: RequestView,
+    inst: InstanceView,
+    pull: bool,
+    holder: tuple[str, int] | None = None,
+) -> Candidate:
     """Predicted TTFT parts on `inst`, with or without pulling the best holder's prefix
     (the pull's transfer time is part of the candidate's TTFT)."""
     bs = snap.cost.block_size
@@ -105,8 +110,9 @@ def candidate(snap: Snapshot, req: RequestView, inst: InstanceView, pull: bool,
         reuse, source, xfer = own, "", 0.0
     cached = min(reuse * bs, req.prompt_tokens - 1)
     prefill = snap.cost.prefill_s(req.prompt_tokens - cached, cached)
-    return Candidate(inst.instance_id, reuse, source, xfer, inst.queue_s, prefill,
-                     snap.cost.overhead_s)
+    return Candidate(
+        inst.instance_id, reuse, source, xfer, inst.queue_s, prefill, snap.cost.overhead_s
+    )
 
 
 def joined_tbt(snap: Snapshot, req: RequestView, d: InstanceView) -> float:
@@ -141,27 +147,44 @@ def select_decode(snap: Snapshot, req: RequestView) -> tuple[str, float]:
 def colocated_decode(snap: Snapshot, req: RequestView, chosen: Candidate) -> tuple[str, float]:
     """Colocated: the chosen instance decodes too, so its own batch sets the TBT; no decode
     instance is named (the job's empty decode id tells the instance to keep the request)."""
-    own = next((d for d in snap.decodes if d.instance_id == chosen.instance_id),
-               InstanceView(chosen.instance_id))
+    own = next(
+        (d for d in snap.decodes if d.instance_id == chosen.instance_id),
+        InstanceView(chosen.instance_id),
+    )
     return "", joined_tbt(snap, req, own)
 
 
-def finish(policy: str, snap: Snapshot, req: RequestView, chosen: Candidate,
-           candidates: list[Candidate]) -> Decision:
+def finish(
+    policy: str, snap: Snapshot, req: RequestView, chosen: Candidate, candidates: list[Candidate]
+) -> Decision:
     """Pick decode, then apply the SLOs: early rejection shared by every policy."""
-    decode_id, tbt = (colocated_decode(snap, req, chosen) if snap.colocated
-                      else select_decode(snap, req))
-    d = Decision(policy, chosen, decode_id, tbt, candidates,
-                 decode_blocks=0 if snap.colocated else kv_blocks_needed(snap, req))
+    decode_id, tbt = (
+        colocated_decode(snap, req, chosen) if snap.colocated else select_decode(snap, req)
+    )
+    d = Decision(
+        policy,
+        chosen,
+        decode_id,
+        tbt,
+        candidates,
+        decode_blocks=0 if snap.colocated else kv_blocks_needed(snap, req),
+    )
     if not decode_id and not snap.colocated:
-        d.rejected = ("no decode instance" if not snap.decodes else
-                      f"no decode instance with room for {d.decode_blocks} KV blocks")
+        d.rejected = (
+            "no decode instance"
+            if not snap.decodes
+            else f"no decode instance with room for {d.decode_blocks} KV blocks"
+        )
     elif chosen.ttft_s > req.ttft_slo_s * snap.slo_margin:
-        d.rejected = (f"predicted TTFT {chosen.ttft_s:.2f}s exceeds {_share(snap)}the SLO of "
-                      f"{req.ttft_slo_s:.2f}s")
+        d.rejected = (
+            f"predicted TTFT {chosen.ttft_s:.2f}s exceeds {_share(snap)}the SLO of "
+            f"{req.ttft_slo_s:.2f}s"
+        )
     elif tbt > req.tbt_slo_s * snap.slo_margin:
-        d.rejected = (f"predicted TBT {tbt * 1e3:.0f}ms exceeds {_share(snap)}the SLO of "
-                      f"{req.tbt_slo_s * 1e3:.0f}ms")
+        d.rejected = (
+            f"predicted TBT {tbt * 1e3:.0f}ms exceeds {_share(snap)}the SLO of "
+            f"{req.tbt_slo_s * 1e3:.0f}ms"
+        )
     return d
 
 
@@ -259,8 +282,16 @@ class KVCentricPolicy(Policy):
         return finish(self.name, snap, req, chosen, cands)
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (
-    RandomPolicy, RoundRobinPolicy, LeastLoadedPolicy, LargestPrefixPolicy, KVCentricPolicy)}
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p
+    for p in (
+        RandomPolicy,
+        RoundRobinPolicy,
+        LeastLoadedPolicy,
+        LargestPrefixPolicy,
+        KVCentricPolicy,
+    )
+}
 
 
 def make_policy(name: str) -> Policy:

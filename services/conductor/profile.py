@@ -17,14 +17,20 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from services.conductor.costmodel import (CostModel, decode_features, default_path, profile_path,
-                                          least_squares, prefill_features)
 import torch
 
+from services.conductor.costmodel import (
+    CostModel,
+    decode_features,
+    default_path,
+    least_squares,
+    prefill_features,
+    profile_path,
+)
 from shared.engine import cpu
 from shared.engine.llm_engine import EngineConfig, LLMEngine
-from shared.engine.runner import load_model
 from shared.engine.params import SamplingParams
+from shared.engine.runner import load_model
 from shared.model_store import ensure_model
 
 ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -42,8 +48,9 @@ def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams 
     return time.perf_counter() - t0
 
 
-def profile_prefill(engine: LLMEngine, rng: random.Random, quick: bool
-                    ) -> tuple[list[list[float]], list[float]]:
+def profile_prefill(
+    engine: LLMEngine, rng: random.Random, quick: bool
+) -> tuple[list[list[float]], list[float]]:
     rows, times = [], []
     news = (32, 256, 1024) if quick else (32, 128, 256, 512, 1024, 2048)
     cacheds = (0, 512) if quick else (0, 512, 1536)
@@ -58,18 +65,21 @@ def profile_prefill(engine: LLMEngine, rng: random.Random, quick: bool
     return rows, times
 
 
-def profile_decode(engine: LLMEngine, rng: random.Random, quick: bool
-                   ) -> tuple[list[list[float]], list[float]]:
+def profile_decode(
+    engine: LLMEngine, rng: random.Random, quick: bool
+) -> tuple[list[list[float]], list[float]]:
     rows, times = [], []
-    for ctx in ((256,) if quick else (128, 512, 1024)):
+    for ctx in (256,) if quick else (128, 512, 1024):
         shared = _tokens(rng, ctx)
         _run(engine, f"dwarm-{ctx}", shared + [1])
-        for batch in ((1, 8, 32) if quick else (1, 4, 8, 16, 32, 64)):
+        for batch in (1, 8, 32) if quick else (1, 4, 8, 16, 32, 64):
             params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
             for i in range(batch):  # shared prefix: set-up is cheap, decode cost is not
                 engine.add_request(f"d-{ctx}-{batch}-{i}", shared + [i + 2], params)
-            while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or \
-                    engine.scheduler.waiting:
+            while (
+                any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running)
+                or engine.scheduler.waiting
+            ):
                 engine.step()
             steps = []
             while engine.has_work():
@@ -111,54 +121,89 @@ async def profile_transfer(mib: int = 16) -> tuple[float, float]:
 
 def fit(args: argparse.Namespace) -> tuple[CostModel, dict]:
     lm = load_model(ensure_model(args.model), args.dtype, "cpu", args.threads)
-    engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-                                        max_num_batched_tokens=args.chunk_tokens,
-                                        quantization=args.quantization))
+    engine = LLMEngine(
+        lm,
+        EngineConfig(
+            kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+            max_num_batched_tokens=args.chunk_tokens,
+            quantization=args.quantization,
+        ),
+    )
     dtype = str(lm.dtype).removeprefix("torch.")
     rng = random.Random(5)
     _run(engine, "warmup", _tokens(rng, 64))
     p_rows, p_times = profile_prefill(engine, rng, args.quick)
     d_rows, d_times = profile_decode(engine, rng, args.quick)
     latency, bandwidth = asyncio.run(profile_transfer())
-    model = CostModel(prefill_coef=least_squares(p_rows, p_times),
-                      decode_coef=least_squares(d_rows, d_times), transfer_latency_s=latency,
-                      transfer_bytes_per_s=bandwidth, block_bytes=engine.kv.shape.block_nbytes,
-                      block_size=engine.config.block_size,
-                      source=f"halfmoon profile: {lm.name} {dtype} {args.quantization}, "
-                             f"{args.threads} threads, "
-                             f"chunk {args.chunk_tokens}, {time.strftime('%Y-%m-%d %H:%M')}",
-                      key=cpu.engine_key(lm.name, dtype, args.quantization,
-                                         torch.get_num_threads()))
-    errors = {"prefill": _errors(model.prefill_s, p_rows, p_times, lambda r: (r[1], r[3] / max(r[1], 1))),
-              "decode": _errors(model.decode_step_s, d_rows, d_times, lambda r: (r[1], r[2] / max(r[1], 1)))}
+    model = CostModel(
+        prefill_coef=least_squares(p_rows, p_times),
+        decode_coef=least_squares(d_rows, d_times),
+        transfer_latency_s=latency,
+        transfer_bytes_per_s=bandwidth,
+        block_bytes=engine.kv.shape.block_nbytes,
+        block_size=engine.config.block_size,
+        source=f"halfmoon profile: {lm.name} {dtype} {args.quantization}, "
+        f"{args.threads} threads, "
+        f"chunk {args.chunk_tokens}, {time.strftime('%Y-%m-%d %H:%M')}",
+        key=cpu.engine_key(lm.name, dtype, args.quantization, torch.get_num_threads()),
+    )
+    errors = {
+        "prefill": _errors(model.prefill_s, p_rows, p_times, lambda r: (r[1], r[3] / max(r[1], 1))),
+        "decode": _errors(
+            model.decode_step_s, d_rows, d_times, lambda r: (r[1], r[2] / max(r[1], 1))
+        ),
+    }
     return model, errors
 
 
 def _errors(predict, rows, times, args_of) -> dict[str, float]:  # type: ignore[no-untyped-def]
     rel = [abs(predict(*args_of(r)) - t) / t for r, t in zip(rows, times)]
-    return {"median_rel_error": statistics.median(rel), "max_rel_error": max(rel), "points": len(rel)}
+    return {
+        "median_rel_error": statistics.median(rel),
+        "max_rel_error": max(rel),
+        "points": len(rel),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="halfmoon profile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="halfmoon profile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)")
-    p.add_argument("--threads", type=int, default=1, help="as each instance runs (halfmoon up: cores / instances)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="as each instance runs (halfmoon up: cores / instances)",
+    )
     p.add_argument("--quantization", default="none", choices=["none", "int8"])
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--output", default="", help="where to write (default: HALFMOON_HOME/"
-                   "costmodels/<engine key>.json, which conductors pick for engines of that key, "
-                   f"and {default_path()})")
+    p.add_argument(
+        "--output",
+        default="",
+        help="where to write (default: HALFMOON_HOME/"
+        "costmodels/<engine key>.json, which conductors pick for engines of that key, "
+        f"and {default_path()})",
+    )
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     model, errors = fit(args)
     outs = [Path(args.output)] if args.output else [profile_path(model.key), default_path()]
     for out in outs:
         model.save(out)
-    print(json.dumps({"written": [str(o) for o in outs], "model": model.__dict__, "fit": errors},
-                     indent=2))
+    print(
+        json.dumps(
+            {"written": [str(o) for o in outs], "model": model.__dict__, "fit": errors}, indent=2
+        )
+    )
     return 0
 
 

@@ -35,8 +35,14 @@ class Registry:
         self._instances[info.instance_id] = InstanceState(info, now)
         return is_new
 
-    def dispatched(self, instance_id: str, predicted_s: float = 0.0, tokens: int = 0,
-                   count: int = 1, blocks: int = 0) -> None:
+    def dispatched(
+        self,
+        instance_id: str,
+        predicted_s: float = 0.0,
+        tokens: int = 0,
+        count: int = 1,
+        blocks: int = 0,
+    ) -> None:
         """Account a dispatch (or, with negative values, take a failed one back)."""
         state = self._instances.get(instance_id)
         if state is not None:
@@ -46,9 +52,13 @@ class Registry:
             state.pending_blocks += blocks
 
     def alive(self, role: Role, now: float) -> list[InstanceState]:
-        return [s for s in self._instances.values()
-                if s.info.role == role and s.info.status == "ready"
-                and now - s.last_seen <= self.expiry_s]
+        return [
+            s
+            for s in self._instances.values()
+            if s.info.role == role
+            and s.info.status == "ready"
+            and now - s.last_seen <= self.expiry_s
+        ]
 
     def expire(self, now: float) -> list[InstanceState]:
         """Forget instances silent for 10x the expiry; returns those newly considered dead."""

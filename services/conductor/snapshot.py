@@ -12,8 +12,12 @@ def prefill_view(state: InstanceState, cost: CostModel) -> InstanceView:
     """Queue time: the predicted prefill of each prompt the instance reported still to
     compute, plus what this conductor sent it since that report (not in it yet)."""
     queue_s = sum(cost.prefill_s(n) for n in state.info.queue_prompts)
-    return InstanceView(state.info.instance_id, queue_s=queue_s + state.pending_s,
-                        running=state.info.running, load=state.load)
+    return InstanceView(
+        state.info.instance_id,
+        queue_s=queue_s + state.pending_s,
+        running=state.info.running,
+        load=state.load,
+    )
 
 
 def decode_view(state: InstanceState) -> InstanceView:
@@ -24,22 +28,43 @@ def decode_view(state: InstanceState) -> InstanceView:
     info = state.info
     running = info.running + state.dispatched_since_beat
     context = info.mean_context * info.running + state.pending_tokens
-    room = (info.kv_blocks_free - info.kv_blocks_leased - state.pending_blocks
-            if info.kv_blocks_total else None)
-    return InstanceView(info.instance_id, running=running, load=state.load,
-                        mean_context=context / running if running else 0.0,
-                        kv_blocks_free=room)
+    room = (
+        info.kv_blocks_free - info.kv_blocks_leased - state.pending_blocks
+        if info.kv_blocks_total
+        else None
+    )
+    return InstanceView(
+        info.instance_id,
+        running=running,
+        load=state.load,
+        mean_context=context / running if running else 0.0,
+        kv_blocks_free=room,
+    )
 
 
-def build(prefills: list[InstanceState], decodes: list[InstanceState], cost: CostModel,
-          threshold: float, slo_margin: float = 1.0, colocated: bool = False) -> Snapshot:
-    return Snapshot([prefill_view(p, cost) for p in prefills], [decode_view(d) for d in decodes],
-                    cost, threshold, slo_margin, colocated)
+def build(
+    prefills: list[InstanceState],
+    decodes: list[InstanceState],
+    cost: CostModel,
+    threshold: float,
+    slo_margin: float = 1.0,
+    colocated: bool = False,
+) -> Snapshot:
+    return Snapshot(
+        [prefill_view(p, cost) for p in prefills],
+        [decode_view(d) for d in decodes],
+        cost,
+        threshold,
+        slo_margin,
+        colocated,
+    )
 
 
-def request_view(req: GenerateRequest, matches: dict[str, int], ttft_slo_s: float,
-                 tbt_slo_s: float) -> RequestView:
+def request_view(
+    req: GenerateRequest, matches: dict[str, int], ttft_slo_s: float, tbt_slo_s: float
+) -> RequestView:
     ttft = req.ttft_slo_ms / 1e3 if req.ttft_slo_ms else ttft_slo_s
     tbt = req.tbt_slo_ms / 1e3 if req.tbt_slo_ms else tbt_slo_s
-    return RequestView(req.request_id, len(req.prompt_token_ids), matches, ttft, tbt,
-                       req.sampling.max_tokens)
+    return RequestView(
+        req.request_id, len(req.prompt_token_ids), matches, ttft, tbt, req.sampling.max_tokens
+    )

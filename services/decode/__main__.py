@@ -7,14 +7,14 @@ import contextlib
 import logging
 from typing import Sequence
 
-from shared import bus, subjects
-from services.worker.bootstrap import load_for, with_instance_id
-from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
-from services.worker.settings import make_receiver
-from services.worker.metrics import EngineMetrics
-from shared.metrics import serve_metrics
 from services.decode.args import DecodeSettings, parse_args
 from services.decode.handlers import DecodeInstance
+from services.worker.bootstrap import load_for, with_instance_id
+from services.worker.metrics import EngineMetrics
+from services.worker.settings import make_receiver
+from shared import bus, subjects
+from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
+from shared.metrics import serve_metrics
 
 log = logging.getLogger("services.decode")
 
@@ -29,13 +29,16 @@ async def serve(settings: DecodeSettings) -> None:
         stack.push_async_callback(bus.close, nc)
         inst = DecodeInstance(settings, nc, lm, make_receiver(settings))
         stack.callback(inst.close_engine)
-        await serve_metrics(stack, EngineMetrics(inst).registry, settings.metrics_host,
-                            settings.metrics_port)
+        await serve_metrics(
+            stack, EngineMetrics(inst).registry, settings.metrics_host, settings.metrics_port
+        )
         submit = await nc.subscribe(subjects.decode_submit(settings.instance_id), cb=inst.on_submit)
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
         await inst.publish_cleared()  # a previous incarnation's blocks are gone
         worker = asyncio.create_task(inst.serve(stop))
-        beat = asyncio.create_task(heartbeat_loop(nc, inst.heartbeat, settings.heartbeat_interval_s, stop))
+        beat = asyncio.create_task(
+            heartbeat_loop(nc, inst.heartbeat, settings.heartbeat_interval_s, stop)
+        )
         log.info("decode %s ready (model %s)", settings.instance_id, lm.name)
         await stop.wait()
         # Stop intake; sequences still running end with a clear error, never silently.

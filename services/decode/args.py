@@ -14,10 +14,17 @@ class DecodeSettings(WorkerSettings):
     """The shared worker settings (pool size, batch size), and the handoff queue's bound."""
 
     max_queued_handoffs: int = Field(
-        256, gt=0, description="handoffs waiting for KV pool room (not fetched yet) at most; "
-        "further ones are refused, so the conductor places them elsewhere")
+        256,
+        gt=0,
+        description="handoffs waiting for KV pool room (not fetched yet) at most; "
+        "further ones are refused, so the conductor places them elsewhere",
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> DecodeSettings:
-    return parse_settings(DecodeSettings, argv, "halfmoon serve decode",
-                          "Decode instance: KV from prefill → remaining tokens, streamed.")
+    return parse_settings(
+        DecodeSettings,
+        argv,
+        "halfmoon serve decode",
+        "Decode instance: KV from prefill → remaining tokens, streamed.",
+    )

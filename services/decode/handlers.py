@@ -18,15 +18,15 @@ from collections import deque
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from shared import bus, errors
+from services.decode.args import DecodeSettings
 from services.worker.instance import EngineInstance, Stream
+from shared import bus, errors
 from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.messages import Ack, DecodeJob, Role
 from shared.transfer import KVReceiver, TransferFailed
-from services.decode.args import DecodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 class DecodeInstance(EngineInstance):
     role = Role.DECODE
 
-    def __init__(self, settings: DecodeSettings, nc: NATS, lm: LoadedModel,
-                 receiver: KVReceiver) -> None:
+    def __init__(
+        self, settings: DecodeSettings, nc: NATS, lm: LoadedModel, receiver: KVReceiver
+    ) -> None:
         super().__init__(settings, nc, lm)
         self.settings: DecodeSettings = settings
         self.receiver = receiver
@@ -48,10 +49,12 @@ class DecodeInstance(EngineInstance):
         except ValueError as exc:
             await bus.respond(msg, errors.InvalidRequest(f"bad decode job: {exc}"))
             return
-        if len(self.queue) >= self.settings.max_queued_handoffs and \
-                not self.known(job.request.request_id):
-            await bus.respond(msg, errors.Rejected("decode handoff queue is full",
-                                                   retry_after_s=1.0))
+        if len(self.queue) >= self.settings.max_queued_handoffs and not self.known(
+            job.request.request_id
+        ):
+            await bus.respond(
+                msg, errors.Rejected("decode handoff queue is full", retry_after_s=1.0)
+            )
             return
         await self.admit(job)
         await bus.respond(msg, Ack())
@@ -80,10 +83,15 @@ class DecodeInstance(EngineInstance):
                 await self._recompute(job)
                 continue
             try:
-                ok = await self.run_engine(self.engine.reserve, req.request_id,
-                                           req.prompt_token_ids, job.output_token_ids,
-                                           SamplingParams.of(req.sampling), job.kv.num_tokens,
-                                           req.tenant)
+                ok = await self.run_engine(
+                    self.engine.reserve,
+                    req.request_id,
+                    req.prompt_token_ids,
+                    job.output_token_ids,
+                    SamplingParams.of(req.sampling),
+                    job.kv.num_tokens,
+                    req.tenant,
+                )
             except ValueError as exc:
                 self.queue.popleft()
                 await self.finish_with_error(req.request_id, "invalid_request", str(exc))
@@ -109,8 +117,9 @@ class DecodeInstance(EngineInstance):
             await self._recompute(job)
             return
         try:
-            await self.run_engine(self.engine.add_reserved, rid, export, job.output_token_ids,
-                                  job.emitted_text)
+            await self.run_engine(
+                self.engine.add_reserved, rid, export, job.output_token_ids, job.emitted_text
+            )
         except ValueError as exc:
             await self.finish_with_error(rid, "kv_transfer_failed", str(exc))
             return
@@ -121,11 +130,17 @@ class DecodeInstance(EngineInstance):
         """The prefilled KV, or None if the transfer failed or timed out."""
         assert job.kv is not None
         try:
-            meta_bytes, payload = await self.receiver.fetch(job.kv, self.settings.transfer_timeout_s)
+            meta_bytes, payload = await self.receiver.fetch(
+                job.kv, self.settings.transfer_timeout_s
+            )
             export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
         except (TransferFailed, ValueError) as exc:
-            log.warning("request %s: KV transfer from %s failed (%s); recomputing",
-                        job.request.request_id, job.prefill_id, exc)
+            log.warning(
+                "request %s: KV transfer from %s failed (%s); recomputing",
+                job.request.request_id,
+                job.prefill_id,
+                exc,
+            )
             return None
         self.count_transfer(True, len(payload))
         return export
@@ -134,9 +149,15 @@ class DecodeInstance(EngineInstance):
         """Prompt + tokens so far through this engine: slower than a transfer, never lost."""
         req = job.request
         try:
-            await self.run_engine(self.engine.add_recompute, req.request_id, req.prompt_token_ids,
-                                  job.output_token_ids, SamplingParams.of(req.sampling),
-                                  job.emitted_text, req.tenant)
+            await self.run_engine(
+                self.engine.add_recompute,
+                req.request_id,
+                req.prompt_token_ids,
+                job.output_token_ids,
+                SamplingParams.of(req.sampling),
+                job.emitted_text,
+                req.tenant,
+            )
         except ValueError as exc:
             await self.finish_with_error(req.request_id, "invalid_request", str(exc))
             return

@@ -9,17 +9,22 @@ import os
 import time
 from typing import Sequence
 
-from shared import bus, subjects
-from shared.lifecycle import (heartbeat_loop, install_stop_signals, new_instance_id, run_main,
-                              setup_logging)
-from shared.messages import InstanceInfo, Role
-from shared.db.kv_records import KVBlockWriter, load_blocks
-from shared.db.session import make_engine
 from services.kvmanager.args import KVManagerSettings, parse_args
 from services.kvmanager.handlers import KVManager
 from services.kvmanager.metrics import KVManagerMetrics
-from shared.metrics import serve_metrics
 from services.kvmanager.stream import ensure_stream, replay_and_follow
+from shared import bus, subjects
+from shared.db.kv_records import KVBlockWriter, load_blocks
+from shared.db.session import make_engine
+from shared.lifecycle import (
+    heartbeat_loop,
+    install_stop_signals,
+    new_instance_id,
+    run_main,
+    setup_logging,
+)
+from shared.messages import InstanceInfo, Role
+from shared.metrics import serve_metrics
 
 log = logging.getLogger("services.kvmanager")
 
@@ -41,15 +46,20 @@ async def serve(settings: KVManagerSettings) -> None:
             log.warning("cache metadata not loaded from SQL: %s", exc)
         await records.start()
         stack.push_async_callback(records.close)
-        await serve_metrics(stack, KVManagerMetrics(manager).registry, settings.metrics_host,
-                            settings.metrics_port)
+        await serve_metrics(
+            stack, KVManagerMetrics(manager).registry, settings.metrics_host, settings.metrics_port
+        )
         nc = await bus.connect(settings, instance_id)
         stack.push_async_callback(bus.close, nc)
         await ensure_stream(nc, settings.stream_max_age_s, settings.stream_max_bytes)
         await replay_and_follow(nc, manager.on_event)
         await nc.subscribe(subjects.KV_MATCH, queue=subjects.KVMANAGER_QUEUE, cb=manager.on_match)
-        info = lambda: InstanceInfo(instance_id=instance_id, role=Role.KVMANAGER,  # noqa: E731
-                                    pid=os.getpid(), started_at=started)
+
+        def info() -> InstanceInfo:
+            return InstanceInfo(
+                instance_id=instance_id, role=Role.KVMANAGER, pid=os.getpid(), started_at=started
+            )
+
         beat = asyncio.create_task(heartbeat_loop(nc, info, settings.heartbeat_interval_s, stop))
         log.info("kvmanager %s ready", instance_id)
         await stop.wait()

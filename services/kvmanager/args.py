@@ -17,5 +17,9 @@ class KVManagerSettings(BaseSettings, DatabaseSettings):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> KVManagerSettings:
-    return parse_settings(KVManagerSettings, argv, "halfmoon serve kvmanager",
-                          "KV manager: the cluster-wide index of cached KV blocks.")
+    return parse_settings(
+        KVManagerSettings,
+        argv,
+        "halfmoon serve kvmanager",
+        "KV manager: the cluster-wide index of cached KV blocks.",
+    )

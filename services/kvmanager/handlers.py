@@ -7,10 +7,10 @@ import time
 
 from nats.aio.msg import Msg
 
-from shared import bus, errors
-from shared.messages import KVEvent, KVEventKind, KVMatchReply, KVMatchRequest
 from services.kvmanager.index import KVIndex
+from shared import bus, errors
 from shared.db.kv_records import KVBlockWriter
+from shared.messages import KVEvent, KVEventKind, KVMatchReply, KVMatchRequest
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,13 @@ class KVManager:
     def apply(self, event: KVEvent, now: float) -> None:
         rec = self.records
         if event.kind == KVEventKind.STORED:
-            self.index.stored(event.instance_id, event.tier, event.block_hashes,
-                              event.block_nbytes, now)
+            self.index.stored(
+                event.instance_id, event.tier, event.block_hashes, event.block_nbytes, now
+            )
             if rec:
-                rec.stored(event.instance_id, event.tier, event.block_hashes, event.block_nbytes, now)
+                rec.stored(
+                    event.instance_id, event.tier, event.block_hashes, event.block_nbytes, now
+                )
         elif event.kind == KVEventKind.REMOVED:
             self.index.removed(event.instance_id, event.tier, event.block_hashes)
             if rec:
@@ -71,5 +74,6 @@ class KVManager:
             self.index.touch(req.block_hashes[:n], now)
             if self.records:
                 self.records.hit(best, "dram", req.block_hashes[:n], now)
-        await bus.respond(msg, KVMatchReply(matches={str(k): v for k, v in
-                                                     match.per_instance.items()}))
+        await bus.respond(
+            msg, KVMatchReply(matches={str(k): v for k, v in match.per_instance.items()})
+        )

@@ -41,9 +41,14 @@ class AdmitResult:
 
 
 class HashPool:
-    def __init__(self, capacity_blocks: int | None, policy: str = "lru",
-                 tail_first: bool | None = None, high_watermark: float = 0.90,
-                 evict_ratio: float = 0.05) -> None:
+    def __init__(
+        self,
+        capacity_blocks: int | None,
+        policy: str = "lru",
+        tail_first: bool | None = None,
+        high_watermark: float = 0.90,
+        evict_ratio: float = 0.05,
+    ) -> None:
         """`tail_first=None` keeps the policy's default: off for plain LRU, on for watermark."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
@@ -127,4 +132,6 @@ class HashPool:
     def check_invariants(self) -> None:
         self.blocks.check_invariants()
         if self.capacity_blocks is not None and self.blocks.num_blocks != self.capacity_blocks:
-            raise RuntimeError(f"pool of {self.capacity_blocks} has {self.blocks.num_blocks} blocks")
+            raise RuntimeError(
+                f"pool of {self.capacity_blocks} has {self.blocks.num_blocks} blocks"
+            )

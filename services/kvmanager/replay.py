@@ -21,14 +21,18 @@ from typing import AbstractSet, Iterator, Sequence
 
 from services.kvmanager.index import InstanceId, KVIndex, Tier
 from services.kvmanager.pool import POLICIES, HashPool
-from services.kvmanager.traces import (TraceRequest, default_trace, is_conversation_trace,
-                                       load_trace)
+from services.kvmanager.traces import TraceRequest, default_trace, is_conversation_trace, load_trace
 
 DEFAULT_CAPACITIES: tuple[int | None, ...] = (None, 100_000, 50_000, 30_000, 10_000, 1_000)
 # DESIGN.md "Reference figures": plain LRU, one global pool, the whole conversation trace
 # at its 512-token blocks (shown next to a replay of that trace only).
 REFERENCE_LRU_HIT_PCT: dict[int | None, float] = {
-    None: 37.4, 100_000: 37.1, 50_000: 36.2, 30_000: 33.2, 10_000: 21.5, 1_000: 4.5,
+    None: 37.4,
+    100_000: 37.1,
+    50_000: 36.2,
+    30_000: 33.2,
+    10_000: 21.5,
+    1_000: 4.5,
 }
 _POOL = InstanceId("replay")  # the one instance the global pool is indexed under
 _TIER: Tier = "dram"
@@ -185,20 +189,35 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay a Mooncake trace through the KV index and an eviction policy; "
         "report the prefix-continuous, token-weighted hit ratio.",
     )
-    p.add_argument("--trace", default=default_trace(),
-                   help="JSONL trace (default: env HALFMOON_TRACE, else the repository's 2%% "
-                   "sample of the conversation trace, %(default)s)")
-    p.add_argument("--capacity-blocks", nargs="+", type=_capacity, metavar="C",
-                   default=list(DEFAULT_CAPACITIES),
-                   help="pool sizes in blocks, or inf/unlimited (default: the DESIGN.md set)")
+    p.add_argument(
+        "--trace",
+        default=default_trace(),
+        help="JSONL trace (default: env HALFMOON_TRACE, else the repository's 2%% "
+        "sample of the conversation trace, %(default)s)",
+    )
+    p.add_argument(
+        "--capacity-blocks",
+        nargs="+",
+        type=_capacity,
+        metavar="C",
+        default=list(DEFAULT_CAPACITIES),
+        help="pool sizes in blocks, or inf/unlimited (default: the DESIGN.md set)",
+    )
     p.add_argument("--policy", choices=(*POLICIES, "both"), default="both")
-    p.add_argument("--tail-first", choices=("default", "on", "off"), default="default",
-                   help="evict chain tails before parents (default: off for lru, on for watermark)")
+    p.add_argument(
+        "--tail-first",
+        choices=("default", "on", "off"),
+        default="default",
+        help="evict chain tails before parents (default: off for lru, on for watermark)",
+    )
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace hash block")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--compare-at-occupancy", action="store_true",
-                   help="also replay plain LRU with capacity = each watermark run's warm "
-                   "occupancy (DESIGN.md: compare a watermark policy at what it holds)")
+    p.add_argument(
+        "--compare-at-occupancy",
+        action="store_true",
+        help="also replay plain LRU with capacity = each watermark run's warm "
+        "occupancy (DESIGN.md: compare a watermark policy at what it holds)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per run")
     return p
 
@@ -239,14 +258,18 @@ def format_table(rows: Sequence[_Row], references: Sequence[float | None] | None
         f"{'capacity':>9} {'policy':>9} {'hit %':>7} {ref_head}{'evicted':>8} "
         f"{'avg occ':>8} {'warm occ':>8} {'lru@occ%':>8} {'seconds':>7}"
     )
-    cells: list[str | None] = ([None] * len(rows) if references is None else
-                               ["-" if ref is None else f"{ref:.1f}" for ref in references])
+    cells: list[str | None] = (
+        [None] * len(rows)
+        if references is None
+        else ["-" if ref is None else f"{ref:.1f}" for ref in references]
+    )
     body = [_fmt_row(row, cell) for row, cell in zip(rows, cells)]
     return "\n".join([head, "-" * len(head), *body])
 
 
-def _run_one(requests: Sequence[TraceRequest], capacity: int | None, policy: str,
-             args: argparse.Namespace) -> _Row:
+def _run_one(
+    requests: Sequence[TraceRequest], capacity: int | None, policy: str, args: argparse.Namespace
+) -> _Row:
     tail_first = {"default": None, "on": True, "off": False}[args.tail_first]
     result = replay_requests(requests, capacity, policy, args.block_tokens, tail_first)
     cmp = None

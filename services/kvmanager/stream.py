@@ -24,8 +24,9 @@ STREAM = "HALFMOON_KV"
 
 
 def stream_config(max_age_s: float, max_bytes: int) -> StreamConfig:
-    return StreamConfig(name=STREAM, subjects=[subjects.KV_EVENTS], max_age=max_age_s,
-                        max_bytes=max_bytes)
+    return StreamConfig(
+        name=STREAM, subjects=[subjects.KV_EVENTS], max_age=max_age_s, max_bytes=max_bytes
+    )
 
 
 async def ensure_stream(nc: NATS, max_age_s: float, max_bytes: int) -> None:
@@ -47,5 +48,11 @@ async def replay_and_follow(nc: NATS, cb) -> object:  # type: ignore[no-untyped-
     # NATS restart) and re-creates itself from the last event it saw: 1 s resumes the
     # follow ~2 s after a restart (the default 5 s took ~20 s here). Nothing is lost meanwhile:
     # the stream keeps the events.
-    return await js.subscribe(subjects.KV_EVENTS, stream=STREAM, cb=cb, ordered_consumer=True,
-                              deliver_policy=DeliverPolicy.ALL, idle_heartbeat=1.0)
+    return await js.subscribe(
+        subjects.KV_EVENTS,
+        stream=STREAM,
+        cb=cb,
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.ALL,
+        idle_heartbeat=1.0,
+    )

@@ -7,15 +7,15 @@ import contextlib
 import logging
 from typing import Sequence
 
-from shared import bus, subjects
-from services.worker.bootstrap import load_for, with_instance_id
-from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
-from services.worker.settings import make_receiver, make_sender
-from services.worker.metrics import EngineMetrics
-from shared.metrics import serve_metrics
-from shared.transfer import KVSender
 from services.prefill.args import PrefillSettings, parse_args
 from services.prefill.handlers import PrefillInstance
+from services.worker.bootstrap import load_for, with_instance_id
+from services.worker.metrics import EngineMetrics
+from services.worker.settings import make_receiver, make_sender
+from shared import bus, subjects
+from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
+from shared.metrics import serve_metrics
+from shared.transfer import KVSender
 
 log = logging.getLogger("services.prefill")
 
@@ -34,14 +34,19 @@ async def serve(settings: PrefillSettings) -> None:
         inst = PrefillInstance(settings, nc, lm, sender, make_receiver(settings))
         inst.kv_port = sender.port
         stack.callback(inst.close_engine)
-        await serve_metrics(stack, EngineMetrics(inst).registry, settings.metrics_host,
-                            settings.metrics_port)
-        submit = await nc.subscribe(subjects.prefill_submit(settings.instance_id), cb=inst.on_submit)
+        await serve_metrics(
+            stack, EngineMetrics(inst).registry, settings.metrics_host, settings.metrics_port
+        )
+        submit = await nc.subscribe(
+            subjects.prefill_submit(settings.instance_id), cb=inst.on_submit
+        )
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
         await nc.subscribe(subjects.kv_export(settings.instance_id), cb=inst.on_export)
         await inst.publish_cleared()  # a previous incarnation's blocks are gone
         worker = asyncio.create_task(inst.serve(stop))
-        beat = asyncio.create_task(heartbeat_loop(nc, inst.heartbeat, settings.heartbeat_interval_s, stop))
+        beat = asyncio.create_task(
+            heartbeat_loop(nc, inst.heartbeat, settings.heartbeat_interval_s, stop)
+        )
         log.info("prefill %s ready (model %s)", settings.instance_id, lm.name)
         await stop.wait()
         # Shut down in order: stop intake, finish the prompt in flight, let transfers drain.

@@ -15,5 +15,9 @@ class PrefillSettings(WorkerSettings):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> PrefillSettings:
-    return parse_settings(PrefillSettings, argv, "halfmoon serve prefill",
-                          "Prefill instance: prompt → first token + KV handoff to decode.")
+    return parse_settings(
+        PrefillSettings,
+        argv,
+        "halfmoon serve prefill",
+        "Prefill instance: prompt → first token + KV handoff to decode.",
+    )

@@ -14,17 +14,25 @@ from concurrent.futures import ThreadPoolExecutor
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from shared import bus, errors, subjects
+from services.prefill.args import PrefillSettings
 from services.worker.instance import EngineInstance, Stream
+from shared import bus, errors, subjects
+from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
-from shared.engine.kv_transfer import KVExport, KVMeta
-from shared.messages import (Ack, DecodeJob, GenerateRequest, KVExportReply, KVExportRequest,
-                             PrefillJob, Role, TokenLogprob)
+from shared.messages import (
+    Ack,
+    DecodeJob,
+    GenerateRequest,
+    KVExportReply,
+    KVExportRequest,
+    PrefillJob,
+    Role,
+    TokenLogprob,
+)
 from shared.transfer import KVReceiver, KVSender, TransferFailed, TransferState
 from shared.transfer.base import HANDOFF, PREFIX, short_id
-from services.prefill.args import PrefillSettings
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +40,14 @@ log = logging.getLogger(__name__)
 class PrefillInstance(EngineInstance):
     role = Role.PREFILL
 
-    def __init__(self, settings: PrefillSettings, nc: NATS, lm: LoadedModel,
-                 sender: KVSender, receiver: KVReceiver) -> None:
+    def __init__(
+        self,
+        settings: PrefillSettings,
+        nc: NATS,
+        lm: LoadedModel,
+        sender: KVSender,
+        receiver: KVReceiver,
+    ) -> None:
         super().__init__(settings, nc, lm)
         self.settings: PrefillSettings = settings
         self.sender = sender
@@ -46,7 +60,7 @@ class PrefillInstance(EngineInstance):
         self._leases: dict[str, int] = {}
         self._handoffs: dict[str, str] = {}
 
-    def connector(self) -> "PrefillInstance":
+    def connector(self) -> PrefillInstance:
         return self  # hands_off: the requests a decode instance was named for
 
     def hands_off(self, request_id: str) -> bool:
@@ -85,8 +99,13 @@ class PrefillInstance(EngineInstance):
         try:
             if req.prompt_logprobs is not None:
                 await self._score_prompt(req)
-            await self.run_engine(self.engine.add_request, req.request_id, req.prompt_token_ids,
-                                  SamplingParams.of(req.sampling), req.tenant)
+            await self.run_engine(
+                self.engine.add_request,
+                req.request_id,
+                req.prompt_token_ids,
+                SamplingParams.of(req.sampling),
+                req.tenant,
+            )
         except ValueError as exc:
             self.decode_for.pop(req.request_id, None)
             await self.finish_with_error(req.request_id, "invalid_request", str(exc))
@@ -104,29 +123,44 @@ class PrefillInstance(EngineInstance):
             return
         ids = req.prompt_token_ids[1:]
         stream.prompt_logprobs = [
-            TokenLogprob(token_id=t, logprob=float(lp),
-                         top=list(zip(scores.top_ids[i].tolist(), scores.top_logprobs[i].tolist())))
-            for i, (t, lp) in enumerate(zip(ids, scores.token_logprobs.tolist()))]
+            TokenLogprob(
+                token_id=t,
+                logprob=float(lp),
+                top=list(zip(scores.top_ids[i].tolist(), scores.top_logprobs[i].tolist())),
+            )
+            for i, (t, lp) in enumerate(zip(ids, scores.token_logprobs.tolist()))
+        ]
 
     async def _pull_then_add(self, job: PrefillJob) -> None:
         """Fetch the prefix blocks another instance holds; on any failure just recompute."""
         req = job.request
-        hashes = req.block_hashes[:job.prefix_blocks]
+        hashes = req.block_hashes[: job.prefix_blocks]
         try:
-            reply = await bus.request(self.nc, subjects.kv_export(job.prefix_from),
-                                      KVExportRequest(block_hashes=hashes), KVExportReply,
-                                      timeout_s=2.0)
+            reply = await bus.request(
+                self.nc,
+                subjects.kv_export(job.prefix_from),
+                KVExportRequest(block_hashes=hashes),
+                KVExportReply,
+                timeout_s=2.0,
+            )
             meta_bytes, payload = await self.receiver.fetch(
-                reply.handle, self.settings.transfer_timeout_s, purpose=PREFIX)
+                reply.handle, self.settings.transfer_timeout_s, purpose=PREFIX
+            )
             export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
             self.count_transfer(True, len(payload))
-            n = await self.run_engine(self.engine.import_prefix, req.prompt_token_ids, export,
-                                      req.tenant)
-            log.info("request %s: pulled %d prefix tokens from %s", req.request_id, n,
-                     job.prefix_from)
+            n = await self.run_engine(
+                self.engine.import_prefix, req.prompt_token_ids, export, req.tenant
+            )
+            log.info(
+                "request %s: pulled %d prefix tokens from %s", req.request_id, n, job.prefix_from
+            )
         except (errors.HalfmoonError, TransferFailed, ValueError) as exc:
-            log.warning("request %s: prefix pull from %s failed (%s); recomputing",
-                        req.request_id, job.prefix_from, exc)
+            log.warning(
+                "request %s: prefix pull from %s failed (%s); recomputing",
+                req.request_id,
+                job.prefix_from,
+                exc,
+            )
         await self._add(job)
 
     async def on_export(self, msg: Msg) -> None:
@@ -136,19 +170,25 @@ class PrefillInstance(EngineInstance):
             # Not on the engine thread: an export must not wait behind a prefill chunk
             # (the engine locks only its bookkeeping, not the forward pass).
             export = await asyncio.get_running_loop().run_in_executor(
-                self._exporter, self.engine.export_prefix, req.block_hashes)
+                self._exporter, self.engine.export_prefix, req.block_hashes
+            )
         except ValueError as exc:
             await bus.respond(msg, errors.InvalidRequest(f"bad export request: {exc}"))
             return
         if export is None:
-            await bus.respond(msg, errors.HalfmoonError("none of those blocks is cached here",
-                                                        code="not_cached"))
+            await bus.respond(
+                msg, errors.HalfmoonError("none of those blocks is cached here", code="not_cached")
+            )
             return
         # The reply (over NATS, to the asking instance only) is the one place the new
         # transfer id, a single-use capability, goes.
-        handle = self.sender.offer(PREFIX, export.meta.model_dump_json().encode(),
-                                   export.payload(), export.meta.num_tokens,
-                                   ttl_s=self.settings.transfer_timeout_s)
+        handle = self.sender.offer(
+            PREFIX,
+            export.meta.model_dump_json().encode(),
+            export.payload(),
+            export.meta.num_tokens,
+            ttl_s=self.settings.transfer_timeout_s,
+        )
         self._watch(handle.transfer_id, handle.nbytes, export.meta.num_blocks)
         await bus.respond(msg, KVExportReply(handle=handle, num_blocks=export.meta.num_blocks))
 
@@ -171,25 +211,39 @@ class PrefillInstance(EngineInstance):
         req = stream.request
         # The transfer id is the sender's, not the request id clients see: only the decode
         # job below (over NATS) carries it.
-        handle = self.sender.offer(HANDOFF, out.handoff.meta.model_dump_json().encode(),
-                                   out.handoff.payload(), out.handoff.meta.num_tokens,
-                                   ttl_s=self.settings.transfer_timeout_s)
+        handle = self.sender.offer(
+            HANDOFF,
+            out.handoff.meta.model_dump_json().encode(),
+            out.handoff.payload(),
+            out.handoff.meta.num_tokens,
+            ttl_s=self.settings.transfer_timeout_s,
+        )
         tid = handle.transfer_id
         self._watch(tid, handle.nbytes, out.handoff.meta.num_blocks, req.request_id)
-        job = DecodeJob(request=req, prefill_id=self.instance_id, kv=handle,
-                        output_token_ids=out.new_token_ids, emitted_text=out.text,
-                        events_sent=stream.next_index, cached_tokens=out.num_cached_tokens,
-                        first_token_time=time.time())
+        job = DecodeJob(
+            request=req,
+            prefill_id=self.instance_id,
+            kv=handle,
+            output_token_ids=out.new_token_ids,
+            emitted_text=out.text,
+            events_sent=stream.next_index,
+            cached_tokens=out.num_cached_tokens,
+            first_token_time=time.time(),
+        )
         try:
             await bus.request(self.nc, subjects.decode_submit(decode_id), job, Ack, timeout_s=5.0)
         except errors.HalfmoonError as exc:
             await self.sender.withdraw(tid)  # nobody will fetch it
-            await self.finish_with_error(req.request_id, exc.code,
-                                         f"decode {decode_id} did not take the request: {exc.message}",
-                                         stream)
+            await self.finish_with_error(
+                req.request_id,
+                exc.code,
+                f"decode {decode_id} did not take the request: {exc.message}",
+                stream,
+            )
 
-    def _watch(self, transfer_id: str, nbytes: int, num_blocks: int = 0,
-               request_id: str = "") -> None:
+    def _watch(
+        self, transfer_id: str, nbytes: int, num_blocks: int = 0, request_id: str = ""
+    ) -> None:
         self._leases[transfer_id] = num_blocks
         if request_id:
             self._handoffs[request_id] = transfer_id
@@ -197,7 +251,7 @@ class PrefillInstance(EngineInstance):
         async def watch() -> None:
             try:
                 state = await self.sender.wait(transfer_id, self.settings.transfer_timeout_s + 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 state = TransferState.FAILED
             self.sender.states.forget(transfer_id)
             self._leases.pop(transfer_id, None)

@@ -89,15 +89,20 @@ class PrefillInstance:
         return len(self.queue) + (self.running is not None)
 
     def view(self, now: float) -> InstanceView:
-        return InstanceView(self.instance_id, queue_s=self.queue_s(now),
-                            running=int(self.running is not None), load=self.load())
+        return InstanceView(
+            self.instance_id,
+            queue_s=self.queue_s(now),
+            running=int(self.running is not None),
+            load=self.load(),
+        )
 
     def enqueue(self, job: PrefillJob) -> None:
         self.queue.append(job)
         self.queued_s += job.predicted_s
 
-    def start_next(self, now: float, cost: CostModel, block_tokens: int,
-                   source: HashPool | None) -> PrefillJob | None:
+    def start_next(
+        self, now: float, cost: CostModel, block_tokens: int, source: HashPool | None
+    ) -> PrefillJob | None:
         """Start the next queued job if idle; returns it (its end is `running_end_s`).
         `source` is the pool of the job's pull_from instance (None when not pulling)."""
         if self.running is not None or not self.queue:
@@ -109,7 +114,7 @@ class PrefillInstance:
         reuse, xfer_s = own, 0.0
         if source is not None and job.pull_blocks > own:
             # The holder may have evicted part of it since placement: pull what is left.
-            held = source.prefix_blocks(req.hash_ids[:job.pull_blocks])
+            held = source.prefix_blocks(req.hash_ids[: job.pull_blocks])
             if held > own:
                 source.touch(req.hash_ids[:held])  # read for the transfer
                 reuse, xfer_s = held, cost.transfer_s(held - own)
@@ -162,8 +167,7 @@ class DecodeInstance:
         """Held or incoming sequences, as the live decode view counts dispatched ones."""
         n = self.running + len(self.waiting) + self.assigned
         ctx = self.sum_context + sum(s.context for s in self.waiting) + self.assigned_context
-        return InstanceView(self.instance_id, running=n, mean_context=ctx / n if n else 0.0,
-                            load=n)
+        return InstanceView(self.instance_id, running=n, mean_context=ctx / n if n else 0.0, load=n)
 
     def assign(self, context: int) -> None:
         self.assigned += 1
@@ -203,7 +207,7 @@ class DecodeInstance:
     def _finish(self, seq: _Seq, now: float) -> None:
         self.running -= 1
         self.sum_context -= seq.context + seq.last_step - seq.join_step + 1
-        gaps = [seq.first_gap_s, *self.durations[seq.join_step + 1:seq.last_step + 1]]
+        gaps = [seq.first_gap_s, *self.durations[seq.join_step + 1 : seq.last_step + 1]]
         seq.outcome.tbt_s = slowest_tenth_mean(gaps)
         seq.outcome.finish_s = now
 
@@ -243,11 +247,16 @@ def llama3_70b_8xa800() -> CostModel:
     - transfer: a 512-token block is 160 MiB; 200 Gbps RDMA (25 GB/s) + 1 ms latency, so
       one block takes ~7 ms and a 24-block prompt ~160 ms.
     """
-    return CostModel(prefill_coef=[0.02, 1.0e-4, 1.0e-9, 2.0e-9],
-                     decode_coef=[0.025, 2.0e-4, 4.0e-8],
-                     transfer_latency_s=0.001, transfer_bytes_per_s=25e9, overhead_s=0.0,
-                     block_bytes=512 * 327_680, block_size=512,
-                     source="preset llama3-70b-8xa800 (first-principles approximation)")
+    return CostModel(
+        prefill_coef=[0.02, 1.0e-4, 1.0e-9, 2.0e-9],
+        decode_coef=[0.025, 2.0e-4, 4.0e-8],
+        transfer_latency_s=0.001,
+        transfer_bytes_per_s=25e9,
+        overhead_s=0.0,
+        block_bytes=512 * 327_680,
+        block_size=512,
+        source="preset llama3-70b-8xa800 (first-principles approximation)",
+    )
 
 
 PRESETS = {"llama3-70b-8xa800": llama3_70b_8xa800}

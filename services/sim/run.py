@@ -27,8 +27,7 @@ from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import _runs
 from services.kvmanager.traces import TraceRequest
-from services.sim.model import (DecodeInstance, Outcome, PrefillInstance, PrefillJob,
-                                SimRequest)
+from services.sim.model import DecodeInstance, Outcome, PrefillInstance, PrefillJob, SimRequest
 
 _TIER = "dram"
 _PREFILL_DONE, _KV_ARRIVED = 0, 1
@@ -61,15 +60,21 @@ class SimConfig:
         # The policies size a prefix with cost.block_size, the pools count trace blocks:
         # they must be the same unit or predictions and hits disagree.
         if self.cost.block_size != self.block_tokens:
-            raise ValueError(f"cost.block_size {self.cost.block_size} != block_tokens "
-                             f"{self.block_tokens}; see model.with_block_tokens")
+            raise ValueError(
+                f"cost.block_size {self.cost.block_size} != block_tokens "
+                f"{self.block_tokens}; see model.with_block_tokens"
+            )
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("need at least one prefill and one decode instance")
 
 
 def to_sim_requests(trace: Sequence[TraceRequest], time_scale: float) -> list[SimRequest]:
-    return [SimRequest(i, r.timestamp_ms / 1000.0 * time_scale, r.input_length,
-                       r.output_length, r.hash_ids) for i, r in enumerate(trace)]
+    return [
+        SimRequest(
+            i, r.timestamp_ms / 1000.0 * time_scale, r.input_length, r.output_length, r.hash_ids
+        )
+        for i, r in enumerate(trace)
+    ]
 
 
 class Cluster:
@@ -79,10 +84,13 @@ class Cluster:
         self.cfg, self.policy = cfg, policy
         self.cost = cfg.cost
         self.index = KVIndex()
-        self.prefills = {f"p{i:02d}": PrefillInstance(f"p{i:02d}", HashPool(cfg.cache_blocks,
-                         cfg.eviction)) for i in range(cfg.num_prefill)}
-        self.decodes = {f"d{i:02d}": DecodeInstance(f"d{i:02d}", cfg.cost)
-                        for i in range(cfg.num_decode)}
+        self.prefills = {
+            f"p{i:02d}": PrefillInstance(f"p{i:02d}", HashPool(cfg.cache_blocks, cfg.eviction))
+            for i in range(cfg.num_prefill)
+        }
+        self.decodes = {
+            f"d{i:02d}": DecodeInstance(f"d{i:02d}", cfg.cost) for i in range(cfg.num_decode)
+        }
         self.events: list[tuple[float, int, int, str, Outcome | None]] = []
         self.outcomes: list[Outcome] = []
         self.num_placed_over_slo = 0  # rejected by the policy but placed (reject=False)
@@ -94,16 +102,27 @@ class Cluster:
         for d in self.decodes.values():
             d.advance(now)
         matches = self.index.match(req.hash_ids).per_instance
-        snap = Snapshot([p.view(now) for p in self.prefills.values()],
-                        [d.view() for d in self.decodes.values()], self.cost,
-                        self.cfg.balancing_threshold, self.cfg.slo_margin)
-        view = RequestView(str(req.index), req.input_length, dict(matches),
-                           self.cfg.ttft_slo_s, self.cfg.tbt_slo_s, req.output_length)
+        snap = Snapshot(
+            [p.view(now) for p in self.prefills.values()],
+            [d.view() for d in self.decodes.values()],
+            self.cost,
+            self.cfg.balancing_threshold,
+            self.cfg.slo_margin,
+        )
+        view = RequestView(
+            str(req.index),
+            req.input_length,
+            dict(matches),
+            self.cfg.ttft_slo_s,
+            self.cfg.tbt_slo_s,
+            req.output_length,
+        )
         decision = self.policy.decide(snap, view)
         out = Outcome(req, predicted_ttft_s=decision.ttft_s)
         self.outcomes.append(out)
-        if decision.rejected and (self.cfg.reject or decision.prefill is None
-                                  or not decision.decode_id):
+        if decision.rejected and (
+            self.cfg.reject or decision.prefill is None or not decision.decode_id
+        ):
             out.rejected = decision.rejected
             return
         self.num_placed_over_slo += bool(decision.rejected)
@@ -112,8 +131,11 @@ class Cluster:
         out.prefill_id, out.decode_id = chosen.instance_id, decision.decode_id
         self.decodes[out.decode_id].assign(req.input_length + 1)
         inst = self.prefills[chosen.instance_id]
-        inst.enqueue(PrefillJob(out, chosen.pull_from, chosen.prefix_blocks,
-                                chosen.transfer_s + chosen.prefill_s))
+        inst.enqueue(
+            PrefillJob(
+                out, chosen.pull_from, chosen.prefix_blocks, chosen.transfer_s + chosen.prefill_s
+            )
+        )
         self._start(inst, now)
 
     def _start(self, inst: PrefillInstance, now: float) -> None:
@@ -198,8 +220,9 @@ def common_prefix(requests: Sequence[SimRequest]) -> list[int]:
     return prefix
 
 
-def simulate(requests: Sequence[SimRequest], cfg: SimConfig,
-             policy: str | Policy) -> tuple[list[Outcome], float, Cluster]:
+def simulate(
+    requests: Sequence[SimRequest], cfg: SimConfig, policy: str | Policy
+) -> tuple[list[Outcome], float, Cluster]:
     """Run the whole trace; returns the outcomes (trace order), wall seconds, the cluster."""
     started = time.perf_counter()
     cluster = Cluster(cfg, make_policy(policy) if isinstance(policy, str) else policy)
@@ -235,8 +258,13 @@ class SimResult:
     wall_s: float
 
 
-def summarize(policy: str, outcomes: Sequence[Outcome], wall_s: float, block_tokens: int,
-              placed_over_slo: int = 0) -> SimResult:
+def summarize(
+    policy: str,
+    outcomes: Sequence[Outcome],
+    wall_s: float,
+    block_tokens: int,
+    placed_over_slo: int = 0,
+) -> SimResult:
     placed = [o for o in outcomes if not o.rejected]
     ttft = [o.ttft_s for o in placed]
     tbt = [o.tbt_s for o in placed if not math.isnan(o.tbt_s)]
@@ -245,20 +273,27 @@ def summarize(policy: str, outcomes: Sequence[Outcome], wall_s: float, block_tok
     start = min((o.request.arrival_s for o in outcomes), default=0.0)
     end = max((o.finish_s for o in placed), default=start)
     return SimResult(
-        policy=policy, requests=len(outcomes), rejected=len(outcomes) - len(placed),
+        policy=policy,
+        requests=len(outcomes),
+        rejected=len(outcomes) - len(placed),
         placed_over_slo=placed_over_slo,
         avg_ttft_s=sum(ttft) / len(ttft) if ttft else math.nan,
-        p50_ttft_s=percentile(ttft, 50), p90_ttft_s=percentile(ttft, 90),
+        p50_ttft_s=percentile(ttft, 50),
+        p90_ttft_s=percentile(ttft, 90),
         p99_ttft_s=percentile(ttft, 99),
-        avg_tbt_s=sum(tbt) / len(tbt) if tbt else math.nan, p99_tbt_s=percentile(tbt, 99),
-        hit_ratio=hits / inputs if inputs else 0.0, hit_tokens=hits, input_tokens=inputs,
+        avg_tbt_s=sum(tbt) / len(tbt) if tbt else math.nan,
+        p99_tbt_s=percentile(tbt, 99),
+        hit_ratio=hits / inputs if inputs else 0.0,
+        hit_tokens=hits,
+        input_tokens=inputs,
         pulled_blocks=sum(o.pulled_blocks for o in placed),
-        makespan_s=end - start, wall_s=wall_s)
+        makespan_s=end - start,
+        wall_s=wall_s,
+    )
 
 
 def run_policy(requests: Sequence[SimRequest], cfg: SimConfig, policy: str) -> SimResult:
     if policy == LOCAL:
         cfg = replace(cfg, balancing_threshold=math.inf)
-    outcomes, wall_s, cluster = simulate(requests, cfg, "kvcentric" if policy == LOCAL
-                                         else policy)
+    outcomes, wall_s, cluster = simulate(requests, cfg, "kvcentric" if policy == LOCAL else policy)
     return summarize(policy, outcomes, wall_s, cfg.block_tokens, cluster.num_placed_over_slo)

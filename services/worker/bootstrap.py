@@ -24,5 +24,6 @@ async def load_for(settings: WorkerSettings, role: str) -> LoadedModel:
         os.nice(settings.nice)
     model_dir = await asyncio.to_thread(ensure_model, settings.model)
     name = settings.served_model_name or model_dir.name
-    return await asyncio.to_thread(load_model, model_dir, settings.dtype, settings.device,
-                                   settings.threads, name)
+    return await asyncio.to_thread(
+        load_model, model_dir, settings.dtype, settings.device, settings.threads, name
+    )

@@ -24,9 +24,20 @@ from shared.engine import cpu
 from shared.engine.connector import KVConnector
 from shared.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 from shared.engine.runner import LoadedModel
-from shared.messages import (CancelRequest, ErrorBody, FinishReason, GenerateRequest,
-                             InstanceInfo, KVActivity, KVEvent, KVEventKind, Role, TokenEvent,
-                             TokenLogprob, Usage)
+from shared.messages import (
+    CancelRequest,
+    ErrorBody,
+    FinishReason,
+    GenerateRequest,
+    InstanceInfo,
+    KVActivity,
+    KVEvent,
+    KVEventKind,
+    Role,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,8 +91,12 @@ class EngineInstance:
         self._stats = self.engine.stats()
         self.kv_activity = KVActivity()  # cumulative, sent with every heartbeat
         # What the conductor's cost-model prior must match (see calibration.py).
-        self._engine_key = cpu.engine_key(lm.name, str(lm.dtype).removeprefix("torch."),
-                                          settings.quantization, torch.get_num_threads())
+        self._engine_key = cpu.engine_key(
+            lm.name,
+            str(lm.dtype).removeprefix("torch."),
+            settings.quantization,
+            torch.get_num_threads(),
+        )
 
     def connector(self) -> KVConnector | None:
         """What the engine asks where each request's KV goes (None: it decodes them all)."""
@@ -107,15 +122,27 @@ class EngineInstance:
         used = s.kv_blocks_total - s.kv_blocks_free
         disk_used, disk_free = self.disk_blocks()
         return InstanceInfo(
-            instance_id=self.instance_id, role=self.role, pid=os.getpid(),
-            started_at=self.started_at, kv_host=self.settings.kv_advertise_host or
-            self.settings.kv_host, kv_port=self.kv_port, queue_depth=s.waiting,
-            running=s.running, kv_tokens_used=used * self.settings.block_size,
-            model=self.lm.name, queue_prompts=list(s.queue_prompts[:256]),
-            mean_context=s.mean_context, kv_blocks_total=s.kv_blocks_total,
-            kv_blocks_free=s.kv_blocks_free, kv_blocks_cached=s.kv_blocks_cached,
-            disk_blocks_used=disk_used, disk_blocks_free=disk_free, kv_activity=self.kv_activity,
-            kv_blocks_leased=self.leased_blocks(), engine_key=self._engine_key)
+            instance_id=self.instance_id,
+            role=self.role,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            kv_host=self.settings.kv_advertise_host or self.settings.kv_host,
+            kv_port=self.kv_port,
+            queue_depth=s.waiting,
+            running=s.running,
+            kv_tokens_used=used * self.settings.block_size,
+            model=self.lm.name,
+            queue_prompts=list(s.queue_prompts[:256]),
+            mean_context=s.mean_context,
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_free=s.kv_blocks_free,
+            kv_blocks_cached=s.kv_blocks_cached,
+            disk_blocks_used=disk_used,
+            disk_blocks_free=disk_free,
+            kv_activity=self.kv_activity,
+            kv_blocks_leased=self.leased_blocks(),
+            engine_key=self._engine_key,
+        )
 
     def heartbeat(self) -> InstanceInfo:
         """info(), plus the cost samples of work done since the previous heartbeat."""
@@ -157,7 +184,7 @@ class EngineInstance:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.25)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             try:
@@ -186,8 +213,11 @@ class EngineInstance:
     def known(self, request_id: str) -> bool:
         """Cancelled, ended or in progress here: a job for it again is one to drop (the
         client left first, or a publish buffered across a NATS restart came twice)."""
-        return (request_id in self.cancelled or request_id in self.finished
-                or request_id in self.streams)
+        return (
+            request_id in self.cancelled
+            or request_id in self.finished
+            or request_id in self.streams
+        )
 
     async def on_cancel(self, msg: Any) -> None:
         try:
@@ -205,6 +235,7 @@ class EngineInstance:
     async def abort(self, request_id: str) -> None:
         """Drop a request from the engine (its blocks go back to the pool) and refresh the
         stats heartbeats carry: with no work left, no step would refresh them."""
+
         def run() -> EngineStats:
             self.engine.abort(request_id)
             return self.engine.stats()
@@ -226,33 +257,54 @@ class EngineInstance:
             return
         usage = None
         if out.finish_reason is not None:
-            usage = Usage(prompt_tokens=out.num_prompt_tokens,
-                          completion_tokens=out.num_output_tokens,
-                          cached_tokens=max(stream.cached_tokens, out.num_cached_tokens))
+            usage = Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_tokens=max(stream.cached_tokens, out.num_cached_tokens),
+            )
             self.streams.pop(out.request_id)
             self.finished.add(out.request_id)
-        logprobs = None if out.logprobs is None else [
-            TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top))
-            for lp in out.logprobs]
+        logprobs = (
+            None
+            if out.logprobs is None
+            else [
+                TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top))
+                for lp in out.logprobs
+            ]
+        )
         prompt_lps, stream.prompt_logprobs = stream.prompt_logprobs, None  # the first event
-        event = TokenEvent(request_id=out.request_id, index=stream.next_index,
-                           token_ids=out.new_token_ids, text=out.text, logprobs=logprobs,
-                           prompt_logprobs=prompt_lps, finish_reason=out.finish_reason,
-                           usage=usage, instance_id=self.instance_id, sent_at=time.time())
+        event = TokenEvent(
+            request_id=out.request_id,
+            index=stream.next_index,
+            token_ids=out.new_token_ids,
+            text=out.text,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lps,
+            finish_reason=out.finish_reason,
+            usage=usage,
+            instance_id=self.instance_id,
+            sent_at=time.time(),
+        )
         stream.next_index += 1
         await self.nc.publish(subjects.tokens(out.request_id), event.encode())
 
-    async def finish_with_error(self, request_id: str, code: str, message: str,
-                                stream: Stream | None = None) -> None:
+    async def finish_with_error(
+        self, request_id: str, code: str, message: str, stream: Stream | None = None
+    ) -> None:
         stream = stream or self.streams.pop(request_id, None)
         if stream is None:
             return
         self.streams.pop(request_id, None)
         self.finished.add(request_id)
         log.error("request %s failed: %s", request_id, message)
-        event = TokenEvent(request_id=request_id, index=stream.next_index,
-                           finish_reason=FinishReason.ERROR, instance_id=self.instance_id,
-                           error=ErrorBody(code=code, message=message), sent_at=time.time())
+        event = TokenEvent(
+            request_id=request_id,
+            index=stream.next_index,
+            finish_reason=FinishReason.ERROR,
+            instance_id=self.instance_id,
+            error=ErrorBody(code=code, message=message),
+            sent_at=time.time(),
+        )
         await self.nc.publish(subjects.tokens(request_id), event.encode())
 
     async def publish_kv_events(self) -> None:
@@ -262,14 +314,21 @@ class EngineInstance:
         a.blocks_evicted += len(step.kv_evicted)
         a.disk_stored += len(step.disk_stored)
         a.disk_removed += len(step.disk_removed)
-        for kind, tier, hashes in ((KVEventKind.STORED, "dram", step.kv_stored),
-                                   (KVEventKind.REMOVED, "dram", step.kv_evicted),
-                                   (KVEventKind.STORED, "disk", step.disk_stored),
-                                   (KVEventKind.REMOVED, "disk", step.disk_removed)):
+        for kind, tier, hashes in (
+            (KVEventKind.STORED, "dram", step.kv_stored),
+            (KVEventKind.REMOVED, "dram", step.kv_evicted),
+            (KVEventKind.STORED, "disk", step.disk_stored),
+            (KVEventKind.REMOVED, "disk", step.disk_removed),
+        ):
             if hashes:
-                event = KVEvent(kind=kind, instance_id=self.instance_id, tier=tier,
-                                block_hashes=hashes, sent_at=time.time(),
-                                block_nbytes=self.engine.kv.shape.block_nbytes)
+                event = KVEvent(
+                    kind=kind,
+                    instance_id=self.instance_id,
+                    tier=tier,
+                    block_hashes=hashes,
+                    sent_at=time.time(),
+                    block_nbytes=self.engine.kv.shape.block_nbytes,
+                )
                 await self.nc.publish(subjects.KV_EVENTS, event.encode())
 
     async def publish_cleared(self) -> None:

@@ -14,7 +14,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import Metric
 
 from shared.engine.llm_engine import EngineStats, StepStats
-from shared.metrics import (FAST_BUCKETS, ScrapeCollector, counter, gauge, new_registry)
+from shared.metrics import FAST_BUCKETS, ScrapeCollector, counter, gauge, new_registry
 from shared.transfer.base import TransferState
 
 if TYPE_CHECKING:
@@ -23,27 +23,39 @@ if TYPE_CHECKING:
 
 
 class EngineMetrics:
-    def __init__(self, inst: "EngineInstance") -> None:
+    def __init__(self, inst: EngineInstance) -> None:
         self.inst = inst
         self.registry = r = new_registry()
-        self.step_seconds = Histogram("halfmoon_engine_step_seconds",
-                                      "Wall time of one engine step (one forward pass)",
-                                      buckets=FAST_BUCKETS, registry=r)
-        self.step_tokens = Counter("halfmoon_engine_step_tokens",
-                                   "Tokens computed by engine steps (prompt chunks + decodes)",
-                                   registry=r)
+        self.step_seconds = Histogram(
+            "halfmoon_engine_step_seconds",
+            "Wall time of one engine step (one forward pass)",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.step_tokens = Counter(
+            "halfmoon_engine_step_tokens",
+            "Tokens computed by engine steps (prompt chunks + decodes)",
+            registry=r,
+        )
         self.transfer_seconds = Histogram(
-            "halfmoon_kv_transfer_seconds", "Completed KV transfers: receiving side from fetch "
+            "halfmoon_kv_transfer_seconds",
+            "Completed KV transfers: receiving side from fetch "
             "to done, sending side from offer to done (includes the wait for the receiver)",
-            ["direction", "purpose"], buckets=FAST_BUCKETS, registry=r)
-        self.transfer_failures = Counter("halfmoon_kv_transfer_failures",
-                                         "KV transfers that ended failed or expired",
-                                         ["direction", "purpose"], registry=r)
+            ["direction", "purpose"],
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.transfer_failures = Counter(
+            "halfmoon_kv_transfer_failures",
+            "KV transfers that ended failed or expired",
+            ["direction", "purpose"],
+            registry=r,
+        )
         r.register(ScrapeCollector(self.collect))
         inst.engine.on_step = self.on_step
         self.watch_transfers(getattr(inst, "sender", None), getattr(inst, "receiver", None))
 
-    def watch_transfers(self, sender: "KVSender | None", receiver: "KVReceiver | None") -> None:
+    def watch_transfers(self, sender: KVSender | None, receiver: KVReceiver | None) -> None:
         for direction, end in (("out", sender), ("in", receiver)):
             if end is not None:
                 end.states.on_end = self._transfer_ended(direction)
@@ -67,39 +79,64 @@ class EngineMetrics:
     def collect(self) -> Iterable[Metric]:
         inst = self.inst
         s = inst.stats  # the snapshot taken after each step: safe to read off-thread
-        yield gauge("halfmoon_engine_info", "This instance (value 1)",
-                    labels=("instance_id", "role", "model"),
-                    samples=[((inst.instance_id, inst.role.value, inst.lm.name), 1)])
-        yield gauge("halfmoon_engine_waiting_requests", "Requests queued for their prompt",
-                    float(s.waiting))
-        yield gauge("halfmoon_engine_running_requests", "Sequences in the running batch",
-                    float(s.running))
+        yield gauge(
+            "halfmoon_engine_info",
+            "This instance (value 1)",
+            labels=("instance_id", "role", "model"),
+            samples=[((inst.instance_id, inst.role.value, inst.lm.name), 1)],
+        )
+        yield gauge(
+            "halfmoon_engine_waiting_requests", "Requests queued for their prompt", float(s.waiting)
+        )
+        yield gauge(
+            "halfmoon_engine_running_requests", "Sequences in the running batch", float(s.running)
+        )
         queue = getattr(inst, "queue", None)  # decode: handoffs waiting for pool room
         if queue is not None:
-            yield gauge("halfmoon_engine_pending_imports",
-                        "Decode: handoffs waiting for room in the pool (not fetched yet)",
-                        float(len(queue)))
+            yield gauge(
+                "halfmoon_engine_pending_imports",
+                "Decode: handoffs waiting for room in the pool (not fetched yet)",
+                float(len(queue)),
+            )
         yield from self._kv_families(s)
-        yield counter("halfmoon_prefix_cache_hit_tokens", "Prompt tokens served from the prefix "
-                      "cache (local, disk or pulled blocks)", s.prefix_hit_tokens)
-        yield counter("halfmoon_prefix_cache_miss_tokens", "Prompt tokens computed",
-                      s.prefix_miss_tokens)
-        yield counter("halfmoon_engine_preemptions", "Sequences preempted for KV room",
-                      s.preemptions)
-        yield counter("halfmoon_kv_evicted_blocks", "DRAM-tier blocks evicted from the cache",
-                      s.evicted_blocks)
+        yield counter(
+            "halfmoon_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache (local, disk or pulled blocks)",
+            s.prefix_hit_tokens,
+        )
+        yield counter(
+            "halfmoon_prefix_cache_miss_tokens", "Prompt tokens computed", s.prefix_miss_tokens
+        )
+        yield counter(
+            "halfmoon_engine_preemptions", "Sequences preempted for KV room", s.preemptions
+        )
+        yield counter(
+            "halfmoon_kv_evicted_blocks",
+            "DRAM-tier blocks evicted from the cache",
+            s.evicted_blocks,
+        )
         a = inst.kv_activity
-        yield counter("halfmoon_kv_transfer_bytes", "KV bytes moved by completed transfers",
-                      labels=("direction",), samples=[(("in",), a.bytes_in),
-                                                      (("out",), a.bytes_out)])
-        yield counter("halfmoon_kv_transfers", "Completed KV transfers", labels=("direction",),
-                      samples=[(("in",), a.transfers_in), (("out",), a.transfers_out)])
+        yield counter(
+            "halfmoon_kv_transfer_bytes",
+            "KV bytes moved by completed transfers",
+            labels=("direction",),
+            samples=[(("in",), a.bytes_in), (("out",), a.bytes_out)],
+        )
+        yield counter(
+            "halfmoon_kv_transfers",
+            "Completed KV transfers",
+            labels=("direction",),
+            samples=[(("in",), a.transfers_in), (("out",), a.transfers_out)],
+        )
         sender = getattr(inst, "sender", None)
         if sender is not None:
-            yield counter("halfmoon_kv_transfer_refused", "Data-plane requests this sender "
-                          "refused: unknown, used, expired or withdrawn transfer ids, or "
-                          "malformed requests (a run of them from one peer is also logged)",
-                          sender.refusals.total)
+            yield counter(
+                "halfmoon_kv_transfer_refused",
+                "Data-plane requests this sender "
+                "refused: unknown, used, expired or withdrawn transfer ids, or "
+                "malformed requests (a run of them from one peer is also logged)",
+                sender.refusals.total,
+            )
 
     def _kv_families(self, s: EngineStats) -> Iterable[Metric]:
         engine = self.inst.engine
@@ -116,11 +153,24 @@ class EngineMetrics:
             cached.append((("disk",), n))
             used_bytes.append((("disk",), disk.nbytes))
             capacity.append((("disk",), disk.capacity_bytes))
-        yield gauge("halfmoon_kv_blocks", "KV blocks by tier and state (used: held by "
-                    "sequences in DRAM, stored on disk)", labels=("tier", "state"), samples=blocks)
-        yield gauge("halfmoon_kv_cached_blocks", "Blocks registered in the prefix cache "
-                    "(in use or free)", labels=("tier",), samples=cached)
-        yield gauge("halfmoon_kv_used_bytes", "KV bytes in use by tier", labels=("tier",),
-                    samples=used_bytes)
-        yield gauge("halfmoon_kv_capacity_bytes", "KV capacity by tier", labels=("tier",),
-                    samples=capacity)
+        yield gauge(
+            "halfmoon_kv_blocks",
+            "KV blocks by tier and state (used: held by sequences in DRAM, stored on disk)",
+            labels=("tier", "state"),
+            samples=blocks,
+        )
+        yield gauge(
+            "halfmoon_kv_cached_blocks",
+            "Blocks registered in the prefix cache (in use or free)",
+            labels=("tier",),
+            samples=cached,
+        )
+        yield gauge(
+            "halfmoon_kv_used_bytes",
+            "KV bytes in use by tier",
+            labels=("tier",),
+            samples=used_bytes,
+        )
+        yield gauge(
+            "halfmoon_kv_capacity_bytes", "KV capacity by tier", labels=("tier",), samples=capacity
+        )

@@ -42,8 +42,12 @@ class KVBlockWriter:
             self._deletes.discard(key)
             row = self._upserts.get(key)
             if row is None:
-                self._upserts[key] = {"nbytes": nbytes, "created": now, "last_access": now,
-                                      "hits": 0}
+                self._upserts[key] = {
+                    "nbytes": nbytes,
+                    "created": now,
+                    "last_access": now,
+                    "hits": 0,
+                }
             else:
                 row["last_access"] = now
 
@@ -60,9 +64,10 @@ class KVBlockWriter:
 
     def hit(self, instance: str, tier: str, hashes: list[int], now: float) -> None:
         for h in hashes:
-            row = self._upserts.setdefault((to_signed(h), instance, tier),
-                                           {"nbytes": 0, "created": now, "last_access": now,
-                                            "hits": 0})
+            row = self._upserts.setdefault(
+                (to_signed(h), instance, tier),
+                {"nbytes": 0, "created": now, "last_access": now, "hits": 0},
+            )
             row["hits"] += 1
             row["last_access"] = now
 
@@ -91,35 +96,64 @@ class KVBlockWriter:
                 await self._write(session, cleared, deletes, upserts)
         except Exception:  # noqa: BLE001 - metadata is best effort; the index is in memory
             self.failures += 1
-            log.exception("kv_blocks flush failed (%d upserts, %d deletes)", len(upserts),
-                          len(deletes))
+            log.exception(
+                "kv_blocks flush failed (%d upserts, %d deletes)", len(upserts), len(deletes)
+            )
 
-    async def _write(self, session, cleared: set[str], deletes: set[Key],  # type: ignore[no-untyped-def]
-                     upserts: dict[Key, dict[str, Any]]) -> None:
+    async def _write(
+        self,
+        session,
+        cleared: set[str],
+        deletes: set[Key],  # type: ignore[no-untyped-def]
+        upserts: dict[Key, dict[str, Any]],
+    ) -> None:
         t = KVBlockRecord
         for instance in cleared:
             await session.execute(delete(t).where(t.instance_id == instance))
         keys = list(deletes)
         for i in range(0, len(keys), _BATCH):  # bounded statements (SQLite variable limit)
-            await session.execute(delete(t).where(
-                tuple_(t.block_hash, t.instance_id, t.tier).in_(keys[i:i + _BATCH])))
-        rows = [{"block_hash": k[0], "instance_id": k[1], "tier": k[2], "nbytes": v["nbytes"],
-                 "created": v["created"], "last_access": v["last_access"], "hit_count": v["hits"]}
-                for k, v in upserts.items()]
+            await session.execute(
+                delete(t).where(
+                    tuple_(t.block_hash, t.instance_id, t.tier).in_(keys[i : i + _BATCH])
+                )
+            )
+        rows = [
+            {
+                "block_hash": k[0],
+                "instance_id": k[1],
+                "tier": k[2],
+                "nbytes": v["nbytes"],
+                "created": v["created"],
+                "last_access": v["last_access"],
+                "hit_count": v["hits"],
+            }
+            for k, v in upserts.items()
+        ]
         insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
         for i in range(0, len(rows), _BATCH):
-            stmt = insert(t).values(rows[i:i + _BATCH])
+            stmt = insert(t).values(rows[i : i + _BATCH])
             stmt = stmt.on_conflict_do_update(
                 index_elements=[t.block_hash, t.instance_id, t.tier],
-                set_={"last_access": stmt.excluded.last_access,
-                      "hit_count": t.hit_count + stmt.excluded.hit_count})
+                set_={
+                    "last_access": stmt.excluded.last_access,
+                    "hit_count": t.hit_count + stmt.excluded.hit_count,
+                },
+            )
             await session.execute(stmt)
 
 
 async def load_blocks(engine: AsyncEngine) -> list[tuple[int, str, str, int, float]]:
     """(unsigned hash, instance, tier, nbytes, last_access) for every known block."""
     async with sessionmaker(engine)() as session:
-        rows = (await session.execute(select(
-            KVBlockRecord.block_hash, KVBlockRecord.instance_id, KVBlockRecord.tier,
-            KVBlockRecord.nbytes, KVBlockRecord.last_access))).all()
+        rows = (
+            await session.execute(
+                select(
+                    KVBlockRecord.block_hash,
+                    KVBlockRecord.instance_id,
+                    KVBlockRecord.tier,
+                    KVBlockRecord.nbytes,
+                    KVBlockRecord.last_access,
+                )
+            )
+        ).all()
     return [(from_signed(h), i, t, n, a) for h, i, t, n, a in rows]

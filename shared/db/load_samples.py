@@ -15,8 +15,16 @@ from typing import Any
 
 from shared.messages import InstanceInfo
 
-ACTIVITY = ("blocks_stored", "blocks_evicted", "disk_stored", "disk_removed", "transfers_in",
-            "transfers_out", "bytes_in", "bytes_out")
+ACTIVITY = (
+    "blocks_stored",
+    "blocks_evicted",
+    "disk_stored",
+    "disk_removed",
+    "transfers_in",
+    "transfers_out",
+    "bytes_in",
+    "bytes_out",
+)
 
 
 @dataclass
@@ -42,7 +50,8 @@ class LoadSampler:
         self._last[info.instance_id] = _Last(slot, now, info.started_at, counters)
         if last is not None and not restarted:
             deltas: dict[str, int | None] = {
-                k: max(v - last.counters[k], 0) for k, v in counters.items()}
+                k: max(v - last.counters[k], 0) for k, v in counters.items()
+            }
             interval: float | None = now - last.t
         elif restarted or info.started_at >= now - interval_s:
             # Counters since a start within this interval: all of it is this interval's.
@@ -50,12 +59,20 @@ class LoadSampler:
         else:
             # First sight of an old instance (this conductor just started): since when? Unknown.
             deltas, interval = dict.fromkeys(counters), None
-        return {"instance_id": info.instance_id, "t": slot, "role": info.role.value,
-                "interval_s": interval, "queue_depth": info.queue_depth, "running": info.running,
-                "kv_blocks_used": max(info.kv_blocks_total - info.kv_blocks_free, 0),
-                "kv_blocks_free": info.kv_blocks_free, "kv_blocks_cached": info.kv_blocks_cached,
-                "disk_blocks_used": info.disk_blocks_used,
-                "disk_blocks_free": info.disk_blocks_free, **deltas}
+        return {
+            "instance_id": info.instance_id,
+            "t": slot,
+            "role": info.role.value,
+            "interval_s": interval,
+            "queue_depth": info.queue_depth,
+            "running": info.running,
+            "kv_blocks_used": max(info.kv_blocks_total - info.kv_blocks_free, 0),
+            "kv_blocks_free": info.kv_blocks_free,
+            "kv_blocks_cached": info.kv_blocks_cached,
+            "disk_blocks_used": info.disk_blocks_used,
+            "disk_blocks_free": info.disk_blocks_free,
+            **deltas,
+        }
 
     def forget(self, instance_id: str) -> None:
         self._last.pop(instance_id, None)

@@ -15,14 +15,19 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, insert, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.db.load_samples import LoadSampler
-from shared.db.schema import (TERMINAL_STATUSES, DecisionRecord, InstanceRecord, LoadSample,
-                              RequestRecord)
+from shared.db.schema import (
+    TERMINAL_STATUSES,
+    DecisionRecord,
+    InstanceRecord,
+    LoadSample,
+    RequestRecord,
+)
 from shared.db.session import sessionmaker
 from shared.messages import InstanceInfo
 
@@ -87,8 +92,9 @@ class RecordWriter:
         self._queue.put_nowait(_Op("instance", values))
 
     # -- load samples ---------------------------------------------------------------
-    def load_sample(self, info: InstanceInfo, now: float, interval_s: float,
-                    retention_s: float) -> None:
+    def load_sample(
+        self, info: InstanceInfo, now: float, interval_s: float, retention_s: float
+    ) -> None:
         """Call on every heartbeat: one row per instance per interval is kept, and rows
         older than retention_s are deleted now and then so the table stays bounded."""
         row = self._sampler.sample(info, now, interval_s)
@@ -128,17 +134,22 @@ class RecordWriter:
             values = dict(op.values)
             rid = values.pop("id")
             await session.execute(
-                update(t).where(t.id == rid, t.status.not_in(list(TERMINAL_STATUSES)))
-                .values(**values))
+                update(t)
+                .where(t.id == rid, t.status.not_in(list(TERMINAL_STATUSES)))
+                .values(**values)
+            )
         elif op.kind == "terminal":
             values = dict(op.values)
             rid = values.pop("id")
             result = await session.execute(
-                update(t).where(t.id == rid, t.status.not_in(list(TERMINAL_STATUSES)))
-                .values(**values))
+                update(t)
+                .where(t.id == rid, t.status.not_in(list(TERMINAL_STATUSES)))
+                .values(**values)
+            )
             if result.rowcount == 0:
-                log.warning("request %s already had a terminal status; %s ignored",
-                            rid, values["status"])
+                log.warning(
+                    "request %s already had a terminal status; %s ignored", rid, values["status"]
+                )
         elif op.kind == "instance":
             await _upsert_instance(session, op.values)
         elif op.kind == "decision":

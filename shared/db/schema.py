@@ -21,8 +21,9 @@ class RequestStatus(StrEnum):
     REJECTED = "rejected"
 
 
-TERMINAL_STATUSES = frozenset({RequestStatus.COMPLETED, RequestStatus.FAILED,
-                               RequestStatus.CANCELLED, RequestStatus.REJECTED})
+TERMINAL_STATUSES = frozenset(
+    {RequestStatus.COMPLETED, RequestStatus.FAILED, RequestStatus.CANCELLED, RequestStatus.REJECTED}
+)
 
 
 class RequestRecord(Base):
@@ -74,7 +75,9 @@ class KVBlockRecord(Base):
 
     __tablename__ = "kv_blocks"
 
-    block_hash: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # shared.hashing.to_signed
+    block_hash: Mapped[int] = mapped_column(
+        BigInteger, primary_key=True
+    )  # shared.hashing.to_signed
     instance_id: Mapped[str] = mapped_column(String(128), primary_key=True, index=True)
     tier: Mapped[str] = mapped_column(String(8), primary_key=True)
     nbytes: Mapped[int] = mapped_column(Integer)

@@ -26,9 +26,9 @@ def resolve_url(url: str) -> str:
     if url.startswith("postgresql://") or url.startswith("postgres://"):
         url = "postgresql+asyncpg://" + url.split("://", 1)[1]
     elif url.startswith("sqlite:///"):
-        url = "sqlite+aiosqlite:///" + url[len("sqlite:///"):]
+        url = "sqlite+aiosqlite:///" + url[len("sqlite:///") :]
     if url.startswith("sqlite+aiosqlite:///"):
-        path = url[len("sqlite+aiosqlite:///"):]
+        path = url[len("sqlite+aiosqlite:///") :]
         if path and path != ":memory:":
             Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
     return url

@@ -8,8 +8,9 @@ from shared.engine.model import BatchMeta, ChunkMeta
 from shared.engine.scheduler import ScheduledSeq
 
 
-def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: str,
-                all_logits: bool = False) -> tuple[BatchMeta, list[ScheduledSeq]]:
+def build_batch(
+    scheduled: list[ScheduledSeq], block_size: int, device: str, all_logits: bool = False
+) -> tuple[BatchMeta, list[ScheduledSeq]]:
     """The batch, and the scheduled items in batch order (one-token queries first).
     Logits come for each completing item's last row, or for every row (`all_logits`)."""
     singles = [s for s in scheduled if s.num_new_tokens == 1]
@@ -24,7 +25,7 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: str,
     for item in order:
         seq, n = item.seq, item.num_new_tokens
         start, pos0 = len(ids), seq.num_computed_tokens
-        ids.extend(seq.token_ids[pos0:pos0 + n])
+        ids.extend(seq.token_ids[pos0 : pos0 + n])
         for p in range(pos0, pos0 + n):
             positions.append(p)
             blocks.append(seq.block_table[p // block_size])
@@ -35,18 +36,34 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int, device: str,
             logit_rows.append(start + n - 1)
         if n > 1:
             nblocks = -(-(pos0 + n) // block_size)
-            chunk_meta.append(ChunkMeta(start, n, pos0, torch.tensor(
-                seq.block_table[:nblocks], dtype=torch.long, device=device)))
+            chunk_meta.append(
+                ChunkMeta(
+                    start,
+                    n,
+                    pos0,
+                    torch.tensor(seq.block_table[:nblocks], dtype=torch.long, device=device),
+                )
+            )
     width = max((len(s.seq.block_table) for s in singles), default=1)
     tables = torch.zeros(len(singles), width, dtype=torch.int32)
     for row, item in enumerate(singles):
-        tables[row, :len(item.seq.block_table)] = torch.tensor(item.seq.block_table,
-                                                                dtype=torch.int32)
+        tables[row, : len(item.seq.block_table)] = torch.tensor(
+            item.seq.block_table, dtype=torch.int32
+        )
     ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in singles], dtype=torch.int32)
 
     def t(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    meta = BatchMeta(t(ids), t(positions), t(blocks), t(offsets), len(singles), tables, ctx,
-                     chunk_meta, t(logit_rows))
+    meta = BatchMeta(
+        t(ids),
+        t(positions),
+        t(blocks),
+        t(offsets),
+        len(singles),
+        tables,
+        ctx,
+        chunk_meta,
+        t(logit_rows),
+    )
     return meta, order

@@ -46,8 +46,9 @@ def watermark_marks(num_blocks: int, high: float, ratio: float) -> tuple[int, in
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, hot_hits: int = 0,
-                 pin_ttl_s: float = 60.0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, hot_hits: int = 0, pin_ttl_s: float = 60.0
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive sizes, got {num_blocks} blocks of {block_size}")
         self.block_size = block_size
@@ -111,8 +112,9 @@ class BlockManager:
             n = self.cacheable_tokens(seq) // self.block_size
             parent = root_hash(seq.salt)
             for i in range(n):
-                parent = hash_block(parent, tuple(seq.token_ids[i * self.block_size:
-                                                                (i + 1) * self.block_size]))
+                parent = hash_block(
+                    parent, tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                )
             seq.prompt_key, seq.prompt_key_known = (parent if n else None), True
         return seq.prompt_key
 
@@ -128,7 +130,7 @@ class BlockManager:
         matched: list[int] = []
         hashes: list[int] = []
         for i in range(limit):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = hash_block(parent, tokens)
             block_id = self._by_hash.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
@@ -147,12 +149,13 @@ class BlockManager:
         return seq.num_computed_tokens
 
     def commit(self, seq: Sequence) -> list[int]:
-        """Register `seq`'s newly completed full blocks in the prefix cache; returns their hashes."""
+        """Register `seq`'s newly completed full blocks in the prefix cache; returns their
+        hashes."""
         full = seq.num_computed_tokens // self.block_size
         new: list[int] = []
         parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.salt)
         for i in range(len(seq.block_hashes), full):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = hash_block(parent, tokens)
             block = self.blocks[seq.block_table[i]]
             if h not in self._by_hash:

@@ -39,8 +39,9 @@ def grammar(constraint: Constraint) -> str:
 
     kind, spec = constraint.kind, constraint.spec
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}),
-                                                  defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(
+            json.dumps({"type": "object"}), defaults=JSON_OPTIONS
+        )
     if kind == "json_schema":
         return LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
     if kind == "regex":
@@ -49,8 +50,7 @@ def grammar(constraint: Constraint) -> str:
         choices = json.loads(spec)
         if not choices or not all(isinstance(c, str) for c in choices):
             raise ValueError("choice needs a non-empty list of strings")
-        return LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in choices))
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
     if kind == "lark":
         return LLMatcher.grammar_from_lark(spec)
     raise ValueError(f"unknown constraint kind {kind!r}")

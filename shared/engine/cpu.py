@@ -30,9 +30,19 @@ ISAS = ("native", "avx512", "avx2", "generic")
 # Flags that make bf16 arithmetic native: AVX-512 BF16, AMX tiles, AVX-NE-CONVERT (x86);
 # the BF16 extension (aarch64, "bf16" in /proc/cpuinfo features).
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx_ne_convert", "bf16"})
-_AVX512_EXTRAS = ("avx512_bf16", "avx512_vnni", "avx512_fp16", "avx512_vbmi", "avx512_vbmi2",
-                  "avx512_bitalg", "avx512_vpopcntdq", "avx512ifma", "avx_vnni",
-                  "avx_ne_convert", "amx")
+_AVX512_EXTRAS = (
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx512_fp16",
+    "avx512_vbmi",
+    "avx512_vbmi2",
+    "avx512_bitalg",
+    "avx512_vpopcntdq",
+    "avx512ifma",
+    "avx_vnni",
+    "avx_ne_convert",
+    "amx",
+)
 # What each cap leaves for ATen's dispatcher and oneDNN (their own spellings).
 _ATEN = {"avx512": "avx512", "avx2": "avx2", "generic": "default"}
 _ONEDNN = {"avx512": "AVX512_CORE", "avx2": "AVX2", "generic": "SSE41"}
@@ -69,8 +79,11 @@ class CpuInfo:
             return ["-mcpu=native"] if self.arch == "aarch64" else ["-march=native"]
         if not self.x86:
             return []  # generic aarch64: the base architecture
-        return {"avx512": ["-march=skylake-avx512"], "avx2": ["-march=x86-64-v3"],
-                "generic": ["-march=x86-64"]}[self.isa]
+        return {
+            "avx512": ["-march=skylake-avx512"],
+            "avx2": ["-march=x86-64-v3"],
+            "generic": ["-march=x86-64"],
+        }[self.isa]
 
 
 def _read_cpuinfo() -> tuple[str, frozenset[str]]:

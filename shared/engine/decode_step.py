@@ -22,21 +22,49 @@ P = ctypes.c_void_p
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("weight", P), ("scales", P), ("bias", P), ("out_features", ctypes.c_int),
-                ("in_features", ctypes.c_int)]
+    _fields_ = [
+        ("weight", P),
+        ("scales", P),
+        ("bias", P),
+        ("out_features", ctypes.c_int),
+        ("in_features", ctypes.c_int),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", P), ("post_norm", P), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_cache", P), ("v_cache", P)]
+    _fields_ = [
+        ("input_norm", P),
+        ("post_norm", P),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", P),
+        ("v_cache", P),
+    ]
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in (
-        "num_layers", "hidden", "inter", "num_q_heads", "num_kv_heads", "head_dim",
-        "block_size", "act_bf16", "kv_bf16")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", P), ("sin", P),
-        ("layers", ctypes.POINTER(_Layer))]
+    _fields_ = [
+        (name, ctypes.c_int)
+        for name in (
+            "num_layers",
+            "hidden",
+            "inter",
+            "num_q_heads",
+            "num_kv_heads",
+            "head_dim",
+            "block_size",
+            "act_bf16",
+            "kv_bf16",
+        )
+    ] + [
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("cos", P),
+        ("sin", P),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]
 
 
 def _linear(lin: Linear) -> _Linear:
@@ -47,45 +75,72 @@ def _linear(lin: Linear) -> _Linear:
 
 
 class NativeDecodeStep:
-    def __init__(self, model: "PagedLlama", cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, model: PagedLlama, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self._fn = kernels.lib().decode_layers
         self._keep = (cos, sin)  # the tables must outlive every call
         # As many rows as every linear takes through its GEMV (the same for all of them).
         self.max_rows = min(lin.gemv_rows for layer in model.layers for lin in layer.linears)
         layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
-            layers[i] = _Layer(layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr(),
-                               _linear(layer.qkv), _linear(layer.o), _linear(layer.gate_up),
-                               _linear(layer.down), model.kv.k[i].data_ptr(),
-                               model.kv.v[i].data_ptr())
+            layers[i] = _Layer(
+                layer.input_norm.weight.data_ptr(),
+                layer.post_norm.weight.data_ptr(),
+                _linear(layer.qkv),
+                _linear(layer.o),
+                _linear(layer.gate_up),
+                _linear(layer.down),
+                model.kv.k[i].data_ptr(),
+                model.kv.v[i].data_ptr(),
+            )
         self._layers = layers
         cfg = model.config
-        self._model = _Model(len(model.layers), cfg.hidden_size, cfg.intermediate_size,
-                             model.num_heads, model.num_kv_heads, model.head_dim,
-                             model.kv.shape.block_size, int(model.dtype == torch.bfloat16),
-                             int(model.kv.shape.dtype == torch.bfloat16), model.eps,
-                             model.scale, cos.data_ptr(), sin.data_ptr(), layers)
+        self._model = _Model(
+            len(model.layers),
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            model.num_heads,
+            model.num_kv_heads,
+            model.head_dim,
+            model.kv.shape.block_size,
+            int(model.dtype == torch.bfloat16),
+            int(model.kv.shape.dtype == torch.bfloat16),
+            model.eps,
+            model.scale,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            layers,
+        )
 
     @staticmethod
-    def supports(model: "PagedLlama") -> bool:
+    def supports(model: PagedLlama) -> bool:
         linears = [lin for layer in model.layers for lin in layer.linears]
-        return model.native and all(lin.gemv is not None for lin in linears) and \
-            len({type(lin) for lin in linears}) == 1 and \
-            all(isinstance(lin, (DenseLinear, Int8Linear)) for lin in linears)
+        return (
+            model.native
+            and all(lin.gemv is not None for lin in linears)
+            and len({type(lin) for lin in linears}) == 1
+            and all(isinstance(lin, (DenseLinear, Int8Linear)) for lin in linears)
+        )
 
-    def fits(self, meta: "BatchMeta") -> bool:
+    def fits(self, meta: BatchMeta) -> bool:
         n = meta.input_ids.shape[0]
         return not meta.chunks and meta.num_single == n and n <= self.max_rows
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: "BatchMeta"
-                 ) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         """Runs every layer on h in place; returns the last layer's MLP output (to add)."""
         delta = torch.empty_like(h)
-        rc = self._fn(ctypes.addressof(self._model), h.data_ptr(), delta.data_ptr(), h.shape[0],
-                      positions.data_ptr(), meta.slot_blocks.data_ptr(),
-                      meta.slot_offsets.data_ptr(), meta.single_tables.data_ptr(),
-                      meta.single_tables.shape[1], meta.single_ctx.data_ptr(),
-                      torch.get_num_threads())
+        rc = self._fn(
+            ctypes.addressof(self._model),
+            h.data_ptr(),
+            delta.data_ptr(),
+            h.shape[0],
+            positions.data_ptr(),
+            meta.slot_blocks.data_ptr(),
+            meta.slot_offsets.data_ptr(),
+            meta.single_tables.data_ptr(),
+            meta.single_tables.shape[1],
+            meta.single_ctx.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise RuntimeError(f"native decode step failed ({rc})")
         return delta

@@ -41,7 +41,9 @@ class DiskTier:
     def _path(self, block_hash: int) -> Path:
         return self.dir / f"{block_hash:016x}.kvb"
 
-    def put(self, block_hash: int, tokens: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> bool:
+    def put(
+        self, block_hash: int, tokens: tuple[int, ...], k: torch.Tensor, v: torch.Tensor
+    ) -> bool:
         """Store one block (k, v: that block's slices, all layers). False if it cannot fit."""
         kb = k.contiguous().view(torch.uint8).numpy().tobytes()
         vb = v.contiguous().view(torch.uint8).numpy().tobytes()
@@ -61,8 +63,9 @@ class DiskTier:
         self.nbytes += size
         return True
 
-    def get(self, block_hash: int, k_like: torch.Tensor, v_like: torch.Tensor
-            ) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None:
+    def get(
+        self, block_hash: int, k_like: torch.Tensor, v_like: torch.Tensor
+    ) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None:
         """(tokens, k, v) shaped like the given templates, or None if missing or corrupt."""
         try:
             raw = self._path(block_hash).read_bytes()
@@ -71,8 +74,8 @@ class DiskTier:
                 raise ValueError("bad magic")
             off = _HEADER.size + 4 * n_tokens
             tokens = struct.unpack_from(f"<{n_tokens}I", raw, _HEADER.size)
-            k = torch.frombuffer(bytearray(raw[off:off + k_len]), dtype=torch.uint8)
-            v = torch.frombuffer(bytearray(raw[off + k_len:]), dtype=torch.uint8)
+            k = torch.frombuffer(bytearray(raw[off : off + k_len]), dtype=torch.uint8)
+            v = torch.frombuffer(bytearray(raw[off + k_len :]), dtype=torch.uint8)
             k = k.view(k_like.dtype).view(k_like.shape)
             v = v.view(v_like.dtype).view(v_like.shape)
         except (OSError, ValueError, RuntimeError, struct.error) as exc:

@@ -35,14 +35,14 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # No -ffast-math: results must not depend on what the compiler chose to reassociate (it
 # once made two kernels round the same formula differently). The reductions vectorize
 # through `omp simd reduction` and intrinsics instead; -std=c11 keeps FMA contraction off.
-FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
-         "-std=c11"]
+FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _status = "not built yet"
 
-P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+# One letter per C type keeps the signature table below readable.
+P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float  # noqa: E741
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "paged_decode_attention_bf16": (I, [P, L, I, P, P, P, I, P, I, I, I, I, I, F, P, I]),
     "paged_decode_attention_f32": (I, [P, L, I, P, P, P, I, P, I, I, I, I, I, F, P, I]),
@@ -140,14 +140,22 @@ def is_bf16(t: torch.Tensor) -> int:
     raise ValueError(f"native kernels take fp32 or bf16, not {t.dtype}")
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor) -> None:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     """q [S, >=Hq*D] (rows may be wider: q is the head of each qkv row), fp32 or bf16;
     k [blocks, Hkv, D, bs], v [blocks, Hkv, bs, D]; tables [S, max] int32; out [S, Hq*D]."""
     native = lib()
-    fn = {torch.bfloat16: native.paged_decode_attention_bf16,
-          torch.float32: native.paged_decode_attention_f32}[k_cache.dtype]
+    fn = {
+        torch.bfloat16: native.paged_decode_attention_bf16,
+        torch.float32: native.paged_decode_attention_f32,
+    }[k_cache.dtype]
     num_blocks, hkv, bs, d = v_cache.shape
     assert k_cache.shape == (num_blocks, hkv, d, bs), "k cache is [blocks, heads, dim, block]"
     s = q.shape[0]
@@ -155,8 +163,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.stride(1) == 1 and out.is_contiguous() and out.dtype == q.dtype
     for t in (k_cache, v_cache, block_tables, ctx_lens):
         assert t.is_contiguous() and t.device.type == "cpu"
-    rc = fn(q.data_ptr(), q.stride(0), is_bf16(q), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.shape[1], ctx_lens.data_ptr(), s, hq, hkv, d,
-            bs, scale, out.data_ptr(), threads())
+    rc = fn(
+        q.data_ptr(),
+        q.stride(0),
+        is_bf16(q),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        ctx_lens.data_ptr(),
+        s,
+        hq,
+        hkv,
+        d,
+        bs,
+        scale,
+        out.data_ptr(),
+        threads(),
+    )
     if rc != 0:
-        raise ValueError(f"paged attention shape unsupported: heads {hq}/{hkv}, dim {d}, block {bs}")
+        raise ValueError(
+            f"paged attention shape unsupported: heads {hq}/{hkv}, dim {d}, block {bs}"
+        )

@@ -36,24 +36,45 @@ class KVCache:
         self.num_blocks = num_blocks
         s = shape
         # One tensor each for K and V: a block's bytes for every layer are one index away.
-        self.k = torch.zeros(s.num_layers, num_blocks, s.num_kv_heads, s.head_dim, s.block_size,
-                             dtype=s.dtype, device=device)
-        self.v = torch.zeros(s.num_layers, num_blocks, s.num_kv_heads, s.block_size, s.head_dim,
-                             dtype=s.dtype, device=device)
+        self.k = torch.zeros(
+            s.num_layers,
+            num_blocks,
+            s.num_kv_heads,
+            s.head_dim,
+            s.block_size,
+            dtype=s.dtype,
+            device=device,
+        )
+        self.v = torch.zeros(
+            s.num_layers,
+            num_blocks,
+            s.num_kv_heads,
+            s.block_size,
+            s.head_dim,
+            dtype=s.dtype,
+            device=device,
+        )
 
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self,
+        layer: int,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
         """Store new tokens' K/V ([N, heads, dim]) at (block, offset) slots."""
         # Advanced indices split by a slice put the indexed dim first: [N, heads, dim].
         self.k[layer][blocks, :, :, offsets] = k
         self.v[layer][blocks, :, offsets, :] = v
 
-    def gather(self, layer: int, block_ids: torch.Tensor, num_tokens: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer: int, block_ids: torch.Tensor, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's K and V as dense [heads, tokens, dim] (a copy; for prefill chunks)."""
         s = self.shape
         k = self.k[layer].index_select(0, block_ids)  # [n, H, D, B]

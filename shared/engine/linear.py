@@ -22,15 +22,25 @@ GEMV_BLOCK = 4  # output rows per block in csrc/gemv.c
 # Up to this many rows the GEMV beats the library GEMM, by weights and activations, with
 # AVX-512 and without (measured on a 2-core Xeon with AMX, and there with the AVX2 cap:
 # oneDNN's AMX bf16 caught up at 5-8 rows; MKL fp32 at 32 rows with AVX-512, 16 on AVX2).
-_MAX_ROWS_AVX512 = {("dense", torch.bfloat16): 4, ("dense", torch.float32): 32,
-                    ("int8", torch.bfloat16): 6, ("int8", torch.float32): 32}
-_MAX_ROWS_OTHER = {("dense", torch.bfloat16): 4, ("dense", torch.float32): 8,
-                   ("int8", torch.bfloat16): 6, ("int8", torch.float32): 16}
+_MAX_ROWS_AVX512 = {
+    ("dense", torch.bfloat16): 4,
+    ("dense", torch.float32): 32,
+    ("int8", torch.bfloat16): 6,
+    ("int8", torch.float32): 32,
+}
+_MAX_ROWS_OTHER = {
+    ("dense", torch.bfloat16): 4,
+    ("dense", torch.float32): 8,
+    ("int8", torch.bfloat16): 6,
+    ("int8", torch.float32): 16,
+}
 
 
 def gemv_max_rows(kind: str, act_dtype: torch.dtype) -> int:
     table = _MAX_ROWS_AVX512 if "avx512f" in cpu.detect().flags else _MAX_ROWS_OTHER
     return table.get((kind, act_dtype), 0)
+
+
 QUANTIZATIONS = ("none", "int8")
 
 
@@ -38,7 +48,9 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
     """[N, K] → the GEMV's layout: blocks of 4 rows, 64-byte chunks of the 4 rows in turn."""
     n, k = w.shape
     chunk = 64 // w.element_size()
-    return w.reshape(n // GEMV_BLOCK, GEMV_BLOCK, k // chunk, chunk).permute(0, 2, 1, 3).contiguous()
+    return (
+        w.reshape(n // GEMV_BLOCK, GEMV_BLOCK, k // chunk, chunk).permute(0, 2, 1, 3).contiguous()
+    )
 
 
 def gemv_fits(w: torch.Tensor) -> bool:
@@ -47,8 +59,9 @@ def gemv_fits(w: torch.Tensor) -> bool:
 
 
 class DenseLinear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 gemv: bool = True) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: bool = True
+    ) -> None:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.bias_f32 = None if bias is None else self.bias.float().contiguous()
@@ -66,8 +79,18 @@ class DenseLinear:
         rows = x.shape[0]
         if rows <= self.gemv_rows and x.dtype == self.weight.dtype and x.is_contiguous():
             y = torch.empty(rows, self.out_features, dtype=x.dtype)
-            if self._gemv_fn(x.data_ptr(), *self._gemv_args, y.data_ptr(), rows, self.out_features,
-                             self.in_features, torch.get_num_threads()) == 0:
+            if (
+                self._gemv_fn(
+                    x.data_ptr(),
+                    *self._gemv_args,
+                    y.data_ptr(),
+                    rows,
+                    self.out_features,
+                    self.in_features,
+                    torch.get_num_threads(),
+                )
+                == 0
+            ):
                 return y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -76,7 +99,11 @@ class DenseLinear:
 
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked layout for a bf16 weight, where this CPU and build support it."""
-    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if (
+        w.dtype != torch.bfloat16
+        or w.device.type != "cpu"
+        or not torch.backends.mkldnn.is_available()
+    ):
         return None
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return None
@@ -119,17 +146,26 @@ class Int8Linear:
         self.gemv_rows = gemv_max_rows("int8", weight.dtype) if self.gemv is not None else 0
         self.nbytes = qweight.numel() + self.scales.numel() * 4
         self.dequantized = (qweight.float() * self.scales[:, None]).to(weight.dtype)
-        self.dense = DenseLinear(self.dequantized, None if bias is None else bias.to(weight.dtype),
-                                 gemv=False)
+        self.dense = DenseLinear(
+            self.dequantized, None if bias is None else bias.to(weight.dtype), gemv=False
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows <= self.gemv_rows and x.is_contiguous():
             y = torch.empty(rows, self.out_features, dtype=x.dtype)
-            rc = kernels.lib().gemv_i8(x.data_ptr(), kernels.is_bf16(x), self.gemv.data_ptr(),
-                                       self.scales.data_ptr(), _ptr(self.bias_f32), y.data_ptr(),
-                                       rows, self.out_features, self.in_features,
-                                       torch.get_num_threads())
+            rc = kernels.lib().gemv_i8(
+                x.data_ptr(),
+                kernels.is_bf16(x),
+                self.gemv.data_ptr(),
+                self.scales.data_ptr(),
+                _ptr(self.bias_f32),
+                y.data_ptr(),
+                rows,
+                self.out_features,
+                self.in_features,
+                torch.get_num_threads(),
+            )
             if rc == 0:
                 return y
         return self.dense(x)

@@ -27,22 +27,33 @@ import torch
 
 from shared.engine import kernels
 from shared.engine.batch import build_batch
-from shared.engine.connector import KVConnector
 from shared.engine.block_manager import BlockManager
+from shared.engine.connector import KVConnector
 from shared.engine.disk_tier import DiskTier
 from shared.engine.kv_cache import KVCache
-from shared.engine.kv_transfer import (KVExport, check_compatible, export_cached,
-                                       export_sequence, fill_sequence, import_sequence)
+from shared.engine.kv_transfer import (
+    KVExport,
+    check_compatible,
+    export_cached,
+    export_sequence,
+    fill_sequence,
+    import_sequence,
+)
+from shared.engine.logits import RowContext, TokenLogprobs
 from shared.engine.model import PagedLlama
 from shared.engine.output import OutputTracker, decode_all, make_detokenizer
+from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
-from shared.engine.logits import RowContext, TokenLogprobs
 from shared.engine.sampling import Sampled, sample
-from shared.engine.scheduler import (PoolTooSmall, ScheduledSeq, Scheduler, SchedulerConfig,
-                                     SchedulerOutput)
+from shared.engine.scheduler import (
+    PoolTooSmall,
+    ScheduledSeq,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from shared.engine.sequence import Sequence
 from shared.hashing import block_hashes
-from shared.engine.params import SamplingParams
 from shared.messages import CostSample, FinishReason
 
 log = logging.getLogger(__name__)
@@ -126,8 +137,9 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, lm: LoadedModel, config: EngineConfig,
-                 connector: KVConnector | None = None) -> None:
+    def __init__(
+        self, lm: LoadedModel, config: EngineConfig, connector: KVConnector | None = None
+    ) -> None:
         self.lm = lm
         self.config = config
         self.connector = connector  # None: every request decodes here (see connector.py)
@@ -136,8 +148,9 @@ class LLMEngine:
         self.kv = KVCache(shape, num_blocks, lm.device)
         self.model = PagedLlama(lm.model, self.kv, config.quantization)
         self.blocks = BlockManager(num_blocks, config.block_size, config.hot_hits, config.pin_ttl_s)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
-                                                   config.max_num_batched_tokens), self.blocks)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks
+        )
         self.requests: dict[str, _Request] = {}
         # Decode admission: pool blocks held for a request whose KV is still in transfer.
         self.reserved: dict[str, Sequence] = {}
@@ -158,14 +171,20 @@ class LLMEngine:
         if config.disk_tier_bytes > 0:
             self.disk = DiskTier(Path(config.disk_tier_dir), config.disk_tier_bytes)
             self.blocks.keep_spills = True
-        log.info("KV pool: %d blocks of %d tokens (%.0f MiB); %s, quantization %s; native "
-                 "kernels: %s", num_blocks, config.block_size, self.kv.nbytes / 2**20,
-                 str(lm.dtype).removeprefix("torch."), config.quantization,
-                 kernels.status() if self.model.native else "off (torch path)")
+        log.info(
+            "KV pool: %d blocks of %d tokens (%.0f MiB); %s, quantization %s; native kernels: %s",
+            num_blocks,
+            config.block_size,
+            self.kv.nbytes / 2**20,
+            str(lm.dtype).removeprefix("torch."),
+            config.quantization,
+            kernels.status() if self.model.native else "off (torch path)",
+        )
 
     # -- intake -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    salt: str = "") -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, salt: str = ""
+    ) -> None:
         self._check_fits(len(prompt_token_ids), params)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, salt)
         with self._book:
@@ -173,14 +192,26 @@ class LLMEngine:
             self._load_from_disk(seq)
             self.scheduler.add(seq)
 
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                      params: SamplingParams, kv: KVExport, emitted_text: str = "",
-                      salt: str = "") -> bool:
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        kv: KVExport,
+        emitted_text: str = "",
+        salt: str = "",
+    ) -> bool:
         """Continue a request prefilled elsewhere; False if the pool has no room yet."""
         self._check_fits(len(prompt_token_ids), params)
         check_compatible(kv.meta, self.kv, self.lm.name, self.config.quantization)
-        seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
-                       len(prompt_token_ids), params, salt)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids) + list(output_token_ids),
+            len(prompt_token_ids),
+            params,
+            salt,
+        )
         with self._book:
             if seq.request_id in self.requests:
                 raise ValueError(f"duplicate request id {seq.request_id}")
@@ -190,30 +221,53 @@ class LLMEngine:
             self.scheduler.add_running(seq)
         return True
 
-    def add_recompute(self, request_id: str, prompt_token_ids: list[int],
-                      output_token_ids: list[int], params: SamplingParams,
-                      emitted_text: str = "", salt: str = "") -> None:
+    def add_recompute(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        emitted_text: str = "",
+        salt: str = "",
+    ) -> None:
         """Continue a request whose KV is out of reach (its transfer failed, or the instance
         that held it died): prompt + tokens so far are computed again here, as a preempted
         sequence is, and the stream goes on after the text already emitted."""
         self._check_fits(len(prompt_token_ids), params)
-        seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
-                       len(prompt_token_ids), params, salt)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids) + list(output_token_ids),
+            len(prompt_token_ids),
+            params,
+            salt,
+        )
         with self._book:
             self._register(seq, output_token_ids, emitted_text)
             self._load_from_disk(seq)
             self.scheduler.add(seq)
 
     # -- decode admission: KV slots reserved before a transfer starts ---------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                params: SamplingParams, num_kv_tokens: int, salt: str = "") -> bool:
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        num_kv_tokens: int,
+        salt: str = "",
+    ) -> bool:
         """Hold pool blocks for a request's KV before fetching it (as SGLang's decode
         prealloc queue does); False, holding nothing, if the pool has no room now. Full
         blocks of the prompt this pool already caches (a sibling sample's) are shared,
         not fetched again into new ones."""
         self._check_fits(len(prompt_token_ids), params)
-        seq = Sequence(request_id, list(prompt_token_ids) + list(output_token_ids),
-                       len(prompt_token_ids), params, salt)
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids) + list(output_token_ids),
+            len(prompt_token_ids),
+            params,
+            salt,
+        )
         if not 0 < num_kv_tokens <= seq.num_tokens:
             raise ValueError(f"KV of {num_kv_tokens} tokens for a sequence of {seq.num_tokens}")
         with self._book:
@@ -230,8 +284,9 @@ class LLMEngine:
             self.reserved[request_id] = seq
         return True
 
-    def add_reserved(self, request_id: str, kv: KVExport, output_token_ids: list[int],
-                     emitted_text: str = "") -> None:
+    def add_reserved(
+        self, request_id: str, kv: KVExport, output_token_ids: list[int], emitted_text: str = ""
+    ) -> None:
         """Continue a reserved request with its fetched KV: written into its blocks, then
         into the running batch. On a bad payload its blocks go back to the pool."""
         check_compatible(kv.meta, self.kv, self.lm.name, self.config.quantization)
@@ -260,8 +315,9 @@ class LLMEngine:
         """Cached blocks of a prefix, for an instance that wants to reuse them. Safe from any
         thread: it looks up and copies under the bookkeeping lock (see the module doc)."""
         with self._book:
-            return export_cached(self.kv, self.blocks, hashes, self.lm.name,
-                                 self.config.quantization)
+            return export_cached(
+                self.kv, self.blocks, hashes, self.lm.name, self.config.quantization
+            )
 
     def import_prefix(self, token_ids: list[int], export: KVExport, salt: str = "") -> int:
         """Add pulled prefix blocks to this pool's prefix cache; returns the tokens they cover.
@@ -274,8 +330,13 @@ class LLMEngine:
         expected = block_hashes(token_ids[:n_tokens], self.config.block_size, salt)
         if export.meta.block_hashes != expected or len(expected) != export.meta.num_blocks:
             raise ValueError("pulled KV blocks do not match this prompt's prefix hashes")
-        seq = Sequence(f"import:{expected[-1]:x}", list(token_ids[:n_tokens]), n_tokens,
-                       SamplingParams(max_tokens=1), salt)
+        seq = Sequence(
+            f"import:{expected[-1]:x}",
+            list(token_ids[:n_tokens]),
+            n_tokens,
+            SamplingParams(max_tokens=1),
+            salt,
+        )
         with self._book:  # the allocation may evict a block an export is about to copy
             if not import_sequence(self.kv, self.blocks, seq, export, on_allocate=self._spill):
                 return 0
@@ -288,8 +349,12 @@ class LLMEngine:
         chunk through the paged model on a throwaway sequence (its full blocks stay in the
         prefix cache). Engine thread only."""
         self._check_fits(len(token_ids), SamplingParams(max_tokens=1))
-        seq = Sequence(f"score:{id(token_ids):x}", list(token_ids), len(token_ids),
-                       SamplingParams(max_tokens=1))
+        seq = Sequence(
+            f"score:{id(token_ids):x}",
+            list(token_ids),
+            len(token_ids),
+            SamplingParams(max_tokens=1),
+        )
         out: list[torch.Tensor] = []
         tops: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
@@ -299,12 +364,13 @@ class LLMEngine:
                     if not self.blocks.allocate(seq, n):
                         raise ValueError("the KV pool has no room to score this text now")
                 item = ScheduledSeq(seq, n)
-                batch, _ = build_batch([item], self.config.block_size, self.lm.device,
-                                       all_logits=True)
+                batch, _ = build_batch(
+                    [item], self.config.block_size, self.lm.device, all_logits=True
+                )
                 logits = self.model.forward(batch).float()
                 pos = seq.num_computed_tokens
-                targets = torch.tensor(token_ids[pos + 1:pos + n + 1], dtype=torch.long)
-                logprobs = torch.log_softmax(logits[:len(targets)], dim=-1)
+                targets = torch.tensor(token_ids[pos + 1 : pos + n + 1], dtype=torch.long)
+                logprobs = torch.log_softmax(logits[: len(targets)], dim=-1)
                 out.append(logprobs.gather(1, targets.unsqueeze(1)).squeeze(1))
                 if top_k:
                     top = torch.topk(logprobs, top_k, dim=-1)
@@ -315,9 +381,11 @@ class LLMEngine:
             with self._book:
                 self.blocks.free(seq)
         empty = torch.empty(len(token_ids) - 1, 0)
-        return PromptScores(torch.cat(out),
-                            torch.cat([t[0] for t in tops]) if tops else empty.long(),
-                            torch.cat([t[1] for t in tops]) if tops else empty)
+        return PromptScores(
+            torch.cat(out),
+            torch.cat([t[0] for t in tops]) if tops else empty.long(),
+            torch.cat([t[1] for t in tops]) if tops else empty,
+        )
 
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         if num_prompt_tokens < 1:
@@ -326,20 +394,30 @@ class LLMEngine:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens exceeds the context")
         need = -(-(num_prompt_tokens + params.max_tokens) // self.config.block_size)
         if need > self.blocks.num_blocks:
-            raise ValueError(f"{num_prompt_tokens}+{params.max_tokens} tokens exceed the KV pool "
-                             f"({self.blocks.num_blocks * self.config.block_size} tokens)")
+            raise ValueError(
+                f"{num_prompt_tokens}+{params.max_tokens} tokens exceed the KV pool "
+                f"({self.blocks.num_blocks * self.config.block_size} tokens)"
+            )
 
-    def _register(self, seq: Sequence, output_token_ids: list[int] | None = None,
-                  emitted_text: str = "") -> _Request:
+    def _register(
+        self, seq: Sequence, output_token_ids: list[int] | None = None, emitted_text: str = ""
+    ) -> _Request:
         """Track a new request, or one continuing here after `output_token_ids` of which
         `emitted_text` was streamed already."""
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id}")
         done = list(output_token_ids or [])
         tok = self.lm.tokenizer
-        tracker = OutputTracker(seq.params, make_detokenizer(tok, done), self.lm.eos_token_ids,
-                                seq.num_prompt_tokens, self.lm.max_model_len, token_ids=done,
-                                text=decode_all(tok, done), emitted_text=emitted_text)
+        tracker = OutputTracker(
+            seq.params,
+            make_detokenizer(tok, done),
+            self.lm.eos_token_ids,
+            seq.num_prompt_tokens,
+            self.lm.max_model_len,
+            token_ids=done,
+            text=decode_all(tok, done),
+            emitted_text=emitted_text,
+        )
         req = _Request(seq, tracker, self._matcher(seq.params, done))
         self.requests[seq.request_id] = req
         return req
@@ -401,9 +479,16 @@ class LLMEngine:
         disk_stored, self._disk_stored = self._disk_stored, []
         disk_removed = self.disk.drain_removed() if self.disk else []
         self.num_preemptions += len(sched.preempted)
-        self.last_step = StepStats(sched.num_tokens, len(sched.scheduled), seconds,
-                                   len(sched.preempted), stored, evicted, disk_stored,
-                                   disk_removed)
+        self.last_step = StepStats(
+            sched.num_tokens,
+            len(sched.scheduled),
+            seconds,
+            len(sched.preempted),
+            stored,
+            evicted,
+            disk_stored,
+            disk_removed,
+        )
         if self.on_step is not None:
             self.on_step(self.last_step)
 
@@ -421,7 +506,7 @@ class LLMEngine:
         if self.disk is None:
             return 0
         bs = self.config.block_size
-        hashes = block_hashes(seq.token_ids[:(seq.num_tokens - 1) // bs * bs], bs, seq.salt)
+        hashes = block_hashes(seq.token_ids[: (seq.num_tokens - 1) // bs * bs], bs, seq.salt)
         n_dram = len(self.blocks.cached_chain(hashes))
         on_disk = 0
         while n_dram + on_disk < len(hashes) and hashes[n_dram + on_disk] in self.disk:
@@ -429,11 +514,15 @@ class LLMEngine:
         if not on_disk:
             return 0
         n_total = n_dram + on_disk
-        tmp = Sequence("disk-load", seq.token_ids[:n_total * bs] + [0], n_total * bs + 1,
-                       SamplingParams(max_tokens=1), seq.salt)
+        tmp = Sequence(
+            "disk-load",
+            seq.token_ids[: n_total * bs] + [0],
+            n_total * bs + 1,
+            SamplingParams(max_tokens=1),
+            seq.salt,
+        )
         loaded = 0
-        if (self.blocks.match_prefix(tmp) == n_dram * bs
-                and self.blocks.allocate(tmp, on_disk * bs)):
+        if self.blocks.match_prefix(tmp) == n_dram * bs and self.blocks.allocate(tmp, on_disk * bs):
             self._spill()
             loaded = self._read_disk_blocks(tmp, hashes, n_dram, on_disk)
             tmp.num_computed_tokens = (n_dram + loaded) * bs
@@ -446,21 +535,24 @@ class LLMEngine:
         k_like, v_like = self.kv.k[:, 0], self.kv.v[:, 0]
         for i in range(start, start + count):
             got = self.disk.get(hashes[i], k_like, v_like) if self.disk else None
-            if got is None or got[0] != tuple(tmp.token_ids[i * bs:(i + 1) * bs]):
+            if got is None or got[0] != tuple(tmp.token_ids[i * bs : (i + 1) * bs]):
                 break
             self.kv.write_block(tmp.block_table[i], got[1], got[2])
             loaded += 1
         return loaded
 
-    def _finish_step(self, order: list[ScheduledSeq], logits: torch.Tensor,
-                     forward_s: float) -> list[RequestOutput]:
+    def _finish_step(
+        self, order: list[ScheduledSeq], logits: torch.Tensor, forward_s: float
+    ) -> list[RequestOutput]:
         completing = [item for item in order if item.completes]
         sampled = self._sample(completing, logits)
         self._account(order, forward_s)
         for item in order:
             self.scheduler.postprocess(item)
-        return [self._emit(item.seq, tok, lp)
-                for item, tok, lp in zip(completing, sampled.tokens, sampled.logprobs)]
+        return [
+            self._emit(item.seq, tok, lp)
+            for item, tok, lp in zip(completing, sampled.tokens, sampled.logprobs)
+        ]
 
     def _account(self, order: list[ScheduledSeq], seconds: float) -> None:
         """Each prompt's share of the step (by tokens) toward its prefill time; a step of
@@ -468,8 +560,9 @@ class LLMEngine:
         tokens = sum(item.num_new_tokens for item in order)
         if all(item.num_new_tokens == 1 and item.seq.num_output_tokens > 0 for item in order):
             ctx = sum(item.seq.num_tokens for item in order) / len(order)
-            self.cost_samples.append(CostSample(kind="decode", tokens=len(order), context=ctx,
-                                                seconds=seconds))
+            self.cost_samples.append(
+                CostSample(kind="decode", tokens=len(order), context=ctx, seconds=seconds)
+            )
             return
         for item in order:
             if item.seq.num_output_tokens == 0:
@@ -479,14 +572,24 @@ class LLMEngine:
         rows = []
         for item in items:
             seq, req = item.seq, self.requests[item.seq.request_id]
-            stops = (frozenset(seq.params.stop_token_ids) |
-                     (frozenset() if seq.params.ignore_eos else self.lm.eos_token_ids))
-            rows.append(RowContext(seq.params, seq.num_output_tokens, seq.token_ids,
-                                   seq.num_prompt_tokens, stops, req.matcher))
+            stops = frozenset(seq.params.stop_token_ids) | (
+                frozenset() if seq.params.ignore_eos else self.lm.eos_token_ids
+            )
+            rows.append(
+                RowContext(
+                    seq.params,
+                    seq.num_output_tokens,
+                    seq.token_ids,
+                    seq.num_prompt_tokens,
+                    stops,
+                    req.matcher,
+                )
+            )
         return sample(logits, rows)
 
-    def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None
-              ) -> RequestOutput:
+    def _emit(
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
         req = self.requests[seq.request_id]
         seq.token_ids.append(token)
         step = req.tracker.append(token)
@@ -500,18 +603,34 @@ class LLMEngine:
             self.num_prefix_hit_tokens += seq.num_cached_tokens
             self.num_prefix_miss_tokens += seq.num_prompt_tokens - seq.num_cached_tokens
             if seq.num_preemptions == 0:  # a recompute's time is not a prompt's cost
-                self.cost_samples.append(CostSample(
-                    kind="prefill", tokens=seq.num_prompt_tokens - seq.num_cached_tokens,
-                    context=float(seq.num_cached_tokens), seconds=seq.prefill_seconds))
-        out = RequestOutput(seq.request_id, [token], step.text, step.finish_reason,
-                            seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                            logprobs=[logprobs] if logprobs is not None else None)
+                self.cost_samples.append(
+                    CostSample(
+                        kind="prefill",
+                        tokens=seq.num_prompt_tokens - seq.num_cached_tokens,
+                        context=float(seq.num_cached_tokens),
+                        seconds=seq.prefill_seconds,
+                    )
+                )
+        out = RequestOutput(
+            seq.request_id,
+            [token],
+            step.text,
+            step.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.num_cached_tokens,
+            logprobs=[logprobs] if logprobs is not None else None,
+        )
         if step.finish_reason is not None:
             self._finish(seq)
-        elif (seq.num_output_tokens == 1 and self.connector is not None
-              and self.connector.hands_off(seq.request_id)):
-            out.handoff = export_sequence(self.kv, self.blocks, seq, self.lm.name,
-                                          self.config.quantization)
+        elif (
+            seq.num_output_tokens == 1
+            and self.connector is not None
+            and self.connector.hands_off(seq.request_id)
+        ):
+            out.handoff = export_sequence(
+                self.kv, self.blocks, seq, self.lm.name, self.config.quantization
+            )
             self._finish(seq)
         return out
 
@@ -523,8 +642,16 @@ class LLMEngine:
         req = self.requests[request_id]
         seq = req.seq
         self._finish(seq)
-        return RequestOutput(request_id, [], "", FinishReason.ERROR, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens, error=why)
+        return RequestOutput(
+            request_id,
+            [],
+            "",
+            FinishReason.ERROR,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.num_cached_tokens,
+            error=why,
+        )
 
     # -- state for heartbeats, metrics and benchmarks -------------------------------------
     def stats(self) -> EngineStats:
@@ -533,14 +660,18 @@ class LLMEngine:
         seqs = sched.running + list(sched.waiting)
         decoding = [s for s in sched.running if s.num_uncomputed_tokens <= 1]
         return EngineStats(
-            running=len(sched.running), waiting=len(sched.waiting),
-            queue_prompts=tuple(s.num_uncomputed_tokens for s in seqs
-                                if s.num_uncomputed_tokens > 1),
-            mean_context=(sum(s.num_tokens for s in decoding) / len(decoding)
-                          if decoding else 0.0),
-            kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free_blocks,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            queue_prompts=tuple(
+                s.num_uncomputed_tokens for s in seqs if s.num_uncomputed_tokens > 1
+            ),
+            mean_context=(sum(s.num_tokens for s in decoding) / len(decoding) if decoding else 0.0),
+            kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_free=self.blocks.num_free_blocks,
             kv_blocks_cached=self.blocks.num_cached_blocks,
             kv_blocks_reserved=sum(len(s.block_table) for s in self.reserved.values()),
             prefix_hit_tokens=self.num_prefix_hit_tokens,
             prefix_miss_tokens=self.num_prefix_miss_tokens,
-            preemptions=self.num_preemptions, evicted_blocks=self.blocks.num_evictions)
+            preemptions=self.num_preemptions,
+            evicted_blocks=self.blocks.num_evictions,
+        )

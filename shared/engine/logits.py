@@ -49,7 +49,7 @@ def _penalize(logits: torch.Tensor, rows: list[RowContext]) -> None:
         return
     vocab = logits.shape[1]
     sub = logits[idx]
-    outputs = [rows[i].token_ids[rows[i].num_prompt_tokens:] for i in idx]
+    outputs = [rows[i].token_ids[rows[i].num_prompt_tokens :] for i in idx]
     counts = _counts(outputs, vocab, sub.dtype)
     presence = torch.tensor([rows[i].params.presence_penalty for i in idx]).unsqueeze(1)
     frequency = torch.tensor([rows[i].params.frequency_penalty for i in idx]).unsqueeze(1)
@@ -68,7 +68,7 @@ def _counts(ids: list[list[int]], vocab: int, dtype: torch.dtype) -> torch.Tenso
     if width:
         padded = torch.full((len(ids), width), vocab, dtype=torch.long)  # pad: a spare column
         for i, x in enumerate(ids):
-            padded[i, :len(x)] = torch.tensor(x, dtype=torch.long).clamp(0, vocab - 1)
+            padded[i, : len(x)] = torch.tensor(x, dtype=torch.long).clamp(0, vocab - 1)
         counts.scatter_add_(1, padded, torch.ones(padded.shape, dtype=dtype))
     return counts[:, :vocab]
 

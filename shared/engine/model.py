@@ -66,10 +66,13 @@ class _Layer:
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
         self.qkv = make_linear(
             torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            torch.cat(biases) if all(b is not None for b in biases) else None, quantization)
+            torch.cat(biases) if all(b is not None for b in biases) else None,
+            quantization,
+        )
         self.o = make_linear(attn.o_proj.weight, attn.o_proj.bias, quantization)
-        self.gate_up = make_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None,
-                                   quantization)
+        self.gate_up = make_linear(
+            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization
+        )
         self.down = make_linear(mlp.down_proj.weight, None, quantization)
 
     @property
@@ -90,22 +93,26 @@ class PagedLlama:
         # The head stays in the activation dtype under int8: quantizing the final hidden
         # state per token cost about 1.2% perplexity on its own (the layers' int8, under
         # 0.1%), more than the 2% budget leaves once bf16 is added.
-        self.lm_head = make_linear(hf_model.lm_head.weight, None,
-                                   "none" if quantization == "int8" else quantization)
+        self.lm_head = make_linear(
+            hf_model.lm_head.weight, None, "none" if quantization == "int8" else quantization
+        )
         self.layers = [_Layer(layer, quantization) for layer in base.layers]
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.intermediate = cfg.intermediate_size
         self.eps = float(cfg.rms_norm_eps)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.dtype = self.embed.weight.dtype
         mlp_act = getattr(cfg, "hidden_act", "silu")
         if mlp_act != "silu":
             raise ValueError(f"unsupported activation {mlp_act!r} (Llama family uses silu)")
-        self.native = (kernels.available() and kv.k.device.type == "cpu"
-                       and cfg.hidden_size <= _MAX_NATIVE_DIM
-                       and self.head_dim <= _MAX_NATIVE_HEAD_DIM)
+        self.native = (
+            kernels.available()
+            and kv.k.device.type == "cpu"
+            and cfg.hidden_size <= _MAX_NATIVE_DIM
+            and self.head_dim <= _MAX_NATIVE_HEAD_DIM
+        )
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._step: NativeDecodeStep | bool | None = None  # False: not for this model
 
@@ -118,8 +125,9 @@ class PagedLlama:
     def weight_nbytes(self) -> int:
         """Bytes of weights one decode step reads (every linear layer; embeddings are a
         gather of a few rows)."""
-        return sum(lin.nbytes for layer in self.layers for lin in layer.linears) + \
-            self.lm_head.nbytes
+        return (
+            sum(lin.nbytes for layer in self.layers for lin in layer.linears) + self.lm_head.nbytes
+        )
 
     @torch.inference_mode()
     def forward(self, meta: BatchMeta) -> torch.Tensor:
@@ -138,42 +146,67 @@ class PagedLlama:
         else:
             delta = self._layers_native(h, cos, sin, positions, meta)
         rows = meta.logit_rows
-        x = fused.rms_norm(h.index_select(0, rows), delta.index_select(0, rows),
-                           self.norm.weight, self.eps)
+        x = fused.rms_norm(
+            h.index_select(0, rows), delta.index_select(0, rows), self.norm.weight, self.eps
+        )
         return self.lm_head(x).float()
 
     def _decode_step(self, cos: torch.Tensor, sin: torch.Tensor) -> NativeDecodeStep | None:
         """The one-call decode step, where the shapes allow it and the RoPE table is fixed."""
         if self._step is None:
             static = cos is (self._rope_table or (None,))[0]
-            self._step = NativeDecodeStep(self, cos, sin) if static and \
-                NativeDecodeStep.supports(self) else False
+            self._step = (
+                NativeDecodeStep(self, cos, sin)
+                if static and NativeDecodeStep.supports(self)
+                else False
+            )
         return self._step or None
 
-    def _layers_native(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       positions: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    def _layers_native(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        meta: BatchMeta,
+    ) -> torch.Tensor:
         """The layers op by op (prefill chunks, bigger batches); returns the last MLP output."""
         delta: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             x = fused.rms_norm(h, delta, layer.input_norm.weight, self.eps)
             qkv = layer.qkv(x)
-            fused.rope_kv_write(qkv, cos, sin, positions, self.num_heads, self.num_kv_heads,
-                                self.head_dim, meta.slot_blocks, meta.slot_offsets,
-                                self.kv.k[i], self.kv.v[i])
-            x = fused.rms_norm(h, layer.o(self._attend(i, qkv, meta)), layer.post_norm.weight,
-                               self.eps)
+            fused.rope_kv_write(
+                qkv,
+                cos,
+                sin,
+                positions,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                meta.slot_blocks,
+                meta.slot_offsets,
+                self.kv.k[i],
+                self.kv.v[i],
+            )
+            x = fused.rms_norm(
+                h, layer.o(self._attend(i, qkv, meta)), layer.post_norm.weight, self.eps
+            )
             delta = layer.down(fused.silu_mul(layer.gate_up(x)))
         assert delta is not None
         return delta
 
-    def _rope(self, h: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 cos/sin tables (rounded to the activation dtype first, as transformers
         casts them) and the row of each token in them."""
         if getattr(self.rotary, "rope_type", "default") not in _STATIC_ROPE:
             cos, sin = self.rotary(h, positions.unsqueeze(0))
-            return cos[0].float().contiguous(), sin[0].float().contiguous(), \
-                torch.arange(h.shape[0], dtype=torch.long)
+            return (
+                cos[0].float().contiguous(),
+                sin[0].float().contiguous(),
+                torch.arange(h.shape[0], dtype=torch.long),
+            )
         if self._rope_table is None:
             n = int(self.config.max_position_embeddings)
             all_pos = torch.arange(n, dtype=torch.long).unsqueeze(0)
@@ -185,9 +218,15 @@ class PagedLlama:
         n, hq = qkv.shape[0], self.num_heads * self.head_dim
         out = torch.empty(n, hq, dtype=qkv.dtype)
         if meta.num_single:
-            kernels.paged_decode_attention(qkv[:meta.num_single], self.kv.k[i], self.kv.v[i],
-                                           meta.single_tables, meta.single_ctx, self.scale,
-                                           out[:meta.num_single])
+            kernels.paged_decode_attention(
+                qkv[: meta.num_single],
+                self.kv.k[i],
+                self.kv.v[i],
+                meta.single_tables,
+                meta.single_ctx,
+                self.scale,
+                out[: meta.num_single],
+            )
         for chunk in meta.chunks:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             q = qkv[rows, :hq].view(chunk.num_tokens, self.num_heads, self.head_dim)
@@ -203,24 +242,33 @@ class PagedLlama:
             h = h + self._attention_torch(i, layer, layer.input_norm(h), cos, sin, meta)
             x = layer.post_norm(h)
             gate_up = layer.gate_up(x)
-            h = h + layer.down(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
+            h = h + layer.down(
+                F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+            )
         h = self.norm(h.index_select(0, meta.logit_rows))
         return self.lm_head(h).float()
 
-    def _attention_torch(self, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    def _attention_torch(
+        self,
+        i: int,
+        layer: _Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: BatchMeta,
+    ) -> torch.Tensor:
         n = x.shape[0]
         qkv = layer.qkv(x)
         hq, hk, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
         q = qkv[:, :hq].view(n, self.num_heads, d)
-        k = qkv[:, hq:hq + hk].view(n, self.num_kv_heads, d)
-        v = qkv[:, hq + hk:].view(n, self.num_kv_heads, d)
+        k = qkv[:, hq : hq + hk].view(n, self.num_kv_heads, d)
+        v = qkv[:, hq + hk :].view(n, self.num_kv_heads, d)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         self.kv.write(i, meta.slot_blocks, meta.slot_offsets, k, v)
         out = torch.empty(n, self.num_heads, d, dtype=x.dtype, device=x.device)
         if meta.num_single:
-            out[:meta.num_single] = self._single_torch(i, q[:meta.num_single], meta)
+            out[: meta.num_single] = self._single_torch(i, q[: meta.num_single], meta)
         for chunk in meta.chunks:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             out[rows] = self._chunk(i, q[rows], chunk)
@@ -233,7 +281,7 @@ class PagedLlama:
             ctx = int(meta.single_ctx[s])
             nblocks = -(-ctx // self.kv.shape.block_size)
             ids = meta.single_tables[s, :nblocks].long().to(self.kv.k.device)
-            rows.append(self._chunk(i, q[s:s + 1], ChunkMeta(0, 1, ctx - 1, ids)))
+            rows.append(self._chunk(i, q[s : s + 1], ChunkMeta(0, 1, ctx - 1, ids)))
         return torch.cat(rows)
 
     # -- both -----------------------------------------------------------------------------
@@ -242,12 +290,16 @@ class PagedLlama:
         total = chunk.pos0 + chunk.num_tokens
         k, v = self.kv.gather(i, chunk.block_ids, total)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        kwargs = {"is_causal": True} if chunk.pos0 == 0 else {"attn_mask": _causal_mask(
-            chunk.num_tokens, chunk.pos0, q.device)}
+        kwargs = (
+            {"is_causal": True}
+            if chunk.pos0 == 0
+            else {"attn_mask": _causal_mask(chunk.num_tokens, chunk.pos0, q.device)}
+        )
         if chunk.num_tokens == 1:
             kwargs = {}
-        o = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), scale=self.scale,
-                                           enable_gqa=True, **kwargs)
+        o = F.scaled_dot_product_attention(
+            qh, k.unsqueeze(0), v.unsqueeze(0), scale=self.scale, enable_gqa=True, **kwargs
+        )
         return o[0].transpose(0, 1)
 
 

@@ -49,7 +49,7 @@ class FullDecodeDetokenizer:
         text = self._decode(self._ids)
         if text.endswith("\ufffd"):
             return ""  # an unfinished multi-byte character: wait for the next token
-        delta = text[len(self._text):] if text.startswith(self._text) else ""
+        delta = text[len(self._text) :] if text.startswith(self._text) else ""
         self._text = text
         return delta
 
@@ -60,8 +60,9 @@ def make_detokenizer(tokenizer: Any, prefix_ids: list[int]) -> Detokenizer:
         return StreamDetokenizer(backend, prefix_ids)
     if tokenizer is None:
         return FullDecodeDetokenizer(lambda ids: "", prefix_ids)
-    return FullDecodeDetokenizer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                                 prefix_ids)
+    return FullDecodeDetokenizer(
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True), prefix_ids
+    )
 
 
 def decode_all(tokenizer: Any, ids: list[int]) -> str:
@@ -117,7 +118,7 @@ class OutputTracker:
     def _emit(self, text: str) -> str:
         # Only what lies past the emitted length goes out: what was streamed stays
         # streamed, never re-sent.
-        delta = text[len(self.emitted_text):]
+        delta = text[len(self.emitted_text) :]
         self.emitted_text += delta
         return delta
 

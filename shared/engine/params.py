@@ -47,11 +47,12 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or
-                    self.repetition_penalty != 1.0)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @classmethod
-    def of(cls, params: Any) -> "SamplingParams":
+    def of(cls, params: Any) -> SamplingParams:
         """The same settings from any object with these attributes (the bus message)."""
         values = {f.name: getattr(params, f.name) for f in fields(cls) if hasattr(params, f.name)}
         for name in ("stop", "stop_token_ids"):

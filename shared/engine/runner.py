@@ -13,11 +13,15 @@ from transformers.utils import logging as hf_logging
 
 from shared.engine import cpu
 
-
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 @dataclass
@@ -45,13 +49,21 @@ def eos_ids(model_dir: Path, tokenizer: object, config: object) -> frozenset[int
     return frozenset(ids)
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
-               threads: int = 0, name: str = "") -> LoadedModel:
+def load_model(
+    model_dir: str | Path,
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int = 0,
+    name: str = "",
+) -> LoadedModel:
     """`dtype` auto picks bfloat16 where the device computes it natively, else float32."""
     dtype, why = cpu.resolve_dtype(dtype, device)
     if device == "cpu" and dtype == "bfloat16" and not cpu.detect().native_bf16:
-        log.warning("bfloat16 on a CPU without native bf16 (%s): emulated, several times "
-                    "slower than float32", cpu.detect().level)
+        log.warning(
+            "bfloat16 on a CPU without native bf16 (%s): emulated, several times "
+            "slower than float32",
+            cpu.detect().level,
+        )
     if threads > 0:
         # Several engine processes share few cores: each gets its own thread budget.
         torch.set_num_threads(threads)
@@ -62,9 +74,22 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
     model.to(device).eval()
     cfg = model.config
-    log.info("loaded %s in %.1fs: %s on %s (%s); CPU %s, torch dispatch %s", path,
-             time.perf_counter() - t0, dtype, device, why, cpu.detect().level,
-             torch.backends.cpu.get_cpu_capability())
-    return LoadedModel(name=name or path.name, model=model, tokenizer=tok, dtype=DTYPES[dtype],
-                       device=device, max_model_len=int(cfg.max_position_embeddings),
-                       eos_token_ids=eos_ids(path, tok, cfg))
+    log.info(
+        "loaded %s in %.1fs: %s on %s (%s); CPU %s, torch dispatch %s",
+        path,
+        time.perf_counter() - t0,
+        dtype,
+        device,
+        why,
+        cpu.detect().level,
+        torch.backends.cpu.get_cpu_capability(),
+    )
+    return LoadedModel(
+        name=name or path.name,
+        model=model,
+        tokenizer=tok,
+        dtype=DTYPES[dtype],
+        device=device,
+        max_model_len=int(cfg.max_position_embeddings),
+        eos_token_ids=eos_ids(path, tok, cfg),
+    )

@@ -35,8 +35,12 @@ def is_greedy(params: SamplingParams) -> bool:
 
 def _needs_processing(r: RowContext) -> bool:
     p = r.params
-    return bool(p.logit_bias or p.penalized or r.matcher is not None or
-                (r.step < p.min_tokens and r.stop_ids))
+    return bool(
+        p.logit_bias
+        or p.penalized
+        or r.matcher is not None
+        or (r.step < p.min_tokens and r.stop_ids)
+    )
 
 
 def sample(logits: torch.Tensor, rows: list[RowContext]) -> Sampled:
@@ -48,8 +52,9 @@ def sample(logits: torch.Tensor, rows: list[RowContext]) -> Sampled:
     tokens = _draw(logits, rows)
     lps: list[TokenLogprobs | None] = [None] * len(rows)
     if raw is not None:
-        got = logprobs_of(raw, [tokens[i] for i in want],
-                          [rows[i].params.logprobs or 0 for i in want])
+        got = logprobs_of(
+            raw, [tokens[i] for i in want], [rows[i].params.logprobs or 0 for i in want]
+        )
         for i, lp in zip(want, got):
             lps[i] = lp
     return Sampled(tokens, lps)

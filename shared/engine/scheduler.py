@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.sequence import Sequence, SeqStatus
+from shared.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -168,5 +168,7 @@ class PoolTooSmall(Exception):
     """A waiting prompt needs more blocks than the whole (idle) pool has."""
 
     def __init__(self, seq: Sequence) -> None:
-        super().__init__(f"request {seq.request_id}: {seq.num_tokens} tokens do not fit the KV pool")
+        super().__init__(
+            f"request {seq.request_id}: {seq.num_tokens} tokens do not fit the KV pool"
+        )
         self.seq = seq

@@ -119,8 +119,13 @@ class Refusals:
             self._runs.pop(next(iter(self._runs)))  # the stalest run goes
         self._runs[peer] = run  # re-inserted: the dict stays in order of last refusal
         if self._logged_at(run):
-            log.warning("KV data plane: %s has made %d refused requests in a row (last: %s); "
-                        "someone may be guessing transfer ids", peer, run, why)
+            log.warning(
+                "KV data plane: %s has made %d refused requests in a row (last: %s); "
+                "someone may be guessing transfer ids",
+                peer,
+                run,
+                why,
+            )
 
     def accepted(self, peer: str) -> None:
         self._runs.pop(peer, None)
@@ -203,8 +208,9 @@ class KVSender(abc.ABC):
     async def close(self) -> None: ...
 
     @abc.abstractmethod
-    def offer(self, purpose: str, meta: bytes, payload: memoryview | bytes,
-              num_tokens: int, ttl_s: float) -> KVHandle:
+    def offer(
+        self, purpose: str, meta: bytes, payload: memoryview | bytes, num_tokens: int, ttl_s: float
+    ) -> KVHandle:
         """Make `payload` fetchable under a new transfer id (the handle's, a capability:
         give it to the receiver over the control plane only); it is dropped (FAILED) if not
         fetched within ttl_s. `purpose` labels it for metrics and logs and is never sent."""
@@ -231,8 +237,9 @@ class KVReceiver(abc.ABC):
         self.states = _States()
 
     @abc.abstractmethod
-    async def fetch(self, handle: KVHandle, timeout_s: float,
-                    purpose: str = HANDOFF) -> tuple[bytes, bytearray]:
+    async def fetch(
+        self, handle: KVHandle, timeout_s: float, purpose: str = HANDOFF
+    ) -> tuple[bytes, bytearray]:
         """(meta, payload) or TransferFailed; the state ends DONE or FAILED either way.
         `purpose` labels the transfer for metrics, as the sender labelled its offer."""
 

@@ -9,8 +9,15 @@ from __future__ import annotations
 import asyncio
 
 from shared.messages import KVHandle
-from shared.transfer.base import (HANDOFF, KVReceiver, KVSender, TransferFailed, TransferState,
-                                  new_transfer_id, short_id)
+from shared.transfer.base import (
+    HANDOFF,
+    KVReceiver,
+    KVSender,
+    TransferFailed,
+    TransferState,
+    new_transfer_id,
+    short_id,
+)
 
 
 class FakeKVSender(KVSender):
@@ -26,14 +33,16 @@ class FakeKVSender(KVSender):
             self.offers.pop(tid)
             await self.states.set(tid, TransferState.FAILED)
 
-    def offer(self, purpose: str, meta: bytes, payload: memoryview | bytes,
-              num_tokens: int, ttl_s: float) -> KVHandle:
+    def offer(
+        self, purpose: str, meta: bytes, payload: memoryview | bytes, num_tokens: int, ttl_s: float
+    ) -> KVHandle:
         transfer_id = new_transfer_id()
         self.offers[transfer_id] = (meta, bytes(payload))
         self.states.label(transfer_id, purpose)
         self.states.set_initial(transfer_id, TransferState.WAITING)
-        return KVHandle(transfer_id=transfer_id, host="fake", port=0, nbytes=len(payload),
-                        num_tokens=num_tokens)
+        return KVHandle(
+            transfer_id=transfer_id, host="fake", port=0, nbytes=len(payload), num_tokens=num_tokens
+        )
 
     async def withdraw(self, transfer_id: str) -> None:
         if self.offers.pop(transfer_id, None) is not None:
@@ -49,8 +58,9 @@ class FakeKVReceiver(KVReceiver):
         super().__init__()
         self.sender, self.fail, self.delay_s = sender, fail, delay_s
 
-    async def fetch(self, handle: KVHandle, timeout_s: float,
-                    purpose: str = HANDOFF) -> tuple[bytes, bytearray]:
+    async def fetch(
+        self, handle: KVHandle, timeout_s: float, purpose: str = HANDOFF
+    ) -> tuple[bytes, bytearray]:
         tid = handle.transfer_id
         self.states.label(tid, purpose)
         await self.states.set(tid, TransferState.TRANSFERRING)
@@ -64,7 +74,7 @@ class FakeKVReceiver(KVReceiver):
             await asyncio.wait_for(asyncio.sleep(self.delay_s), timeout_s)
             if self.fail:
                 raise TransferFailed(f"transfer {short_id(tid)} failed (fake)")
-        except (asyncio.TimeoutError, TransferFailed) as exc:
+        except (TimeoutError, TransferFailed) as exc:
             await self.states.set(tid, TransferState.FAILED)
             await self.sender.states.set(tid, TransferState.FAILED)
             raise TransferFailed(str(exc) or "timeout") from exc

@@ -41,8 +41,7 @@ import xxhash
 
 from shared.messages import KVHandle
 from shared.transfer.base import TransferFailed, TransferState, short_id
-from shared.transfer.tcp import (_HDR, _REQ, MAGIC, STATUS_OK, Channel, TcpKVReceiver,
-                                 TcpKVSender)
+from shared.transfer.tcp import _HDR, _REQ, MAGIC, STATUS_OK, Channel, TcpKVReceiver, TcpKVSender
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ def write_segment(payload: memoryview) -> tuple[str, int]:
     hasher = xxhash.xxh3_64()
     try:
         for start in range(0, len(payload), _WRITE_STEP):
-            piece = payload[start:start + _WRITE_STEP]
+            piece = payload[start : start + _WRITE_STEP]
             hasher.update(piece)
             done = 0
             while done < len(piece):
@@ -119,9 +118,12 @@ def unlink_segment(name: str) -> None:
             os.unlink(os.path.join(SHM_DIR, name))
 
 
-def map_segment(name: str, nbytes: int, checksum: int,
-                into: Callable[[int], bytearray | memoryview] | None = None
-                ) -> bytearray | memoryview | None:
+def map_segment(
+    name: str,
+    nbytes: int,
+    checksum: int,
+    into: Callable[[int], bytearray | memoryview] | None = None,
+) -> bytearray | memoryview | None:
     """The segment's first nbytes, verified (None on a checksum mismatch).
 
     Without `into`, a view of a mapping that lives as long as the view does; with it, a
@@ -164,14 +166,22 @@ class ShmKVSender(TcpKVSender):
 
     MAGICS = TcpKVSender.MAGICS | {SHM_MAGIC}
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "",
-                 eager: bool = True, *, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str = "",
+        eager: bool = True,
+        *,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         super().__init__(host, port, advertise_host, tls=tls)
         self.eager = eager
         self._segments: dict[str, str] = {}
 
-    def offer(self, purpose: str, meta: bytes, payload: memoryview | bytes,
-              num_tokens: int, ttl_s: float) -> KVHandle:
+    def offer(
+        self, purpose: str, meta: bytes, payload: memoryview | bytes, num_tokens: int, ttl_s: float
+    ) -> KVHandle:
         if not host_id():  # no /dev/shm here: TCP only
             return super().offer(purpose, meta, payload, num_tokens, ttl_s)
         view = memoryview(payload).cast("B")
@@ -186,8 +196,9 @@ class ShmKVSender(TcpKVSender):
             self._segments[handle.transfer_id] = name
         else:
             handle = super().offer(purpose, meta, view, num_tokens, ttl_s)
-        return handle.model_copy(update={"transport": "shm", "shm_name": name,
-                                         "host_id": host_id()})
+        return handle.model_copy(
+            update={"transport": "shm", "shm_name": name, "host_id": host_id()}
+        )
 
     def _segment_for(self, transfer_id: str) -> str:
         name = self._segments.get(transfer_id)
@@ -196,8 +207,9 @@ class ShmKVSender(TcpKVSender):
             name, checksum = write_segment(offer.payload)
             self._segments[transfer_id] = name  # _drop removes it, whatever happens next
             if checksum != offer.checksum:
-                raise TransferFailed(f"the payload of {short_id(transfer_id)} changed "
-                                     "after offer()")
+                raise TransferFailed(
+                    f"the payload of {short_id(transfer_id)} changed after offer()"
+                )
         return name
 
     async def _drop(self, transfer_id: str, state: TransferState) -> None:
@@ -230,9 +242,14 @@ class ShmKVReceiver(TcpKVReceiver):
     copy=True copies it into allocate(nbytes) (a new bytearray by default), as TCP does.
     """
 
-    def __init__(self, copy: bool = False,
-                 allocate: Callable[[int], bytearray | memoryview] = bytearray, *,
-                 tls: ssl.SSLContext | None = None, tls_hostname: str = "") -> None:
+    def __init__(
+        self,
+        copy: bool = False,
+        allocate: Callable[[int], bytearray | memoryview] = bytearray,
+        *,
+        tls: ssl.SSLContext | None = None,
+        tls_hostname: str = "",
+    ) -> None:
         super().__init__(allocate, tls=tls, tls_hostname=tls_hostname)
         self.copy = copy
 
@@ -257,8 +274,9 @@ class ShmKVReceiver(TcpKVReceiver):
         finally:
             ch.close()
 
-    async def _fetch_shm(self, ch: Channel, handle: KVHandle
-                         ) -> tuple[bytes, bytearray | memoryview]:
+    async def _fetch_shm(
+        self, ch: Channel, handle: KVHandle
+    ) -> tuple[bytes, bytearray | memoryview]:
         tid = handle.transfer_id.encode()
         await ch.sendall(_REQ.pack(SHM_MAGIC, len(tid)) + tid)
         magic, status, meta_len, nbytes, checksum = _HDR.unpack(await ch.recv_exact(_HDR.size))

@@ -34,8 +34,17 @@ import xxhash
 
 from shared.messages import KVHandle
 from shared.tls import HANDSHAKE_TIMEOUT_S
-from shared.transfer.base import (HANDOFF, TRANSFER_ID_BYTES, Capabilities, KVReceiver, KVSender,
-                                  TransferFailed, TransferState, new_transfer_id, short_id)
+from shared.transfer.base import (
+    HANDOFF,
+    TRANSFER_ID_BYTES,
+    Capabilities,
+    KVReceiver,
+    KVSender,
+    TransferFailed,
+    TransferState,
+    new_transfer_id,
+    short_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +68,9 @@ MAX_ID_LEN = 2 * TRANSFER_ID_BYTES  # hex; anything longer is refused unread
 class _Offer:
     __slots__ = ("meta", "payload", "checksum", "expiry")
 
-    def __init__(self, meta: bytes, payload: memoryview, checksum: int,
-                 expiry: asyncio.TimerHandle):
+    def __init__(
+        self, meta: bytes, payload: memoryview, checksum: int, expiry: asyncio.TimerHandle
+    ):
         self.meta, self.payload, self.checksum, self.expiry = meta, payload, checksum, expiry
 
 
@@ -91,11 +101,11 @@ async def recv_into_exact(sock: socket.socket, view: memoryview, hasher=None) ->
     loop = asyncio.get_running_loop()
     got, total = 0, len(view)
     while got < total:
-        n = await loop.sock_recv_into(sock, view[got:got + CHUNK])
+        n = await loop.sock_recv_into(sock, view[got : got + CHUNK])
         if n == 0:
             raise ConnectionError(f"connection closed after {got} of {total} bytes")
         if hasher is not None:
-            hasher.update(view[got:got + n])
+            hasher.update(view[got : got + n])
         got += n
 
 
@@ -175,7 +185,7 @@ class TlsChannel(Channel):
             piece = await self.reader.read(min(CHUNK, total - got))
             if not piece:
                 raise ConnectionError(f"connection closed after {got} of {total} bytes")
-            view[got:got + len(piece)] = piece
+            view[got : got + len(piece)] = piece
             if hasher is not None:
                 hasher.update(piece)
             got += len(piece)
@@ -188,15 +198,20 @@ class TlsChannel(Channel):
         self.writer.close()
 
 
-async def open_channel(host: str, port: int, tls: ssl.SSLContext | None = None,
-                       tls_hostname: str = "") -> Channel:
+async def open_channel(
+    host: str, port: int, tls: ssl.SSLContext | None = None, tls_hostname: str = ""
+) -> Channel:
     """A connection to a sender; with `tls`, its certificate is checked against
     `tls_hostname` (or `host`) and ours is presented."""
     if tls is None:
         return SocketChannel(await connect(host, port), host)
     reader, writer = await asyncio.open_connection(
-        host, port, ssl=tls, server_hostname=tls_hostname or host,
-        ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+        host,
+        port,
+        ssl=tls,
+        server_hostname=tls_hostname or host,
+        ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
+    )
     return TlsChannel(reader, writer)
 
 
@@ -206,8 +221,14 @@ class TcpKVSender(KVSender):
 
     MAGICS = frozenset({MAGIC})  # request kinds served; subclasses add theirs
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "",
-                 *, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str = "",
+        *,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         super().__init__()
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
@@ -227,10 +248,17 @@ class TcpKVSender(KVSender):
             self._accepting = asyncio.create_task(self._accept_loop())
         else:
             self._server = await asyncio.start_server(
-                self._on_tls_conn, sock=self._listener, ssl=self.tls,
-                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
-        log.info("KV sender listening on %s:%d%s", self.host, self.port,
-                 " (mutual TLS)" if self.tls else "")
+                self._on_tls_conn,
+                sock=self._listener,
+                ssl=self.tls,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
+            )
+        log.info(
+            "KV sender listening on %s:%d%s",
+            self.host,
+            self.port,
+            " (mutual TLS)" if self.tls else "",
+        )
 
     async def close(self) -> None:
         if self._server is not None:
@@ -248,26 +276,42 @@ class TcpKVSender(KVSender):
     def pending(self) -> int:
         return len(self._offers)
 
-    def offer(self, purpose: str, meta: bytes, payload: memoryview | bytes,
-              num_tokens: int, ttl_s: float) -> KVHandle:
-        # Hashing at offer time (xxh3: ~3 ms for 64 MiB here) pins the checksum to the bytes as offered,
-        # so a producer that reuses its buffer too early shows up as a mismatch, not bad KV.
+    def offer(
+        self, purpose: str, meta: bytes, payload: memoryview | bytes, num_tokens: int, ttl_s: float
+    ) -> KVHandle:
+        # Hashing at offer time (xxh3: ~3 ms for 64 MiB here) pins the checksum to the bytes
+        # as offered, so a producer that reuses its buffer too early shows up as a mismatch,
+        # not as bad KV.
         view = memoryview(payload).cast("B")
-        return self._register(purpose, meta, view, xxhash.xxh3_64_intdigest(view),
-                              num_tokens, ttl_s)
+        return self._register(
+            purpose, meta, view, xxhash.xxh3_64_intdigest(view), num_tokens, ttl_s
+        )
 
-    def _register(self, purpose: str, meta: bytes, view: memoryview, checksum: int,
-                  num_tokens: int, ttl_s: float) -> KVHandle:
+    def _register(
+        self,
+        purpose: str,
+        meta: bytes,
+        view: memoryview,
+        checksum: int,
+        num_tokens: int,
+        ttl_s: float,
+    ) -> KVHandle:
         transfer_id = new_transfer_id()  # minted here: never the caller's, never guessable
         loop = asyncio.get_running_loop()
-        expiry = loop.call_later(ttl_s, lambda: asyncio.ensure_future(
-            self._drop(transfer_id, TransferState.FAILED)))
+        expiry = loop.call_later(
+            ttl_s, lambda: asyncio.ensure_future(self._drop(transfer_id, TransferState.FAILED))
+        )
         self._offers[transfer_id] = _Offer(meta, view, checksum, expiry)
         self._open.add(transfer_id)
         self.states.label(transfer_id, purpose)
         self.states.set_initial(transfer_id, TransferState.WAITING)
-        return KVHandle(transfer_id=transfer_id, host=self.advertise_host, port=self.port,
-                        nbytes=len(view), num_tokens=num_tokens)
+        return KVHandle(
+            transfer_id=transfer_id,
+            host=self.advertise_host,
+            port=self.port,
+            nbytes=len(view),
+            num_tokens=num_tokens,
+        )
 
     async def withdraw(self, transfer_id: str) -> None:
         await self._drop(transfer_id, TransferState.FAILED)
@@ -295,8 +339,9 @@ class TcpKVSender(KVSender):
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
-    async def _on_tls_conn(self, reader: asyncio.StreamReader,
-                           writer: asyncio.StreamWriter) -> None:
+    async def _on_tls_conn(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         """asyncio runs this per connection once the handshake (client certificate
         included) has passed; tracked like the plain ones so close() ends it."""
         task = asyncio.current_task()
@@ -316,17 +361,25 @@ class TcpKVSender(KVSender):
     async def _serve_conn(self, ch: Channel) -> None:
         tid = ""
         try:
-            magic, presented = await asyncio.wait_for(self._read_request(ch),
-                                                      REQUEST_TIMEOUT_S)
+            magic, presented = await asyncio.wait_for(self._read_request(ch), REQUEST_TIMEOUT_S)
             tid = self._claim(ch.peer, magic, presented) or ""
             if not tid:
                 await ch.sendall(_HDR.pack(MAGIC, STATUS_UNKNOWN, 0, 0, 0))
                 return
             await self._serve(ch, magic, tid)
-        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, struct.error,
-                TransferFailed) as exc:
-            log.warning("KV transfer %s failed on the sender (peer %s): %s",
-                        short_id(tid) if tid else "?", ch.peer, str(exc) or type(exc).__name__)
+        except (
+            TimeoutError,
+            OSError,
+            asyncio.IncompleteReadError,
+            struct.error,
+            TransferFailed,
+        ) as exc:
+            log.warning(
+                "KV transfer %s failed on the sender (peer %s): %s",
+                short_id(tid) if tid else "?",
+                ch.peer,
+                str(exc) or type(exc).__name__,
+            )
             if tid:
                 await self._drop(tid, TransferState.FAILED)
         finally:
@@ -337,8 +390,12 @@ class TcpKVSender(KVSender):
         None (refused, counted) otherwise. No real transfer is touched on a refusal."""
         tid = self._open.claim(presented) if magic in self.MAGICS and presented else None
         if tid is None or tid not in self._offers:
-            self.refusals.refused(peer, "unknown request kind" if magic not in self.MAGICS
-                                  else "unknown, used or expired transfer id")
+            self.refusals.refused(
+                peer,
+                "unknown request kind"
+                if magic not in self.MAGICS
+                else "unknown, used or expired transfer id",
+            )
             return None
         self.refusals.accepted(peer)
         return tid
@@ -350,7 +407,7 @@ class TcpKVSender(KVSender):
         head = _HDR.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
         await ch.sendall(head + offer.meta + bytes(_padding(len(offer.meta))))
         for start in range(0, len(offer.payload), CHUNK):
-            await ch.sendall(offer.payload[start:start + CHUNK])
+            await ch.sendall(offer.payload[start : start + CHUNK])
         ack = await ch.recv_exact(1)
         await self._drop(tid, TransferState.DONE if ack == b"\x01" else TransferState.FAILED)
 
@@ -366,27 +423,35 @@ class TcpKVReceiver(KVReceiver):
     the handle's host.
     """
 
-    def __init__(self, allocate: Callable[[int], bytearray | memoryview] = bytearray, *,
-                 tls: ssl.SSLContext | None = None, tls_hostname: str = "") -> None:
+    def __init__(
+        self,
+        allocate: Callable[[int], bytearray | memoryview] = bytearray,
+        *,
+        tls: ssl.SSLContext | None = None,
+        tls_hostname: str = "",
+    ) -> None:
         super().__init__()
         self.allocate = allocate
         self.tls, self.tls_hostname = tls, tls_hostname
 
-    async def fetch(self, handle: KVHandle, timeout_s: float,
-                    purpose: str = HANDOFF) -> tuple[bytes, bytearray]:
+    async def fetch(
+        self, handle: KVHandle, timeout_s: float, purpose: str = HANDOFF
+    ) -> tuple[bytes, bytearray]:
         tid = handle.transfer_id
         self.states.label(tid, purpose)
         await self.states.set(tid, TransferState.WAITING)
         try:
             result = await asyncio.wait_for(self._fetch(handle), timeout_s)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             await self.states.set(tid, TransferState.FAILED)
-            raise TransferFailed(f"transfer {short_id(tid)} timed out after "
-                                 f"{timeout_s:.1f}s") from exc
+            raise TransferFailed(
+                f"transfer {short_id(tid)} timed out after {timeout_s:.1f}s"
+            ) from exc
         except (OSError, asyncio.IncompleteReadError, TransferFailed) as exc:
             await self.states.set(tid, TransferState.FAILED)
-            raise TransferFailed(f"transfer {short_id(tid)} from {handle.host}:{handle.port}: "
-                                 f"{exc}") from exc
+            raise TransferFailed(
+                f"transfer {short_id(tid)} from {handle.host}:{handle.port}: {exc}"
+            ) from exc
         await self.states.set(tid, TransferState.DONE)
         return result
 
@@ -399,7 +464,8 @@ class TcpKVReceiver(KVReceiver):
             tid = handle.transfer_id.encode()
             await ch.sendall(_REQ.pack(MAGIC, len(tid)) + tid)
             magic, status, meta_len, payload_len, checksum = _HDR.unpack(
-                await ch.recv_exact(_HDR.size))
+                await ch.recv_exact(_HDR.size)
+            )
             if magic != MAGIC or status != STATUS_OK:
                 raise TransferFailed("unknown, used or expired transfer id")
             await self.states.set(handle.transfer_id, TransferState.TRANSFERRING)

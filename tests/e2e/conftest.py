@@ -28,18 +28,37 @@ class Stack:
         return "".join(self.lines)
 
 
-def start_stack(tmp: Path, model_dir: Path, database_url: str, extra: list[str] | None = None,
-                timeout_s: float = 240.0, env: dict[str, str] | None = None) -> Stack:
+def start_stack(
+    tmp: Path,
+    model_dir: Path,
+    database_url: str,
+    extra: list[str] | None = None,
+    timeout_s: float = 240.0,
+    env: dict[str, str] | None = None,
+) -> Stack:
     port = free_port()
     env = dict(os.environ, HALFMOON_HOME=str(tmp / "home"), PYTHONUNBUFFERED="1", **(env or {}))
     extra = list(extra or [])
     if "--metrics-base-port" not in extra:  # no fixed ports: stacks may run side by side
         extra += ["--metrics-base-port", "0"]
-    cmd = [sys.executable, "-m", "services.cli", "up", "--no-console", "--port", str(port),
-           "--model", str(model_dir), "--database-url", database_url, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--no-console",
+        "--port",
+        str(port),
+        "--model",
+        str(model_dir),
+        "--database-url",
+        database_url,
+        *extra,
+    ]
     log_path = tmp / "stack.log"
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     stack = Stack(f"http://127.0.0.1:{port}", database_url, proc, log_path)
     ready = threading.Event()
 
@@ -97,8 +116,9 @@ def stop_stack(stack: Stack) -> int:
 
 
 @pytest.fixture(scope="session", params=backends())
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-          model_dir: Path):
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+):
     """One running cluster (fp32, so greedy output can be compared exactly) per SQL backend."""
     tmp = tmp_path_factory.mktemp(f"stack-{request.param}")
     database_url, pg_name = make_database(request.param, tmp)

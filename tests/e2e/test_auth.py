@@ -30,8 +30,12 @@ KEY_CACHE_S = 0.5  # the gateway's key cache here: how long a revoked key may st
 
 
 def keys_cli(db_url: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "services.cli", "keys", "--database-url", db_url,
-                          *args], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "keys", "--database-url", db_url, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -40,10 +44,14 @@ def keys_cli(db_url: str, *args: str) -> str:
 def keyed_stack(tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp("auth")
     url, _ = make_database("sqlite", tmp)
-    env = {"HALFMOON_API_KEYS": f"alpha:{ALPHA},beta:{BETA},slow:{SLOW}:{SLOW_RATE}/minute",
-           "HALFMOON_ADMIN_KEY": ADMIN, "HALFMOON_KEY_CACHE_S": str(KEY_CACHE_S),
-           # short answers keep the fuzzing quick
-           "HALFMOON_MAX_OUTPUT_TOKENS": "8", "HALFMOON_DEFAULT_MAX_TOKENS": "8"}
+    env = {
+        "HALFMOON_API_KEYS": f"alpha:{ALPHA},beta:{BETA},slow:{SLOW}:{SLOW_RATE}/minute",
+        "HALFMOON_ADMIN_KEY": ADMIN,
+        "HALFMOON_KEY_CACHE_S": str(KEY_CACHE_S),
+        # short answers keep the fuzzing quick
+        "HALFMOON_MAX_OUTPUT_TOKENS": "8",
+        "HALFMOON_DEFAULT_MAX_TOKENS": "8",
+    }
     with pytest.MonkeyPatch.context() as mp:  # the stack's processes inherit these
         for k, v in env.items():
             mp.setenv(k, v)
@@ -67,8 +75,12 @@ async def get(url: str, headers: dict | None = None) -> tuple[int, Any, dict]:
 
 
 async def chat(url: str, key: str, prompt: str, max_tokens: int = 2) -> tuple[int, Any, dict]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         async with http.post(f"{url}/v1/chat/completions", json=body, headers=auth(key)) as resp:
             return resp.status, resp.headers.copy(), await resp.json()
@@ -87,8 +99,13 @@ async def test_no_key_or_a_wrong_key_is_a_401(keyed_stack):
         async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
             assert_invalid_key(resp.status, await resp.json())
             rid = resp.headers["X-Request-Id"]
-    for headers in ({}, auth("hm-not-a-key"), auth(ALPHA + "x"), {"Authorization": ALPHA},
-                    {"Authorization": f"Basic {ALPHA}"}):
+    for headers in (
+        {},
+        auth("hm-not-a-key"),
+        auth(ALPHA + "x"),
+        {"Authorization": ALPHA},
+        {"Authorization": f"Basic {ALPHA}"},
+    ):
         status, _, data = await get(f"{url}/v1/models", headers)
         assert_invalid_key(status, data)
     status, _, data = await get(f"{url}/v1/models", auth(ALPHA))
@@ -130,8 +147,10 @@ async def test_rate_limit_is_a_429_with_retry_after(keyed_stack):
 async def test_tenants_do_not_share_the_prefix_cache(keyed_stack):
     """Same prompt, same tenant: cached blocks. Same prompt, other tenant: none at all."""
     url = keyed_stack.url
-    prompt = (f"{SECRET_PROMPT}: describe, in detail, the water cycle, the carbon cycle and "
-              "the nitrogen cycle, then compare how fast each one turns over. " * 2)
+    prompt = (
+        f"{SECRET_PROMPT}: describe, in detail, the water cycle, the carbon cycle and "
+        "the nitrogen cycle, then compare how fast each one turns over. " * 2
+    )
 
     async def cached(key: str) -> tuple[int, int]:
         status, _, data = await chat(url, key, prompt)

@@ -22,7 +22,7 @@ def with_(**changes):
 
 
 CASES = {
-    "malformed json": (b"{\"model\": ", 400, "invalid_request"),
+    "malformed json": (b'{"model": ', 400, "invalid_request"),
     "not an object": ([1, 2], 400, "invalid_request"),
     "missing model": (with_(model=None), 400, "invalid_request"),
     "missing messages": (with_(messages=None), 400, "invalid_request"),
@@ -40,8 +40,10 @@ CASES = {
     "stream wrong type": (with_(stream="yes"), 400, "invalid_request"),
     "unknown model": (with_(model="gpt-9"), 404, "model_not_found"),
     "prompt longer than context": (
-        with_(messages=[{"role": "user", "content": "word " * 9000}]), 400,
-        "context_length_exceeded"),
+        with_(messages=[{"role": "user", "content": "word " * 9000}]),
+        400,
+        "context_length_exceeded",
+    ),
 }
 
 
@@ -49,8 +51,11 @@ CASES = {
 async def test_bad_request(stack, case):
     body, status, code = CASES[case]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-        kwargs = {"data": body, "headers": {"Content-Type": "application/json"}} \
-            if isinstance(body, bytes) else {"json": body}
+        kwargs = (
+            {"data": body, "headers": {"Content-Type": "application/json"}}
+            if isinstance(body, bytes)
+            else {"json": body}
+        )
         async with http.post(f"{stack.url}/v1/chat/completions", **kwargs) as resp:
             assert resp.status == status, await resp.text()
             data = await resp.json()
@@ -71,10 +76,13 @@ async def test_unknown_route_and_method(stack):
 
 
 async def test_body_too_large(stack):
-    big = b"{\"x\": \"" + b"a" * (5 << 20) + b"\"}"
+    big = b'{"x": "' + b"a" * (5 << 20) + b'"}'
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{stack.url}/v1/chat/completions", data=big,
-                             headers={"Content-Type": "application/json"}) as resp:
+        async with http.post(
+            f"{stack.url}/v1/chat/completions",
+            data=big,
+            headers={"Content-Type": "application/json"},
+        ) as resp:
             assert resp.status == 413
             assert (await resp.json())["error"]["code"] == "payload_too_large"
 

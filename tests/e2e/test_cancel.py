@@ -43,8 +43,14 @@ def stack(tmp_path, model_dir):
 
 def body(i: int, max_tokens: int = 400) -> dict:
     words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(12))
-    return {"model": MODEL, "messages": [{"role": "user", "content": f"{i}: tell me about {words}"}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"{i}: tell me about {words}"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 async def read_then_drop(http: aiohttp.ClientSession, url: str, i: int, chunks: int) -> str:
@@ -54,7 +60,9 @@ async def read_then_drop(http: aiohttp.ClientSession, url: str, i: int, chunks: 
     rid, seen = resp.headers["X-Request-Id"], 0
     async for raw in resp.content:
         line = raw.decode().strip()
-        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get(
+            "content"
+        ):
             seen += 1
             if seen >= chunks:
                 break
@@ -67,11 +75,17 @@ async def pool(url: str) -> tuple[dict[str, dict], float]:
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/admin/state") as resp:
             state = await resp.json()
-    return {i["instance_id"]: {"held": i["kv_blocks_total"] - i["kv_blocks_free"],
-                               "leased": i["kv_blocks_leased"], "running": i["running"],
-                               "queued": i["queue_depth"], "sent_at": i["sent_at"]}
-            for i in state["instances"] if i["role"] in ("prefill", "decode")}, \
-        state["in_flight"]
+    return {
+        i["instance_id"]: {
+            "held": i["kv_blocks_total"] - i["kv_blocks_free"],
+            "leased": i["kv_blocks_leased"],
+            "running": i["running"],
+            "queued": i["queue_depth"],
+            "sent_at": i["sent_at"],
+        }
+        for i in state["instances"]
+        if i["role"] in ("prefill", "decode")
+    }, state["in_flight"]
 
 
 async def settled(url: str, after: float, timeout_s: float = 120.0) -> dict[str, dict]:
@@ -82,8 +96,10 @@ async def settled(url: str, after: float, timeout_s: float = 120.0) -> dict[str,
     while True:
         now, _ = await pool(url)
         if all(v["sent_at"] > after for v in now.values()):
-            snap = {k: {f: v[f] for f in ("held", "leased", "running", "queued")}
-                    for k, v in now.items()}
+            snap = {
+                k: {f: v[f] for f in ("held", "leased", "running", "queued")}
+                for k, v in now.items()
+            }
             if snap == last:
                 return snap
             last = snap
@@ -93,8 +109,9 @@ async def settled(url: str, after: float, timeout_s: float = 120.0) -> dict[str,
 
 async def test_cancelling_100_streams_frees_every_slot_lease_and_block(stack):
     async with aiohttp.ClientSession() as http:  # warm-up: caches, lazy init
-        async with http.post(f"{stack.url}/v1/chat/completions",
-                             json={**body(-1, 8), "stream": False}) as resp:
+        async with http.post(
+            f"{stack.url}/v1/chat/completions", json={**body(-1, 8), "stream": False}
+        ) as resp:
             assert resp.status == 200
     baseline = await settled(stack.url, time.time())
     assert len(baseline) == 2
@@ -102,13 +119,16 @@ async def test_cancelling_100_streams_frees_every_slot_lease_and_block(stack):
         assert inst == {"held": 0, "leased": 0, "running": 0, "queued": 0}, baseline
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=400)) as http:
-        tasks = [asyncio.create_task(read_then_drop(http, stack.url, i, chunks=2 + i % 4))
-                 for i in range(N)]
+        tasks = [
+            asyncio.create_task(read_then_drop(http, stack.url, i, chunks=2 + i % 4))
+            for i in range(N)
+        ]
         busy = None
         while not all(t.done() for t in tasks):  # the cluster under load, for the record
             now, _ = await pool(stack.url)
             if busy is None or sum(v["held"] for v in now.values()) > sum(
-                    v["held"] for v in busy.values()):
+                v["held"] for v in busy.values()
+            ):
                 busy = now
             await asyncio.sleep(0.5)
         ids = await asyncio.gather(*tasks)
@@ -120,8 +140,9 @@ async def test_cancelling_100_streams_frees_every_slot_lease_and_block(stack):
     while True:
         after, in_flight = await pool(stack.url)
         fresh = {k: v for k, v in after.items() if v["sent_at"] > dropped_at + 2}
-        snap = {k: {f: v[f] for f in ("held", "leased", "running", "queued")}
-                for k, v in fresh.items()}
+        snap = {
+            k: {f: v[f] for f in ("held", "leased", "running", "queued")} for k, v in fresh.items()
+        }
         if snap == baseline and in_flight == 0:
             break
         assert time.monotonic() < deadline, f"not back at baseline: {snap}, in flight {in_flight}"
@@ -134,8 +155,13 @@ async def test_cancelling_100_streams_frees_every_slot_lease_and_block(stack):
         deadline = time.monotonic() + 60  # records are written in batches
         while True:
             async with sessionmaker(engine)() as s:
-                rows = dict((await s.execute(select(t.status, func.count()).where(
-                    t.id.in_(ids)).group_by(t.status))).all())
+                rows = dict(
+                    (
+                        await s.execute(
+                            select(t.status, func.count()).where(t.id.in_(ids)).group_by(t.status)
+                        )
+                    ).all()
+                )
             if rows.get("cancelled") == N or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.25)

@@ -18,17 +18,32 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 def test_a_short_chaos_run_hangs_nothing_and_loses_nothing(tmp_path, model_dir):
     report_path = tmp_path / "chaos.json"
-    cmd = [sys.executable, "-m", "services.cli", "chaos", "--duration-s", "60", "--rate", "1",
-           "--kill-every-s", "10", "--seed", "1", "--model", str(model_dir),
-           "--report", str(report_path)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "chaos",
+        "--duration-s",
+        "60",
+        "--rate",
+        "1",
+        "--kill-every-s",
+        "10",
+        "--seed",
+        "1",
+        "--model",
+        str(model_dir),
+        "--report",
+        str(report_path),
+    ]
+    proc = subprocess.run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
     (tmp_path / "chaos.log").write_text(proc.stdout)
     tail = proc.stdout[-4000:]
     assert report_path.exists(), tail
     report = json.loads(report_path.read_text())
-    print("\n".join(line for line in proc.stdout.splitlines()
-                    if line.startswith(("chaos:", "  "))))
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith(("chaos:", "  "))))
     assert {k["target"] for k in report["kills"]} == set(TARGETS), report["kills"]
     assert report["hung"] == 0, report["hung_examples"]
     assert report["records_lost"] == 0, report["records"]

@@ -37,21 +37,28 @@ def reference(model_dir):
     lm = load_model(model_dir, "float32", threads=1)
 
     def generate(prompt: str, max_new_tokens: int) -> str:
-        ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                               add_generation_prompt=True)["input_ids"]
+        ids = lm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )["input_ids"]
         with torch.inference_mode():
-            out = lm.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                    do_sample=False)
-        new = out[0][len(ids):].tolist()
+            out = lm.model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False
+            )
+        new = out[0][len(ids) :].tolist()
         return new, lm.tokenizer.decode(new, skip_special_tokens=True)
 
     return generate
 
 
 async def stream_chat(url: str, prompt: str, max_tokens: int) -> tuple[str, list[dict]]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "stream": True,
-            "max_tokens": max_tokens, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     chunks: list[dict] = []
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
@@ -63,7 +70,7 @@ async def stream_chat(url: str, prompt: str, max_tokens: int) -> tuple[str, list
                 if not line:
                     continue
                 assert line.startswith("data: ")
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     done = True
                     break
@@ -100,8 +107,11 @@ async def test_non_streaming_with_openai_client(stack, reference):
 
     client = AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused")
     resp = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=24,
-        temperature=0)
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=24,
+        temperature=0,
+    )
     ref_ids, ref_text = reference(PROMPTS[0], 24)
     assert resp.choices[0].message.content == ref_text
     assert resp.usage.completion_tokens == len(ref_ids)
@@ -118,8 +128,9 @@ async def test_every_request_has_one_terminal_record(stack):
 
     async def completed() -> RequestRecord | None:
         async with sessionmaker(engine)() as s:
-            row = (await s.execute(select(RequestRecord).where(RequestRecord.id == rid))
-                   ).scalar_one_or_none()
+            row = (
+                await s.execute(select(RequestRecord).where(RequestRecord.id == rid))
+            ).scalar_one_or_none()
         return row if row is not None and row.status == "completed" else None
 
     try:  # records are written in batches, off the request path
@@ -128,8 +139,15 @@ async def test_every_request_has_one_terminal_record(stack):
         assert row.ttft_ms is not None and 0 < row.ttft_ms <= row.e2e_ms
         assert row.completion_tokens >= 1 and row.prompt_tokens > 5
         async with sessionmaker(engine)() as s:
-            open_rows = (await s.execute(select(RequestRecord).where(
-                RequestRecord.status.in_(["queued", "running"])))).scalars().all()
+            open_rows = (
+                (
+                    await s.execute(
+                        select(RequestRecord).where(RequestRecord.status.in_(["queued", "running"]))
+                    )
+                )
+                .scalars()
+                .all()
+            )
         assert open_rows == []
     finally:
         await engine.dispose()
@@ -143,7 +161,11 @@ async def test_repeated_prompt_reuses_the_prefix_cache(stack, reference):
     prompt_tokens = second[-1]["usage"]["prompt_tokens"]
     cached = second[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
     # every full block but the one holding the last prompt token comes from the cache
-    assert cached == (prompt_tokens - 1) // 16 * 16 > first[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert (
+        cached
+        == (prompt_tokens - 1) // 16 * 16
+        > first[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    )
 
 
 async def test_admin_shows_hit_rates_and_decisions(stack):
@@ -152,6 +174,7 @@ async def test_admin_shows_hit_rates_and_decisions(stack):
     _, chunks = await stream_chat(stack.url, prompt, 4)
     rid = chunks[0]["id"]
     async with aiohttp.ClientSession() as http:
+
         async def terminal() -> dict | None:  # SQL writes are batched: the last one is in
             async with http.get(f"{stack.url}/admin/requests/{rid}") as resp:
                 got = await resp.json() if resp.status == 200 else None
@@ -172,8 +195,14 @@ async def test_admin_shows_hit_rates_and_decisions(stack):
 
 
 async def test_seeded_sampling_is_reproducible(stack):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}],
-            "max_tokens": 24, "temperature": 0.9, "top_p": 0.9, "seed": 1234}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 24,
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "seed": 1234,
+    }
     async with aiohttp.ClientSession() as http:
         texts = []
         for _ in range(2):
@@ -186,10 +215,15 @@ async def test_seeded_sampling_is_reproducible(stack):
 async def test_stop_string_ends_the_answer(stack, reference):
     _, ref_text = reference(PROMPTS[0], 24)
     stop = ref_text.split()[2]  # a word the greedy answer contains
-    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}],
-            "max_tokens": 24, "temperature": 0, "stop": [stop]}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPTS[0]}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "stop": [stop],
+    }
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
             data = await resp.json()
     assert data["choices"][0]["finish_reason"] == "stop"
-    assert data["choices"][0]["message"]["content"] == ref_text[:ref_text.index(stop)]
+    assert data["choices"][0]["message"]["content"] == ref_text[: ref_text.index(stop)]

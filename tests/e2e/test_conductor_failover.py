@@ -56,13 +56,19 @@ class Conductors:
             self.beats.append((time.monotonic(), info))
 
     def leader_after(self, t: float, not_pid: int = 0) -> tuple[float, InstanceInfo] | None:
-        return next(((at, i) for at, i in self.beats
-                     if at >= t and i.leader and i.pid != not_pid), None)
+        return next(
+            ((at, i) for at, i in self.beats if at >= t and i.leader and i.pid != not_pid), None
+        )
 
 
 async def one(http: aiohttp.ClientSession, url: str, n: int) -> Outcome:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count to {n % 7 + 3}."}],
-            "max_tokens": 12, "temperature": 0, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Count to {n % 7 + 3}."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+    }
     out = Outcome(sent=time.monotonic())
     async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
         out.status, out.placed = resp.status, time.monotonic()
@@ -96,10 +102,12 @@ async def terminal_rows(database_url: str, ids: set[str], timeout_s: float) -> l
         deadline = time.monotonic() + timeout_s
         while True:
             async with sessionmaker(engine)() as s:
-                rows = list((await s.scalars(select(RequestRecord)
-                                             .where(RequestRecord.id.in_(ids)))).all())
-            if (len(rows) == len(ids) and all(r.status in TERMINAL_STATUSES for r in rows)) \
-                    or time.monotonic() > deadline:
+                rows = list(
+                    (await s.scalars(select(RequestRecord).where(RequestRecord.id.in_(ids)))).all()
+                )
+            if (
+                len(rows) == len(ids) and all(r.status in TERMINAL_STATUSES for r in rows)
+            ) or time.monotonic() > deadline:
                 return rows
             await asyncio.sleep(0.5)
     finally:
@@ -145,10 +153,12 @@ async def test_a_standby_takes_over_when_the_leader_is_killed(two_conductor_stac
     after = [o for o in outcomes if o.sent >= killed_at and o.status == 200]
     placed_s = min(o.placed for o in after) - killed_at  # type: ignore[type-var]
     failed = [o for o in outcomes if o.error or not o.done]
-    print(f"\nkilled {old.instance_id} (pid {old.pid}); {new[1].instance_id} (pid {new[1].pid}) "
-          f"led {lead_s:.2f}s later (term {old.term} -> {new[1].term}); first placement after "
-          f"the kill at +{placed_s:.2f}s; {len(outcomes)} requests, "
-          f"{len(outcomes) - len(failed)} completed, failed: {[o.error for o in failed]}")
+    print(
+        f"\nkilled {old.instance_id} (pid {old.pid}); {new[1].instance_id} (pid {new[1].pid}) "
+        f"led {lead_s:.2f}s later (term {old.term} -> {new[1].term}); first placement after "
+        f"the kill at +{placed_s:.2f}s; {len(outcomes)} requests, "
+        f"{len(outcomes) - len(failed)} completed, failed: {[o.error for o in failed]}"
+    )
     assert lead_s <= TAKEOVER_S
     assert new[1].term > old.term
     # Requests sent into the gap waited for the new leader (the gateway asks again).

@@ -36,9 +36,11 @@ CHROMIUM = os.environ.get("HALFMOON_CHROMIUM", "/usr/bin/chromium")
 NODE_PREFIX = Path(os.environ.get("HALFMOON_NODE_PREFIX") or REPO / ".cache" / "node")
 MODEL = "SmolLM2-135M-Instruct"
 # ~300 tokens shared by two requests: well over the 16-token KV block.
-PREFIX = ("You are the operations assistant of a small observatory. " + " ".join(
+PREFIX = "You are the operations assistant of a small observatory. " + " ".join(
     f"Rule {i}: log every observation of night {i} with its time, sky quality and the "
-    "instrument used, and never discard raw frames." for i in range(1, 13)))
+    "instrument used, and never discard raw frames."
+    for i in range(1, 13)
+)
 
 
 def browser_tools() -> str:
@@ -52,8 +54,10 @@ def browser_tools() -> str:
     if not (NODE_PREFIX / "node_modules" / "playwright-core" / "package.json").is_file():
         missing.append(f"npm playwright-core in {NODE_PREFIX}")
     if missing:
-        message = (f"the console browser test needs {', '.join(missing)}; "
-                   "run `bash scripts/install-browser.sh`")
+        message = (
+            f"the console browser test needs {', '.join(missing)}; "
+            "run `bash scripts/install-browser.sh`"
+        )
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
@@ -62,15 +66,19 @@ def browser_tools() -> str:
 
 def chat(url: str, messages: list[dict], max_tokens: int = 8) -> dict:
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as reply:
         assert reply.status == 200
         return json.loads(reply.read())
 
 
-def test_console_in_browser(request: pytest.FixtureRequest, tmp_path: Path,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_console_in_browser(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     node = browser_tools()  # skip (or fail, under CI) before provisioning the model
     model_dir: Path = request.getfixturevalue("model_dir")
     shots = Path(os.environ.get("HALFMOON_SCREENSHOT_DIR") or REPO / "reports" / "console")
@@ -81,17 +89,24 @@ def test_console_in_browser(request: pytest.FixtureRequest, tmp_path: Path,
     monkeypatch.setenv("HALFMOON_GATEWAY_URL", gateway)
     database_url, _ = make_database("sqlite", tmp_path)
     # start_stack passes --no-console and a port of its own; flags given later win.
-    stack = start_stack(tmp_path, model_dir, database_url,
-                        ["--console", "--console-port", str(console_port),
-                         "--port", str(gateway_port)])
+    stack = start_stack(
+        tmp_path,
+        model_dir,
+        database_url,
+        ["--console", "--console-port", str(console_port), "--port", str(gateway_port)],
+    )
     stack.url = gateway
     try:
         usages = []
         for messages in (
-            [{"role": "system", "content": PREFIX},
-             {"role": "user", "content": "What should I log tonight?"}],
-            [{"role": "system", "content": PREFIX},
-             {"role": "user", "content": "Can I delete raw frames?"}],
+            [
+                {"role": "system", "content": PREFIX},
+                {"role": "user", "content": "What should I log tonight?"},
+            ],
+            [
+                {"role": "system", "content": PREFIX},
+                {"role": "user", "content": "Can I delete raw frames?"},
+            ],
             [{"role": "user", "content": "What is the capital of France?"}],
             [{"role": "user", "content": "Name a planet."}],
         ):
@@ -102,9 +117,12 @@ def test_console_in_browser(request: pytest.FixtureRequest, tmp_path: Path,
 
         started = time.monotonic()
         run = subprocess.run(
-            [node, str(SCRIPT), "--url", f"http://127.0.0.1:{console_port}",
-             "--out", str(shots)],
-            capture_output=True, text=True, timeout=300, cwd=REPO)
+            [node, str(SCRIPT), "--url", f"http://127.0.0.1:{console_port}", "--out", str(shots)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
         lines = run.stdout.strip().splitlines()
         assert lines, f"no output from the browser script (rc {run.returncode}):\n{run.stderr}"
         summary = json.loads(lines[-1])
@@ -123,10 +141,14 @@ def test_console_in_browser(request: pytest.FixtureRequest, tmp_path: Path,
             assert rate is not None and rate["text"].endswith("%"), (key, summary)
             assert rate["percent"] > 0, (key, summary)
         # History through the real write path: heartbeats → conductor → load_samples.
-        assert {"Queue depth over time", "Running batch over time",
-                "KV blocks over time, DRAM tier"} <= set(summary["pool_chart_titles"]), summary
+        assert {
+            "Queue depth over time",
+            "Running batch over time",
+            "KV blocks over time, DRAM tier",
+        } <= set(summary["pool_chart_titles"]), summary
         assert {"Hottest prefixes", "Evictions and transfers over time"} <= set(
-            summary["kv_headers"]), summary
+            summary["kv_headers"]
+        ), summary
         assert summary["kv_transfers_in"] and summary["kv_transfers_in"] >= 1, summary
         assert any(t.startswith("KV transfers per") for t in summary["kv_chart_titles"]), summary
         # The newest request: phases the gateway measured, and why it went where it went.

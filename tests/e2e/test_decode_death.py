@@ -24,9 +24,15 @@ from tests.waiting import until
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 MODEL = "SmolLM2-135M-Instruct"
 TOKENS = 48
-BODY = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}]}
+BODY = {
+    "model": MODEL,
+    "max_tokens": TOKENS,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+}
 
 
 @pytest.fixture
@@ -42,8 +48,9 @@ async def row(database_url: str, rid: str, done=lambda r: True) -> RequestRecord
 
     async def matching() -> RequestRecord | None:
         async with sessionmaker(engine)() as s:
-            rec = (await s.execute(select(RequestRecord).where(
-                RequestRecord.id == rid))).scalar_one_or_none()
+            rec = (
+                await s.execute(select(RequestRecord).where(RequestRecord.id == rid))
+            ).scalar_one_or_none()
         return rec if rec is not None and done(rec) else None
 
     try:
@@ -95,15 +102,16 @@ async def test_killed_decode_mid_stream_completes_elsewhere_unchanged(stack):
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{stack.url}/admin/state") as resp:
                 state = await resp.json()
-        pid = next(i["pid"] for i in state["instances"]
-                   if i["instance_id"] == rec.decode_instance)
+        pid = next(i["pid"] for i in state["instances"] if i["instance_id"] == rec.decode_instance)
         os.kill(pid, signal.SIGKILL)
         killed.update(instance=rec.decode_instance, pid=pid, at=time.monotonic())
 
     got = await asyncio.wait_for(stream(stack.url, kill_its_decode), 120)
     took = time.monotonic() - killed["at"]
-    print(f"killed {killed['instance']} (pid {killed['pid']}) after 6 chunks; the stream "
-          f"ended {took:.1f}s later: finish={got['finish']} error={got['error']}")
+    print(
+        f"killed {killed['instance']} (pid {killed['pid']}) after 6 chunks; the stream "
+        f"ended {took:.1f}s later: finish={got['finish']} error={got['error']}"
+    )
     assert got["done"], "the stream must end with [DONE], never hang"
     assert got["error"] is None, got["error"]
     assert got["finish"] == "length"

@@ -19,8 +19,13 @@ from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 MODEL = "SmolLM2-135M-Instruct"
-LIMITS = {"MAX_OUTPUT_TOKENS": 8, "DEFAULT_MAX_TOKENS": 8, "MAX_MESSAGES": 16,
-          "MAX_PROMPT_TOKENS": 512, "MAX_BODY_BYTES": 64 << 10}
+LIMITS = {
+    "MAX_OUTPUT_TOKENS": 8,
+    "DEFAULT_MAX_TOKENS": 8,
+    "MAX_MESSAGES": 16,
+    "MAX_PROMPT_TOKENS": 512,
+    "MAX_BODY_BYTES": 64 << 10,
+}
 # Bounded so the run takes a couple of minutes on two cores; HALFMOON_FUZZ_SEED explores more.
 MAX_EXAMPLES = 40
 SEED = os.environ.get("HALFMOON_FUZZ_SEED", "20261201")
@@ -39,33 +44,58 @@ def limited_stack(tmp_path_factory, model_dir):
 
 
 def chat_body(messages: list[dict] | None = None, **extra) -> dict:
-    return {"model": MODEL, "messages": messages or [{"role": "user", "content": "Hi!"}],
-            "temperature": 0, **extra}
+    return {
+        "model": MODEL,
+        "messages": messages or [{"role": "user", "content": "Hi!"}],
+        "temperature": 0,
+        **extra,
+    }
 
 
 async def post(url: str, body: dict | bytes) -> tuple[int, Any, dict]:
-    kwargs = {"data": body, "headers": {"Content-Type": "application/json"}} \
-        if isinstance(body, bytes) else {"json": body}
+    kwargs = (
+        {"data": body, "headers": {"Content-Type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         async with http.post(f"{url}/v1/chat/completions", **kwargs) as resp:
             return resp.status, resp.headers.copy(), await resp.json()
 
 
 def turns(n: int) -> list[dict]:
-    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
-            for i in range(n - 1)] + [{"role": "user", "content": "and now?"}]
+    return [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
+        for i in range(n - 1)
+    ] + [{"role": "user", "content": "and now?"}]
 
 
 LIMIT_CASES = {
     "too many messages": (chat_body(turns(17)), 400, "array_above_max_length", "messages"),
-    "max_tokens over the cap": (chat_body(max_tokens=9), 400, "integer_above_max_value",
-                                "max_tokens"),
-    "max_completion_tokens over the cap": (chat_body(max_completion_tokens=100), 400,
-                                           "integer_above_max_value", "max_tokens"),
-    "prompt over the cap": (chat_body([{"role": "user", "content": "word " * 600}]), 400,
-                            "context_length_exceeded", "messages"),
-    "body over the cap": (b'{"model": "x", "pad": "' + b"a" * (65 << 10) + b'"}', 413,
-                          "payload_too_large", None),
+    "max_tokens over the cap": (
+        chat_body(max_tokens=9),
+        400,
+        "integer_above_max_value",
+        "max_tokens",
+    ),
+    "max_completion_tokens over the cap": (
+        chat_body(max_completion_tokens=100),
+        400,
+        "integer_above_max_value",
+        "max_tokens",
+    ),
+    "prompt over the cap": (
+        chat_body([{"role": "user", "content": "word " * 600}]),
+        400,
+        "context_length_exceeded",
+        "messages",
+    ),
+    "body over the cap": (
+        b'{"model": "x", "pad": "' + b"a" * (65 << 10) + b'"}',
+        413,
+        "payload_too_large",
+        None,
+    ),
 }
 
 
@@ -93,12 +123,31 @@ def schemathesis(url: str, max_examples: int, *extra: str) -> None:
     """Every check: no 5xx; status codes, content types, bodies and headers as described;
     schema-valid input accepted and invalid input refused. A request silent for 60 s
     fails the run (no hangs)."""
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json",
-           "--checks", "all", "--phases", "examples,coverage,fuzzing",
-           "--max-examples", str(max_examples), "--seed", SEED, "--workers", "1",
-           "--request-timeout", "60", "--max-response-time", "60",
-           "--suppress-health-check", "too_slow", "--no-color",
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        f"{url}/openapi.json",
+        "--checks",
+        "all",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--max-examples",
+        str(max_examples),
+        "--seed",
+        SEED,
+        "--workers",
+        "1",
+        "--request-timeout",
+        "60",
+        "--max-response-time",
+        "60",
+        "--suppress-health-check",
+        "too_slow",
+        "--no-color",
+        *extra,
+    ]
     with tempfile.TemporaryDirectory() as cwd:  # its caches and reports stay out of the repo
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=cwd)
     report = run.stdout[-8000:] + run.stderr[-2000:]
@@ -115,11 +164,11 @@ def test_fuzz_from_the_openapi_description(limited_stack):
 async def test_the_stack_is_whole_after_the_fuzzing(limited_stack):
     """Nothing stuck in flight, and a normal request still goes through."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+
         async def idle() -> bool:
             async with http.get(f"{limited_stack.url}/admin/state") as resp:
                 return (await resp.json())["in_flight"] == 0
 
-        await until(idle, timeout_s=60, what="no request in flight after the fuzzing",
-                    step_s=0.2)
+        await until(idle, timeout_s=60, what="no request in flight after the fuzzing", step_s=0.2)
     status, _, data = await post(limited_stack.url, chat_body(max_tokens=4))
     assert status == 200 and data["choices"][0]["message"]["content"] is not None

@@ -22,17 +22,23 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 6
-SYSTEM = ("You are a careful assistant for a library. Answer briefly and politely, cite the "
-          "shelf number when you know it, and never invent a book that is not in the catalogue. "
-          "The catalogue covers history, science, poetry and cooking.")
+SYSTEM = (
+    "You are a careful assistant for a library. Answer briefly and politely, cite the "
+    "shelf number when you know it, and never invent a book that is not in the catalogue. "
+    "The catalogue covers history, science, poetry and cooking."
+)
 # (messages, stream): the first request is repeated last, so its prefix is cached by then.
 REQUESTS = [
-    ([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Any books on Rome?"}],
-     False),
+    (
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Any books on Rome?"}],
+        False,
+    ),
     ([{"role": "user", "content": "Write a haiku about the moon."}], True),
     ([{"role": "user", "content": "List three prime numbers."}], False),
-    ([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Any books on Rome?"}],
-     True),
+    (
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Any books on Rome?"}],
+        True,
+    ),
 ]
 
 
@@ -73,8 +79,14 @@ def banner_urls(log: str) -> dict[str, str]:
 
 async def chat(http: aiohttp.ClientSession, url: str, messages: list[dict], stream: bool) -> dict:
     """One request; returns its usage."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
@@ -85,7 +97,7 @@ async def chat(http: aiohttp.ClientSession, url: str, messages: list[dict], stre
         async for raw in resp.content:
             line = raw.decode().strip()
             if line.startswith("data: {"):
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 usage = chunk.get("usage") or usage
         assert usage is not None
         return usage
@@ -110,19 +122,23 @@ async def scrape_all(http: aiohttp.ClientSession, urls: dict[str, str]) -> dict[
 
 def settled(m: dict[str, dict], n: int) -> bool:
     """Counters that land a moment after the responses do (watchers, the KV manager)."""
-    return (m["prefill-0"].get("halfmoon_kv_transfers_total{direction=out}") == n
-            and m["kvmanager"].get("halfmoon_kvmanager_match_requests_total") == n)
+    return (
+        m["prefill-0"].get("halfmoon_kv_transfers_total{direction=out}") == n
+        and m["kvmanager"].get("halfmoon_kvmanager_match_requests_total") == n
+    )
 
 
 async def test_every_service_exposes_plausible_metrics(metrics_stack):
     s = metrics_stack
     urls = banner_urls(s.log())
     base = s.metrics_base
-    assert urls == {"gateway": f"{s.url}/metrics",
-                    "conductor": f"http://127.0.0.1:{base}/metrics",
-                    "kvmanager": f"http://127.0.0.1:{base + 1}/metrics",
-                    "prefill-0": f"http://127.0.0.1:{base + 2}/metrics",
-                    "decode-0": f"http://127.0.0.1:{base + 3}/metrics"}
+    assert urls == {
+        "gateway": f"{s.url}/metrics",
+        "conductor": f"http://127.0.0.1:{base}/metrics",
+        "kvmanager": f"http://127.0.0.1:{base + 1}/metrics",
+        "prefill-0": f"http://127.0.0.1:{base + 2}/metrics",
+        "decode-0": f"http://127.0.0.1:{base + 3}/metrics",
+    }
     n = len(REQUESTS)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
         usages = [await chat(http, s.url, msgs, stream) for msgs, stream in REQUESTS]
@@ -132,12 +148,14 @@ async def test_every_service_exposes_plausible_metrics(metrics_stack):
             await asyncio.sleep(0.25)
             m = await scrape_all(http, urls)
     g, p, d = m["gateway"], m["prefill-0"], m["decode-0"]
-    print(f"\nscraped: ttft mean {g['halfmoon_ttft_seconds_sum'] / n:.3f}s, itl mean "
-          f"{g['halfmoon_itl_seconds_sum'] / max(g['halfmoon_itl_seconds_count'], 1):.3f}s, "
-          f"e2e mean {g['halfmoon_e2e_seconds_sum'] / n:.3f}s, prefix hits "
-          f"{p['halfmoon_prefix_cache_hit_tokens_total']:.0f} tokens, handoff bytes "
-          f"{d['halfmoon_kv_transfer_bytes_total{direction=in}']:.0f}, fetch mean "
-          f"{d['halfmoon_kv_transfer_seconds_sum{direction=in,purpose=handoff}'] / n * 1e3:.1f} ms")
+    print(
+        f"\nscraped: ttft mean {g['halfmoon_ttft_seconds_sum'] / n:.3f}s, itl mean "
+        f"{g['halfmoon_itl_seconds_sum'] / max(g['halfmoon_itl_seconds_count'], 1):.3f}s, "
+        f"e2e mean {g['halfmoon_e2e_seconds_sum'] / n:.3f}s, prefix hits "
+        f"{p['halfmoon_prefix_cache_hit_tokens_total']:.0f} tokens, handoff bytes "
+        f"{d['halfmoon_kv_transfer_bytes_total{direction=in}']:.0f}, fetch mean "
+        f"{d['halfmoon_kv_transfer_seconds_sum{direction=in,purpose=handoff}'] / n * 1e3:.1f} ms"
+    )
     prompt_tokens = sum(u["prompt_tokens"] for u in usages)
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     assert cached > 0, "the repeated prompt should have hit the prefix cache"
@@ -148,7 +166,7 @@ async def test_every_service_exposes_plausible_metrics(metrics_stack):
     assert g["halfmoon_e2e_seconds_sum"] >= g["halfmoon_ttft_seconds_sum"]
     assert g["halfmoon_itl_seconds_count"] == n * (MAX_TOKENS - 1)  # one event per token
     assert g["halfmoon_itl_seconds_sum"] > 0
-    assert g['halfmoon_ttft_seconds_bucket{le=+Inf}'] == n
+    assert g["halfmoon_ttft_seconds_bucket{le=+Inf}"] == n
     assert g["halfmoon_requests_total{status=completed}"] == n
     assert g["halfmoon_requests_total{status=failed}"] == 0
     assert g["halfmoon_rejections_total{reason=slo_unattainable}"] == 0
@@ -161,16 +179,21 @@ async def test_every_service_exposes_plausible_metrics(metrics_stack):
     assert c["halfmoon_conductor_placements_total{policy=kvcentric}"] == n
     assert c["halfmoon_conductor_placement_seconds_count{outcome=placed}"] == n
     assert c["halfmoon_conductor_decision_seconds_count"] == n
-    assert 0 < c["halfmoon_conductor_decision_seconds_sum"] <= \
-        c["halfmoon_conductor_placement_seconds_sum{outcome=placed}"]
+    assert (
+        0
+        < c["halfmoon_conductor_decision_seconds_sum"]
+        <= c["halfmoon_conductor_placement_seconds_sum{outcome=placed}"]
+    )
     assert c["halfmoon_conductor_live_instances{role=prefill}"] == 1
     assert c["halfmoon_conductor_live_instances{role=decode}"] == 1
 
-    assert p["halfmoon_engine_info{instance_id=prefill-0,model=%s,role=prefill}" % MODEL] == 1
+    assert p[f"halfmoon_engine_info{{instance_id=prefill-0,model={MODEL},role=prefill}}"] == 1
     # The engine's own count agrees with what the API reported per request.
     assert p["halfmoon_prefix_cache_hit_tokens_total"] == cached
-    assert p["halfmoon_prefix_cache_hit_tokens_total"] + \
-        p["halfmoon_prefix_cache_miss_tokens_total"] == prompt_tokens
+    assert (
+        p["halfmoon_prefix_cache_hit_tokens_total"] + p["halfmoon_prefix_cache_miss_tokens_total"]
+        == prompt_tokens
+    )
     assert d["halfmoon_prefix_cache_hit_tokens_total"] == 0  # decode computes no prompt
     for inst in (p, d):
         assert inst["halfmoon_engine_waiting_requests"] >= 0
@@ -185,8 +208,10 @@ async def test_every_service_exposes_plausible_metrics(metrics_stack):
     assert p["halfmoon_kv_transfer_bytes_total{direction=out}"] > 0
     assert d["halfmoon_kv_transfers_total{direction=in}"] == n
     # Both ends count the same bytes for the same handoffs.
-    assert d["halfmoon_kv_transfer_bytes_total{direction=in}"] == \
-        p["halfmoon_kv_transfer_bytes_total{direction=out}"]
+    assert (
+        d["halfmoon_kv_transfer_bytes_total{direction=in}"]
+        == p["halfmoon_kv_transfer_bytes_total{direction=out}"]
+    )
     assert p["halfmoon_kv_transfer_seconds_count{direction=out,purpose=handoff}"] == n
     assert d["halfmoon_kv_transfer_seconds_count{direction=in,purpose=handoff}"] == n
     assert d["halfmoon_kv_transfer_seconds_sum{direction=in,purpose=handoff}"] > 0
@@ -195,5 +220,8 @@ async def test_every_service_exposes_plausible_metrics(metrics_stack):
     assert k["halfmoon_kvmanager_index_blocks"] > 0
     assert k["halfmoon_kvmanager_blocks{instance_id=prefill-0,tier=dram}"] > 0
     assert k["halfmoon_kvmanager_match_requests_total"] == n
-    assert 0 < k["halfmoon_kvmanager_match_hit_blocks_total"] <= \
-        k["halfmoon_kvmanager_match_blocks_total"]
+    assert (
+        0
+        < k["halfmoon_kvmanager_match_hit_blocks_total"]
+        <= k["halfmoon_kvmanager_match_blocks_total"]
+    )

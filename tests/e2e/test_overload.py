@@ -35,15 +35,24 @@ def prompt(rng: random.Random) -> str:
 
 
 async def one(http, url, text, ttft_slo_ms=None) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+    }
     if ttft_slo_ms:
         body["ttft_slo_ms"] = ttft_slo_ms
     t0 = time.perf_counter()
     async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
-            return {"status": resp.status, "latency_ms": (time.perf_counter() - t0) * 1e3,
-                    "retry_after": resp.headers.get("Retry-After"), "body": await resp.json()}
+            return {
+                "status": resp.status,
+                "latency_ms": (time.perf_counter() - t0) * 1e3,
+                "retry_after": resp.headers.get("Retry-After"),
+                "body": await resp.json(),
+            }
         ttft = None
         async for raw in resp.content:
             if ttft is None and b'"content":"' in raw and b'"content":""' not in raw:
@@ -57,8 +66,11 @@ async def calibrated(http, url: str, prefills: int, timeout_s: float = 30.0) -> 
     while time.monotonic() < deadline:
         async with http.get(f"{url}/admin/state") as resp:
             state = await resp.json()
-        seen = [i["cost_samples_seen"].get("prefill", 0) for i in state["instances"]
-                if i["role"] == "conductor"]
+        seen = [
+            i["cost_samples_seen"].get("prefill", 0)
+            for i in state["instances"]
+            if i["role"] == "conductor"
+        ]
         if seen and min(seen) >= prefills:
             return
         await asyncio.sleep(0.1)
@@ -82,10 +94,12 @@ async def test_excess_is_refused_fast_and_accepted_requests_meet_the_slo(auto_st
     accepted = [r for r in results if r["status"] == 200]
     refused = [r for r in results if r["status"] == 429]
     assert len(accepted) + len(refused) == len(results), results
-    print(f"one request alone {service_ms:.0f} ms, SLO {slo_ms:.0f} ms; accepted "
-          f"{len(accepted)}, refused {len(refused)}, TTFT max "
-          f"{max(r['ttft_ms'] for r in accepted):.0f} ms, refusal latency max "
-          f"{max((r['latency_ms'] for r in refused), default=0):.1f} ms")
+    print(
+        f"one request alone {service_ms:.0f} ms, SLO {slo_ms:.0f} ms; accepted "
+        f"{len(accepted)}, refused {len(refused)}, TTFT max "
+        f"{max(r['ttft_ms'] for r in accepted):.0f} ms, refusal latency max "
+        f"{max((r['latency_ms'] for r in refused), default=0):.1f} ms"
+    )
     assert len(refused) >= len(results) // 3, "three times capacity must refuse a good share"
     assert len(accepted) >= len(results) // 5
     for r in refused:  # refused before any compute: faster than any prefill

@@ -28,10 +28,12 @@ async def test_auto_dtype_is_float32_and_chat_matches_transformers(avx2_stack, r
     assert "engines  float32 (auto: no native bf16" in log, log[-3000:]
     assert "kernels for avx2, capped by HALFMOON_CPU_ISA=avx2" in log
     engine_lines = [line for line in log.splitlines() if "native kernels:" in line]
-    assert len(engine_lines) == 2 and all("built for avx2" in line and "float32" in line
-                                          for line in engine_lines), engine_lines
-    assert all("torch dispatch AVX2" in line for line in log.splitlines()
-               if "torch dispatch" in line)
+    assert len(engine_lines) == 2 and all(
+        "built for avx2" in line and "float32" in line for line in engine_lines
+    ), engine_lines
+    assert all(
+        "torch dispatch AVX2" in line for line in log.splitlines() if "torch dispatch" in line
+    )
     for prompt in ("What is the capital of France?", "Write a haiku about the moon."):
         _, ref_text = reference(prompt, 32)
         text, _ = await stream_chat(avx2_stack.url, prompt, 32)

@@ -32,8 +32,10 @@ from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 MODEL = "SmolLM2-135M-Instruct"
-STORY = ("The lighthouse keeper wrote in his log every night. He noted the wind, the ships, "
-         "the color of the sea and the names of the birds that rested on the rail. ") * 6
+STORY = (
+    "The lighthouse keeper wrote in his log every night. He noted the wind, the ships, "
+    "the color of the sea and the names of the birds that rested on the rail. "
+) * 6
 # Seconds of prefill on the holder: its queue makes the pull the fastest way to turn 2.
 FILLER = "Another night, another page of the log, and the lamp kept turning. " * 120
 
@@ -51,8 +53,9 @@ async def placed_on(database_url: str, request_id: str) -> str:
 
     async def prefill_instance() -> str | None:
         async with sessionmaker(engine)() as s:
-            row = (await s.execute(select(RequestRecord).where(
-                RequestRecord.id == request_id))).scalar_one_or_none()
+            row = (
+                await s.execute(select(RequestRecord).where(RequestRecord.id == request_id))
+            ).scalar_one_or_none()
         return row.prefill_instance if row is not None else None
 
     try:
@@ -69,8 +72,9 @@ async def indexed(stack, model_dir: Path, messages: list[dict]) -> str:
     nc = await nats.connect(re.search(r"NATS\s+(nats://\S+)", stack.log()).group(1))
 
     async def holder() -> str | None:
-        reply = await bus.request(nc, subjects.KV_MATCH, KVMatchRequest(block_hashes=hashes),
-                                  KVMatchReply, 10)
+        reply = await bus.request(
+            nc, subjects.KV_MATCH, KVMatchRequest(block_hashes=hashes), KVMatchReply, 10
+        )
         return next((i for i, n in reply.matches.items() if n >= len(hashes) - 1), None)
 
     try:
@@ -81,6 +85,7 @@ async def indexed(stack, model_dir: Path, messages: list[dict]) -> str:
 
 async def heartbeats_after(url: str, t: float, ids: set[str]) -> dict[str, dict]:
     """The instances' heartbeats once each of `ids` has sent one after `t` (wall clock)."""
+
     async def fresh() -> dict[str, dict] | None:
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{url}/admin/state") as resp:
@@ -98,8 +103,9 @@ async def wait_busy(url: str, instance_id: str, timeout_s: float = 30.0) -> None
         while time.monotonic() < deadline:
             async with http.get(f"{url}/admin/state") as resp:
                 state = await resp.json()
-            if any(i["instance_id"] == instance_id and i["queue_prompts"]
-                   for i in state["instances"]):
+            if any(
+                i["instance_id"] == instance_id and i["queue_prompts"] for i in state["instances"]
+            ):
                 return
             await asyncio.sleep(0.05)
     raise AssertionError(f"{instance_id} never reported work")
@@ -124,8 +130,10 @@ async def test_second_turn_on_other_instance_pulls_the_prefix(two_prefill_stack,
     # with the prefix pulled from the holder.
     busy = asyncio.create_task(chat(stack.url, [{"role": "user", "content": STORY + FILLER}], 1))
     await wait_busy(stack.url, holder)
-    turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "And what about the birds?"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And what about the birds?"},
+    ]
     second = await chat(stack.url, turn2)
     filler = await busy
 
@@ -141,7 +149,7 @@ async def test_second_turn_on_other_instance_pulls_the_prefix(two_prefill_stack,
     ids = lm.tokenizer.apply_chat_template(turn2, add_generation_prompt=True)["input_ids"]
     with torch.inference_mode():
         out = lm.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
-    cold = lm.tokenizer.decode(out[0][len(ids):], skip_special_tokens=True)
+    cold = lm.tokenizer.decode(out[0][len(ids) :], skip_special_tokens=True)
     assert second["choices"][0]["message"]["content"] == cold
 
 
@@ -181,8 +189,10 @@ async def test_a_stalled_prefix_holder_means_recompute_not_a_hang(kvcentric_stac
     pid = instance_pid(stack, holder)
     os.kill(pid, signal.SIGSTOP)
     try:
-        turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                         {"role": "user", "content": "And what about the birds?"}]
+        turn2 = turn1 + [
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And what about the birds?"},
+        ]
         second = await asyncio.wait_for(chat(stack.url, turn2), timeout=60)
         done = time.time()
     finally:
@@ -195,7 +205,8 @@ async def test_a_stalled_prefix_holder_means_recompute_not_a_hang(kvcentric_stac
     with torch.inference_mode():
         out = lm.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
     assert second["choices"][0]["message"]["content"] == lm.tokenizer.decode(
-        out[0][len(ids):], skip_special_tokens=True)
+        out[0][len(ids) :], skip_special_tokens=True
+    )
     # Its blocks were freed before its last token went out: heartbeats sent since say so.
     state = await heartbeats_after(stack.url, done, {other, "decode-0"})
     used = {i: state[i]["kv_tokens_used"] for i in (other, "decode-0")}

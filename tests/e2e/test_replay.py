@@ -12,10 +12,27 @@ from pathlib import Path
 
 def test_replay_a_trace_slice_on_a_colocated_cluster(tmp_path: Path, model_dir: Path):
     out = tmp_path / "report"
-    cmd = [sys.executable, "-m", "services.cli", "bench", "replay", "--model", str(model_dir),
-           "--config", "colo=--colocated 2 --threads 1", "--max-requests", "8",
-           "--time-scale", "0.02", "--max-input-tokens", "256", "--max-output-tokens", "8",
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "bench",
+        "replay",
+        "--model",
+        str(model_dir),
+        "--config",
+        "colo=--colocated 2 --threads 1",
+        "--max-requests",
+        "8",
+        "--time-scale",
+        "0.02",
+        "--max-input-tokens",
+        "256",
+        "--max-output-tokens",
+        "8",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TBT p99 ms" in proc.stdout and "effective capacity" in proc.stdout

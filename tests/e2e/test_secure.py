@@ -25,23 +25,35 @@ PROMPTS = ["What is the capital of France?", "List three prime numbers."]
 def secure_stack(tmp_path_factory, model_dir, pki):
     tmp = tmp_path_factory.mktemp("secure-stack")
     password = secrets.token_hex(16)
-    nats_server = EmbeddedNats(tmp / "nats", tls_cert=pki.cert, tls_key=pki.key,
-                               tls_ca=pki.ca, user="halfmoon", password=password)
+    nats_server = EmbeddedNats(
+        tmp / "nats",
+        tls_cert=pki.cert,
+        tls_key=pki.key,
+        tls_ca=pki.ca,
+        user="halfmoon",
+        password=password,
+    )
     nats_url = nats_server.start()
     database_url, _ = make_database("sqlite", tmp)
-    env = {"HALFMOON_NATS_USER": "halfmoon", "HALFMOON_NATS_PASSWORD": password,
-           "HALFMOON_NATS_TLS_CA": pki.ca, "HALFMOON_NATS_TLS_CERT": pki.cert,
-           "HALFMOON_NATS_TLS_KEY": pki.key,
-           "HALFMOON_KV_TLS_CERT": pki.cert, "HALFMOON_KV_TLS_KEY": pki.key,
-           "HALFMOON_KV_TLS_CA": pki.ca,
-           "HALFMOON_KV_TRANSPORT": "tcp"}  # KV bytes over TLS, not shared memory
+    env = {
+        "HALFMOON_NATS_USER": "halfmoon",
+        "HALFMOON_NATS_PASSWORD": password,
+        "HALFMOON_NATS_TLS_CA": pki.ca,
+        "HALFMOON_NATS_TLS_CERT": pki.cert,
+        "HALFMOON_NATS_TLS_KEY": pki.key,
+        "HALFMOON_KV_TLS_CERT": pki.cert,
+        "HALFMOON_KV_TLS_KEY": pki.key,
+        "HALFMOON_KV_TLS_CA": pki.ca,
+        "HALFMOON_KV_TRANSPORT": "tcp",
+    }  # KV bytes over TLS, not shared memory
     try:
         # `halfmoon up` and every service it starts read these from the environment.
         with pytest.MonkeyPatch.context() as mp:
             for name, value in env.items():
                 mp.setenv(name, value)
-            stack = start_stack(tmp, model_dir, database_url,
-                                ["--dtype", "float32", "--nats-url", nats_url])
+            stack = start_stack(
+                tmp, model_dir, database_url, ["--dtype", "float32", "--nats-url", nats_url]
+            )
         # conductor, kvmanager, prefill, decode, gateway: no embedded nats-server
         assert len(children_of(stack.proc.pid)) == 5
         yield stack
@@ -55,8 +67,9 @@ async def _decode_transfers_in(url: str) -> int:
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/admin/state") as resp:
             state = await resp.json()
-    return sum(i["kv_activity"]["transfers_in"] for i in state["instances"]
-               if i["role"] == "decode")
+    return sum(
+        i["kv_activity"]["transfers_in"] for i in state["instances"] if i["role"] == "decode"
+    )
 
 
 async def test_chat_over_nats_credentials_and_tls_matches_transformers(secure_stack, reference):
@@ -67,6 +80,7 @@ async def test_chat_over_nats_credentials_and_tls_matches_transformers(secure_st
     log = secure_stack.log()
     assert "(mutual TLS)" in log  # the prefill instance serves its KV over mutual TLS
     assert "recomputing" not in log  # every handoff came over the data plane
+
     async def counted() -> bool:  # heartbeats carry the counts, once a second
         return await _decode_transfers_in(secure_stack.url) >= len(PROMPTS)
 

@@ -15,14 +15,26 @@ import pytest
 from services.conductor.args import ConductorSettings
 from services.conductor.handlers import Conductor
 from shared import bus, errors, subjects
-from shared.messages import (Ack, GenerateRequest, InstanceInfo, Placement, PrefillJob, Role,
-                             SamplingParams)
+from shared.messages import (
+    Ack,
+    GenerateRequest,
+    InstanceInfo,
+    Placement,
+    PrefillJob,
+    Role,
+    SamplingParams,
+)
 from tests.waiting import until
 
 
 def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, model="m", prompt_token_ids=[1, 2, 3],
-                           sampling=SamplingParams(max_tokens=4), arrival_time=time.time())
+    return GenerateRequest(
+        request_id=rid,
+        model="m",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=4),
+        arrival_time=time.time(),
+    )
 
 
 @pytest.fixture
@@ -30,8 +42,10 @@ async def cluster(nats_url):
     nc = await nats.connect(nats_url)
     settings = ConductorSettings(nats_url=nats_url, heartbeat_expiry_s=1.0, dispatch_timeout_s=1.0)
     conductor = Conductor(settings, nc, records=None)
-    subs = [await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat),
-            await nc.subscribe(subjects.CONDUCTOR_SCHEDULE, queue="c", cb=conductor.on_schedule)]
+    subs = [
+        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat),
+        await nc.subscribe(subjects.CONDUCTOR_SCHEDULE, queue="c", cb=conductor.on_schedule),
+    ]
     yield nc, conductor
     for s in subs:
         await s.unsubscribe()
@@ -46,8 +60,10 @@ async def beat(nc, iid, role, **kw):
 async def heard(conductor, *ids: str) -> None:
     """Until the conductor has handled these instances' heartbeats (callbacks run later),
     and with an expiry no slow machine reaches: these tests are not about expiry."""
-    await until(lambda: {s.info.instance_id for s in conductor.registry.all()} >= set(ids),
-                what=f"heartbeats of {ids}")
+    await until(
+        lambda: {s.info.instance_id for s in conductor.registry.all()} >= set(ids),
+        what=f"heartbeats of {ids}",
+    )
     conductor.registry.expiry_s = 60.0
 
 
@@ -55,6 +71,7 @@ async def fake_prefill(nc, iid, jobs: list, accept=True):
     async def on_submit(msg):
         jobs.append(PrefillJob.model_validate_json(msg.data))
         await bus.respond(msg, Ack() if accept else errors.Rejected("full"))
+
     return await nc.subscribe(subjects.prefill_submit(iid), cb=on_submit)
 
 
@@ -74,8 +91,10 @@ async def test_places_and_dispatches(cluster):
 async def test_refusing_prefill_falls_back_to_the_next(cluster):
     nc, conductor = cluster
     refused, taken = [], []
-    subs = [await fake_prefill(nc, "busy", refused, accept=False),
-            await fake_prefill(nc, "free", taken)]
+    subs = [
+        await fake_prefill(nc, "busy", refused, accept=False),
+        await fake_prefill(nc, "free", taken),
+    ]
     await beat(nc, "busy", Role.PREFILL)  # least loaded, but it says no
     await beat(nc, "free", Role.PREFILL, queue_depth=3)
     await beat(nc, "d0", Role.DECODE)
@@ -94,7 +113,12 @@ async def test_no_live_instances_is_unavailable(cluster):
     # They fall silent. Once every heartbeat heard (a stray heard earlier too) is older
     # than the expiry, nothing is live: a short expiry gets there without a fixed sleep.
     conductor.registry.expiry_s = 0.05
-    await until(lambda: not any(conductor.registry.alive(role, time.time())
-                                for role in (Role.PREFILL, Role.DECODE)))
+    await until(
+        lambda: (
+            not any(
+                conductor.registry.alive(role, time.time()) for role in (Role.PREFILL, Role.DECODE)
+            )
+        )
+    )
     with pytest.raises(errors.Unavailable, match="no live"):
         await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, request("r3"), Placement, 2)

@@ -40,8 +40,9 @@ async def test_exactly_one_terminal_state(db_url):
     await writer.start()
     try:
         now = time.time()
-        writer.request_accepted(id="r1", model="m", status="queued", arrival_time=now,
-                                prompt_tokens=10)
+        writer.request_accepted(
+            id="r1", model="m", status="queued", arrival_time=now, prompt_tokens=10
+        )
         writer.request_update("r1", status="running", prefill_instance="p0")
         writer.request_finished("r1", "completed", completion_tokens=5, finish_time=now + 1)
         # a late second finisher (say, a timeout racing completion) must not overwrite it
@@ -49,8 +50,12 @@ async def test_exactly_one_terminal_state(db_url):
         writer.request_update("r1", status="running")
         await writer.flush()
         row = await _row(engine, "r1")
-        assert (row.status, row.completion_tokens, row.error, row.prefill_instance) == \
-            ("completed", 5, None, "p0")
+        assert (row.status, row.completion_tokens, row.error, row.prefill_instance) == (
+            "completed",
+            5,
+            None,
+            "p0",
+        )
         with pytest.raises(ValueError):
             writer.request_finished("r1", "running")
     finally:
@@ -63,8 +68,15 @@ async def test_instances_upsert(db_url):
     writer = RecordWriter(engine)
     await writer.start()
     try:
-        writer.instance_seen(id="prefill-0", role="prefill", host="h", status="ready",
-                             started_at=1.0, last_heartbeat=2.0, info={"queue_depth": 1})
+        writer.instance_seen(
+            id="prefill-0",
+            role="prefill",
+            host="h",
+            status="ready",
+            started_at=1.0,
+            last_heartbeat=2.0,
+            info={"queue_depth": 1},
+        )
         writer.instance_seen(id="prefill-0", status="dead")
         await writer.flush()
         async with db.sessionmaker(engine)() as s:

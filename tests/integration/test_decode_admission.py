@@ -24,8 +24,17 @@ from shared.engine.params import SamplingParams as EngineParams
 from shared.messages import Ack, DecodeJob, PrefillJob
 from shared.transfer.base import HANDOFF
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
-from tests.integration.test_instance_faults import (PROMPT, TOKENS, Events, gen, nc, params,  # noqa: F401
-                                                    reference, running, tiny)
+from tests.integration.test_instance_faults import (
+    PROMPT,
+    TOKENS,
+    Events,
+    gen,
+    nc,
+    params,  # noqa: F401
+    reference,
+    running,
+    tiny,
+)
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x dim x block x fp32
 
@@ -55,11 +64,21 @@ async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_fr
     sender, receiver = TcpKVSender(), RecordingReceiver()
     await sender.start()
     # 40-token prompts + 8 tokens: 3 blocks each; 7 blocks hold two requests at a time.
-    dec = DecodeInstance(DecodeSettings(instance_id="decode-small", kv_cache_gb=7 * BLOCK_BYTES / 2**30,
-                                        transfer_timeout_s=30.0), nc, tiny, receiver)
-    pre = PrefillInstance(PrefillSettings(instance_id="prefill-big", kv_cache_gb=4 / 1024,
-                                          transfer_timeout_s=30.0), nc, tiny, sender,
-                          TcpKVReceiver())
+    dec = DecodeInstance(
+        DecodeSettings(
+            instance_id="decode-small", kv_cache_gb=7 * BLOCK_BYTES / 2**30, transfer_timeout_s=30.0
+        ),
+        nc,
+        tiny,
+        receiver,
+    )
+    pre = PrefillInstance(
+        PrefillSettings(instance_id="prefill-big", kv_cache_gb=4 / 1024, transfer_timeout_s=30.0),
+        nc,
+        tiny,
+        sender,
+        TcpKVReceiver(),
+    )
     assert dec.engine.blocks.num_blocks == 7
     events = {f"q{i}": Events() for i in range(6)}
     for rid, ev in events.items():
@@ -69,8 +88,13 @@ async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_fr
         await nc.subscribe(subjects.decode_submit("decode-small"), cb=dec.on_submit)
         await nc.subscribe(subjects.prefill_submit("prefill-big"), cb=pre.on_submit)
         for rid in events:
-            await bus.request(nc, subjects.prefill_submit("prefill-big"),
-                              PrefillJob(request=gen(rid), decode_id="decode-small"), Ack, 5.0)
+            await bus.request(
+                nc,
+                subjects.prefill_submit("prefill-big"),
+                PrefillJob(request=gen(rid), decode_id="decode-small"),
+                Ack,
+                5.0,
+            )
         # The pool fills: the rest wait in the queue, their KV still on the prefill side.
         await wait_until(lambda: len(dec.queue) >= 1 and len(receiver.fetched) >= 2)
         while dec.queue or any(not ev.finished.is_set() for ev in events.values()):
@@ -106,13 +130,34 @@ async def test_a_full_handoff_queue_refuses_with_a_clear_error(nc, tiny):
         out = [o for o in maker.step()][0]
         while out.handoff is None:
             out = [o for o in maker.step()][0]
-        h = sender.offer(HANDOFF, out.handoff.meta.model_dump_json().encode(),
-                         out.handoff.payload(), out.handoff.meta.num_tokens, ttl_s=30.0)
-        jobs.append(DecodeJob(request=gen(rid), prefill_id="p", kv=h,
-                              output_token_ids=out.new_token_ids, events_sent=1))
-    dec = DecodeInstance(DecodeSettings(instance_id="decode-one", kv_cache_gb=3 * BLOCK_BYTES / 2**30,
-                                        transfer_timeout_s=30.0, max_queued_handoffs=1, max_num_seqs=1),
-                         nc, tiny, TcpKVReceiver())
+        h = sender.offer(
+            HANDOFF,
+            out.handoff.meta.model_dump_json().encode(),
+            out.handoff.payload(),
+            out.handoff.meta.num_tokens,
+            ttl_s=30.0,
+        )
+        jobs.append(
+            DecodeJob(
+                request=gen(rid),
+                prefill_id="p",
+                kv=h,
+                output_token_ids=out.new_token_ids,
+                events_sent=1,
+            )
+        )
+    dec = DecodeInstance(
+        DecodeSettings(
+            instance_id="decode-one",
+            kv_cache_gb=3 * BLOCK_BYTES / 2**30,
+            transfer_timeout_s=30.0,
+            max_queued_handoffs=1,
+            max_num_seqs=1,
+        ),
+        nc,
+        tiny,
+        TcpKVReceiver(),
+    )
     await nc.subscribe(subjects.decode_submit("decode-one"), cb=dec.on_submit)
     # not serving yet: nothing leaves the queue, so its bound is what answers
     await bus.request(nc, subjects.decode_submit("decode-one"), jobs[0], Ack, 5.0)
@@ -136,8 +181,9 @@ def test_samples_of_one_prompt_share_its_blocks_on_decode(tiny):
         while out is None or out.handoff is None:
             out = maker.step()[0]
         free = dec.blocks.num_free_blocks
-        assert dec.reserve(rid, PROMPT, out.new_token_ids, EngineParams.of(params()),
-                           out.handoff.meta.num_tokens)
+        assert dec.reserve(
+            rid, PROMPT, out.new_token_ids, EngineParams.of(params()), out.handoff.meta.num_tokens
+        )
         used.append(free - dec.blocks.num_free_blocks)
         dec.add_reserved(rid, out.handoff, out.new_token_ids)
     assert used == [3, 1]  # 40 tokens: 3 blocks, of which the 2 full ones are shared

@@ -12,10 +12,10 @@ import torch
 from shared.engine.batch import build_batch
 from shared.engine.connector import HandOffAll
 from shared.engine.llm_engine import EngineConfig, LLMEngine
+from shared.engine.params import SamplingParams
 from shared.engine.runner import load_model
 from shared.engine.scheduler import ScheduledSeq
 from shared.engine.sequence import Sequence
-from shared.engine.params import SamplingParams
 
 pytestmark = pytest.mark.model
 
@@ -48,9 +48,12 @@ def lm(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(lm):
-    return [lm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                             add_generation_prompt=True)["input_ids"]
-            for p in PROMPTS]
+    return [
+        lm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True
+        )["input_ids"]
+        for p in PROMPTS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def reference(lm, prompts):
     with torch.inference_mode():
         for ids in prompts:
             gen = lm.model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-            out.append(gen[0][len(ids):].tolist())
+            out.append(gen[0][len(ids) :].tolist())
     return out
 
 
@@ -131,8 +134,9 @@ def test_prefix_reuse_is_exact_and_counted(lm, prompts, reference):
 
 def test_small_pool_queues_and_preempts_without_losing_anything(lm, prompts, reference):
     # 40 blocks of 16 tokens: far less than 16 prompts + outputs need at once
-    engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=40 * engine_block_bytes(lm),
-                                        max_num_batched_tokens=256))
+    engine = LLMEngine(
+        lm, EngineConfig(kv_cache_bytes=40 * engine_block_bytes(lm), max_num_batched_tokens=256)
+    )
     assert engine.blocks.num_blocks == 40
     chosen = [i for i, p in enumerate(prompts) if len(p) < 200]
     for i in chosen:
@@ -158,8 +162,11 @@ def engine_block_bytes(lm) -> int:
 
 
 def test_handoff_between_engines_is_exact(lm, prompts, reference):
-    prefill = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=128),
-                        connector=HandOffAll())
+    prefill = LLMEngine(
+        lm,
+        EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=128),
+        connector=HandOffAll(),
+    )
     decode = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20))
     for i in (0, 13, 14):
         prefill.add_request(f"r{i}", prompts[i], greedy())
@@ -167,9 +174,11 @@ def test_handoff_between_engines_is_exact(lm, prompts, reference):
         out = outs[f"r{i}"]
         assert out.handoff is not None and out.handoff.meta.num_tokens == len(prompts[i])
         from shared.engine.kv_transfer import KVExport
+
         wire = KVExport.from_bytes(out.handoff.meta, bytes(out.handoff.payload()))
-        assert decode.add_prefilled(f"r{i}", prompts[i], out.new_token_ids, greedy(), wire,
-                                    out.text)
+        assert decode.add_prefilled(
+            f"r{i}", prompts[i], out.new_token_ids, greedy(), wire, out.text
+        )
         tokens, _ = drain(decode)
         assert out.new_token_ids + tokens[f"r{i}"] == reference[i]
 
@@ -190,9 +199,15 @@ def test_seeded_sampling_same_alone_and_split(lm, prompts):
 
 def test_disk_tier_brings_evicted_prefix_back(lm, prompts, reference, tmp_path):
     # a DRAM pool too small for two long prompts: the first one's blocks spill to disk
-    engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=44 * engine_block_bytes(lm),
-                                        max_num_batched_tokens=256, disk_tier_bytes=64 << 20,
-                                        disk_tier_dir=str(tmp_path / "disk")))
+    engine = LLMEngine(
+        lm,
+        EngineConfig(
+            kv_cache_bytes=44 * engine_block_bytes(lm),
+            max_num_batched_tokens=256,
+            disk_tier_bytes=64 << 20,
+            disk_tier_dir=str(tmp_path / "disk"),
+        ),
+    )
     first, other = prompts[13], prompts[14]
     assert len(first) // 16 + len(other) // 16 > 44 and len(other) // 16 + 3 < 44
     engine.add_request("a", first, greedy())

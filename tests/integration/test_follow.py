@@ -23,26 +23,52 @@ import pytest
 from services.gateway.args import GatewaySettings
 from services.gateway.streams import Follower, Liveness, StreamLost, TokenStream
 from shared import bus, subjects
-from shared.messages import (Ack, DecodeJob, ErrorBody, FinishReason, GenerateRequest,
-                             InstanceInfo, Placement, Role, SamplingParams, TokenEvent)
+from shared.messages import (
+    Ack,
+    DecodeJob,
+    ErrorBody,
+    FinishReason,
+    GenerateRequest,
+    InstanceInfo,
+    Placement,
+    Role,
+    SamplingParams,
+    TokenEvent,
+)
 from tests.waiting import until
 
-SETTINGS = GatewaySettings(instance_expiry_s=1.0, gap_timeout_s=0.5, max_replacements=2,
-                           replace_wait_s=5.0, first_token_timeout_s=10.0, token_timeout_s=10.0)
+SETTINGS = GatewaySettings(
+    instance_expiry_s=1.0,
+    gap_timeout_s=0.5,
+    max_replacements=2,
+    replace_wait_s=5.0,
+    first_token_timeout_s=10.0,
+    token_timeout_s=10.0,
+)
 
 
 def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, model="m", prompt_token_ids=[1, 2, 3],
-                           sampling=SamplingParams(max_tokens=6), arrival_time=time.time())
+    return GenerateRequest(
+        request_id=rid,
+        model="m",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=6),
+        arrival_time=time.time(),
+    )
 
 
-async def emit(nc, rid: str, index: int, token: int, iid: str, last: bool = False,
-               error: str = "") -> None:
-    event = TokenEvent(request_id=rid, index=index, token_ids=[] if error else [token],
-                       text="" if error else chr(ord("a") + token % 26), instance_id=iid,
-                       finish_reason=(FinishReason.ERROR if error else
-                                      FinishReason.LENGTH if last else None),
-                       error=ErrorBody(code=error, message="gone") if error else None)
+async def emit(
+    nc, rid: str, index: int, token: int, iid: str, last: bool = False, error: str = ""
+) -> None:
+    event = TokenEvent(
+        request_id=rid,
+        index=index,
+        token_ids=[] if error else [token],
+        text="" if error else chr(ord("a") + token % 26),
+        instance_id=iid,
+        finish_reason=(FinishReason.ERROR if error else FinishReason.LENGTH if last else None),
+        error=ErrorBody(code=error, message="gone") if error else None,
+    )
     await nc.publish(subjects.tokens(rid), event.encode())
 
 
@@ -60,8 +86,9 @@ class Beats:
         now = time.monotonic()
         self.live.beat(InstanceInfo(instance_id="gw", role=Role.GATEWAY), now)
         for iid in self.alive:
-            self.live.beat(InstanceInfo(instance_id=iid, role=self.workers[iid],
-                                        started_at=1.0), now)
+            self.live.beat(
+                InstanceInfo(instance_id=iid, role=self.workers[iid], started_at=1.0), now
+            )
 
     async def _run(self) -> None:
         while True:
@@ -76,14 +103,16 @@ class Beats:
 
 async def fake_decode(nc, iid: str, jobs: list[DecodeJob], tokens: int = 6):
     """Takes a re-placed job and streams the rest of it, from the job's index on."""
+
     async def on_submit(msg):
         job = DecodeJob.model_validate_json(msg.data)
         jobs.append(job)
         await bus.respond(msg, Ack())
         done = len(job.output_token_ids)
         for i, tok in enumerate(range(done, tokens)):
-            await emit(nc, job.request.request_id, job.events_sent + i, tok, iid,
-                       last=tok == tokens - 1)
+            await emit(
+                nc, job.request.request_id, job.events_sent + i, tok, iid, last=tok == tokens - 1
+            )
 
     return await nc.subscribe(subjects.decode_submit(iid), cb=on_submit)
 

@@ -27,8 +27,13 @@ from tests.waiting import until
 
 
 def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, model="m", prompt_token_ids=[1, 2, 3],
-                           sampling=SamplingParams(max_tokens=4), arrival_time=time.time())
+    return GenerateRequest(
+        request_id=rid,
+        model="m",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=4),
+        arrival_time=time.time(),
+    )
 
 
 @pytest.fixture
@@ -139,9 +144,14 @@ async def test_a_conductor_that_appears_meanwhile_gets_the_request(client, monke
 async def test_a_deposed_leaders_refusal_is_asked_again(client):
     gw = gateway(client, retry_s=5.0)
     seen: list[str] = []
-    sub = await conductor(client, [
-        errors.Unavailable("this conductor lost the leader lease", code="not_leader"),
-        Placement(request_id="r-dep", prefill_id="p1", decode_id="d1")], seen)
+    sub = await conductor(
+        client,
+        [
+            errors.Unavailable("this conductor lost the leader lease", code="not_leader"),
+            Placement(request_id="r-dep", prefill_id="p1", decode_id="d1"),
+        ],
+        seen,
+    )
     got = await gw._ask_conductor(request("r-dep"))
     assert got.prefill_id == "p1" and seen == ["r-dep", "r-dep"]
     await sub.unsubscribe()
@@ -149,16 +159,18 @@ async def test_a_deposed_leaders_refusal_is_asked_again(client):
 
 async def test_other_refusals_and_timeouts_are_not_retried(client):
     seen: list[str] = []
-    sub = await conductor(client, [errors.Unavailable("no live prefill and decode instances"),
-                                   None], seen)
+    sub = await conductor(
+        client, [errors.Unavailable("no live prefill and decode instances"), None], seen
+    )
     with pytest.raises(errors.Unavailable) as exc:
         await gateway(client, retry_s=5.0, timeout_s=30.0)._ask_conductor(request("r-busy"))
     assert exc.value.code == "unavailable" and seen == ["r-busy"]
     # It may have been dispatched before the conductor went quiet: never placed twice.
     with pytest.raises(errors.Timeout):
         await gateway(client, retry_s=5.0, timeout_s=0.5)._ask_conductor(request("r-quiet"))
-    await behind_a_marker(client, subjects.CONDUCTOR_SCHEDULE, seen, "marker",
-                          request("marker").encode())
+    await behind_a_marker(
+        client, subjects.CONDUCTOR_SCHEDULE, seen, "marker", request("marker").encode()
+    )
     assert seen == ["r-busy", "r-quiet"]
     await sub.unsubscribe()
 
@@ -180,16 +192,18 @@ async def test_a_placement_that_times_out_is_cancelled_and_placed_as_a_new_attem
         cancels.append(json.loads(msg.data)["request_id"])
 
     csub = await client.subscribe(subjects.CANCEL, cb=on_cancel)
-    sub = await conductor(client, [None, Placement(request_id="r-died-t1", prefill_id="p2",
-                                                   decode_id="d2")], seen)
+    sub = await conductor(
+        client, [None, Placement(request_id="r-died-t1", prefill_id="p2", decode_id="d2")], seen
+    )
 
     async def retarget(request_id: str, next_index: int) -> None:
         retargets.append((request_id, next_index))
 
     life = RequestLife("r-died", time.time())
     got = await gw._place(request("r-died"), life, retarget)
-    await behind_a_marker(client, subjects.CANCEL, cancels, "marker",
-                          json.dumps({"request_id": "marker"}).encode())
+    await behind_a_marker(
+        client, subjects.CANCEL, cancels, "marker", json.dumps({"request_id": "marker"}).encode()
+    )
     assert (got.request_id, got.prefill_id) == ("r-died-t1", "p2")
     assert seen == ["r-died", "r-died-t1"] and retargets == [("r-died-t1", 0)]
     assert cancels == ["r-died"] and life.dispatch_time is not None

@@ -23,8 +23,16 @@ from shared import bus, subjects
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.params import SamplingParams as EngineParams
 from shared.engine.runner import LoadedModel
-from shared.messages import (Ack, CancelRequest, DecodeJob, GenerateRequest, KVHandle,
-                             PrefillJob, SamplingParams, TokenEvent)
+from shared.messages import (
+    Ack,
+    CancelRequest,
+    DecodeJob,
+    GenerateRequest,
+    KVHandle,
+    PrefillJob,
+    SamplingParams,
+    TokenEvent,
+)
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 from tests.waiting import until
 
@@ -35,11 +43,19 @@ TOKENS = 8
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=512)
-    return LoadedModel("tiny", LlamaForCausalLM(cfg).eval(), None, torch.float32, "cpu", 512,
-                       frozenset())
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    return LoadedModel(
+        "tiny", LlamaForCausalLM(cfg).eval(), None, torch.float32, "cpu", 512, frozenset()
+    )
 
 
 def params() -> SamplingParams:
@@ -47,8 +63,13 @@ def params() -> SamplingParams:
 
 
 def gen(rid: str) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, model="tiny", prompt_token_ids=PROMPT,
-                           sampling=params(), arrival_time=time.time())
+    return GenerateRequest(
+        request_id=rid,
+        model="tiny",
+        prompt_token_ids=PROMPT,
+        sampling=params(),
+        arrival_time=time.time(),
+    )
 
 
 def reference(tiny) -> list[int]:
@@ -95,8 +116,12 @@ async def nc(nats_url):
 
 
 def decode_instance(nc, tiny, iid: str) -> DecodeInstance:
-    return DecodeInstance(DecodeSettings(instance_id=iid, kv_cache_gb=4 / 1024,
-                                         transfer_timeout_s=2.0), nc, tiny, TcpKVReceiver())
+    return DecodeInstance(
+        DecodeSettings(instance_id=iid, kv_cache_gb=4 / 1024, transfer_timeout_s=2.0),
+        nc,
+        tiny,
+        TcpKVReceiver(),
+    )
 
 
 async def test_a_failed_kv_transfer_is_recomputed_and_the_stream_goes_on(nc, tiny):
@@ -107,11 +132,21 @@ async def test_a_failed_kv_transfer_is_recomputed_and_the_stream_goes_on(nc, tin
     # take it meanwhile and every connection to it is refused.
     with socket.socket() as dead:
         dead.bind(("127.0.0.1", 0))
-        gone = KVHandle(transfer_id="r1.x", host="127.0.0.1", port=dead.getsockname()[1],
-                        nbytes=64, num_tokens=len(PROMPT))
+        gone = KVHandle(
+            transfer_id="r1.x",
+            host="127.0.0.1",
+            port=dead.getsockname()[1],
+            nbytes=64,
+            num_tokens=len(PROMPT),
+        )
         async with running(decode_instance(nc, tiny, "decode-a")) as dec:
-            job = DecodeJob(request=gen("r1"), prefill_id="prefill-gone", kv=gone,
-                            output_token_ids=ref[:1], events_sent=1)
+            job = DecodeJob(
+                request=gen("r1"),
+                prefill_id="prefill-gone",
+                kv=gone,
+                output_token_ids=ref[:1],
+                events_sent=1,
+            )
             await dec.admit(job)
             await asyncio.wait_for(events.finished.wait(), 30)
     assert [e.index for e in events.got] == list(range(1, TOKENS))
@@ -124,8 +159,9 @@ async def test_a_job_delivered_twice_runs_once(nc, tiny):
     events = Events()
     await nc.subscribe(subjects.tokens("r2"), cb=events.on_msg)
     async with running(decode_instance(nc, tiny, "decode-b")) as dec:
-        job = DecodeJob(request=gen("r2"), prefill_id="", kv=None, output_token_ids=ref[:3],
-                        events_sent=3)
+        job = DecodeJob(
+            request=gen("r2"), prefill_id="", kv=None, output_token_ids=ref[:3], events_sent=3
+        )
         await asyncio.gather(dec.admit(job), dec.admit(job))
         await asyncio.wait_for(events.finished.wait(), 30)
         await until(lambda: not dec.engine.has_work() and not dec.streams, what="idle")
@@ -142,11 +178,16 @@ async def test_a_job_delivered_twice_runs_once(nc, tiny):
 
 async def test_cancel_frees_blocks_and_the_heartbeat_says_so_at_once(nc, tiny):
     async with running(decode_instance(nc, tiny, "decode-c")) as dec:
-        long = GenerateRequest(request_id="r3", model="tiny", prompt_token_ids=PROMPT,
-                               sampling=SamplingParams(temperature=0, max_tokens=400,
-                                                       ignore_eos=True), arrival_time=time.time())
-        await dec.admit(DecodeJob(request=long, prefill_id="", kv=None, output_token_ids=[5],
-                                  events_sent=1))
+        long = GenerateRequest(
+            request_id="r3",
+            model="tiny",
+            prompt_token_ids=PROMPT,
+            sampling=SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+            arrival_time=time.time(),
+        )
+        await dec.admit(
+            DecodeJob(request=long, prefill_id="", kv=None, output_token_ids=[5], events_sent=1)
+        )
         await until(lambda: dec.info().running == 1, what="the request running")
         busy = dec.info()
         assert busy.running == 1 and busy.kv_blocks_free < busy.kv_blocks_total
@@ -167,8 +208,9 @@ async def test_cancel_withdraws_a_handoff_nobody_fetched(nc, tiny):
         await bus.respond(msg, Ack())  # takes the job, never fetches the KV
 
     await nc.subscribe(subjects.decode_submit("decode-lazy"), cb=lazy_decode)
-    settings = PrefillSettings(instance_id="prefill-d", kv_cache_gb=4 / 1024,
-                               transfer_timeout_s=60.0)
+    settings = PrefillSettings(
+        instance_id="prefill-d", kv_cache_gb=4 / 1024, transfer_timeout_s=60.0
+    )
     inst = PrefillInstance(settings, nc, tiny, sender, TcpKVReceiver())
     async with running(inst) as pre:
         await nc.subscribe(subjects.prefill_submit("prefill-d"), cb=pre.on_submit)
@@ -181,7 +223,9 @@ async def test_cancel_withdraws_a_handoff_nobody_fetched(nc, tiny):
         leased = pre.info().kv_blocks_leased
         assert leased == 3 and sender.pending == 1  # 40 tokens: 3 blocks offered
         await nc.publish(subjects.CANCEL, CancelRequest(request_id="r4").encode())
-        await until(lambda: sender.pending == 0 and pre.info().kv_blocks_leased == 0,
-                    what="the offer withdrawn")
+        await until(
+            lambda: sender.pending == 0 and pre.info().kv_blocks_leased == 0,
+            what="the offer withdrawn",
+        )
         assert sender.pending == 0 and pre.info().kv_blocks_leased == 0  # not at its 60 s TTL
     await sender.close()

@@ -16,8 +16,10 @@ BIG = (1 << 64) - 5  # an unsigned hash above BIGINT's range: stored signed, rea
 
 async def rows(engine):
     async with db.sessionmaker(engine)() as s:
-        return sorted((r.block_hash, r.instance_id, r.tier, r.hit_count) for r in
-                      (await s.execute(select(KVBlockRecord))).scalars())
+        return sorted(
+            (r.block_hash, r.instance_id, r.tier, r.hit_count)
+            for r in (await s.execute(select(KVBlockRecord))).scalars()
+        )
 
 
 async def test_writes_coalesce_and_round_trip(db_url):
@@ -29,12 +31,15 @@ async def test_writes_coalesce_and_round_trip(db_url):
         writer.removed("p0", "dram", [2])
         writer.hit("p0", "dram", [1], now=2.0)
         await writer.flush()
-        assert await rows(engine) == sorted([(1, "p0", "dram", 1), (to_signed(BIG), "p0", "dram", 0),
-                                             (1, "p1", "dram", 0)])
+        assert await rows(engine) == sorted(
+            [(1, "p0", "dram", 1), (to_signed(BIG), "p0", "dram", 0), (1, "p1", "dram", 0)]
+        )
         writer.hit("p0", "dram", [1], now=3.0)
         writer.cleared("p1")
         await writer.flush()
-        assert await rows(engine) == sorted([(1, "p0", "dram", 2), (to_signed(BIG), "p0", "dram", 0)])
+        assert await rows(engine) == sorted(
+            [(1, "p0", "dram", 2), (to_signed(BIG), "p0", "dram", 0)]
+        )
         loaded = await load_blocks(engine)
         assert {(h, i) for h, i, *_ in loaded} == {(1, "p0"), (BIG, "p0")}
         manager = KVManager()
@@ -51,8 +56,9 @@ async def test_manager_events_reach_sql(db_url):
     manager = KVManager(writer)
     try:
         for kind, hashes in ((KVEventKind.STORED, [5, 6, 7]), (KVEventKind.REMOVED, [7])):
-            manager.apply(KVEvent(kind=kind, instance_id="d0", block_hashes=hashes,
-                                  block_nbytes=8), now=1.0)
+            manager.apply(
+                KVEvent(kind=kind, instance_id="d0", block_hashes=hashes, block_nbytes=8), now=1.0
+            )
         await writer.flush()
         assert [r[0] for r in await rows(engine)] == [5, 6]
     finally:

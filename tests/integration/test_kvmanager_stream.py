@@ -16,8 +16,13 @@ from tests.waiting import until
 
 
 async def publish(nc, kind, instance, hashes=()):
-    event = KVEvent(kind=kind, instance_id=instance, block_hashes=list(hashes), block_nbytes=10,
-                    sent_at=time.time())
+    event = KVEvent(
+        kind=kind,
+        instance_id=instance,
+        block_hashes=list(hashes),
+        block_nbytes=10,
+        sent_at=time.time(),
+    )
     await nc.publish(subjects.KV_EVENTS, event.encode())
 
 
@@ -31,8 +36,11 @@ async def start_manager(url):
 
 
 async def match(nc, hashes):
-    return (await bus.request(nc, subjects.KV_MATCH, KVMatchRequest(block_hashes=hashes),
-                              KVMatchReply, 10)).matches
+    return (
+        await bus.request(
+            nc, subjects.KV_MATCH, KVMatchRequest(block_hashes=hashes), KVMatchReply, 10
+        )
+    ).matches
 
 
 @pytest.fixture

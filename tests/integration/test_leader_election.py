@@ -22,9 +22,9 @@ from services.conductor.args import ConductorSettings
 from services.conductor.handlers import Conductor
 from services.conductor.leader import KEY, Election
 from shared import bus, errors, subjects
-from shared.messages import (Ack, GenerateRequest, InstanceInfo, Placement, Role,
-                             SamplingParams)
+from shared.messages import Ack, GenerateRequest, InstanceInfo, Placement, Role, SamplingParams
 from shared.natsd import EmbeddedNats
+
 TTL_S, RENEW_S = 2.0, 0.5
 STARTED: list = []  # elections still running, stopped after each test whatever happened
 
@@ -68,8 +68,15 @@ class Candidate:
         self.nc = nc
         self.name = name
         self.events: list[tuple[str, float]] = []
-        self.election = Election(nc, name, TTL_S, RENEW_S, on_elected=self._elected,
-                                 on_deposed=self._deposed, bucket=bucket)
+        self.election = Election(
+            nc,
+            name,
+            TTL_S,
+            RENEW_S,
+            on_elected=self._elected,
+            on_deposed=self._deposed,
+            bucket=bucket,
+        )
         self.stop = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.steps = 0  # campaign or renewal attempts finished
@@ -90,6 +97,7 @@ class Candidate:
                 changed = change(*args)
                 self.deadlines.append(lease.valid_until)
                 return changed
+
             return record
 
         self.election.step = counted  # type: ignore[method-assign]
@@ -103,7 +111,7 @@ class Candidate:
         self.events.append(("deposed", time.monotonic()))
         self.deposed_at_step.append(self.steps + 1)
 
-    def start(self) -> "Candidate":
+    def start(self) -> Candidate:
         self.task = asyncio.create_task(self.election.run(self.stop))
         STARTED.append(self)
         return self
@@ -203,8 +211,9 @@ async def test_a_graceful_leader_hands_over_without_waiting_for_the_ttl(conns, b
     t0 = time.monotonic()
     await first.halt()  # resigns: deletes its lease
     took = await wait_for(lambda: second.election.is_leader, TTL_S * 5) - t0
-    print(f"handover after resign: {took:.2f}s; the lease would have lived "
-          f"{expires - t0:.2f}s more")
+    print(
+        f"handover after resign: {took:.2f}s; the lease would have lived {expires - t0:.2f}s more"
+    )
     assert t0 + took < expires, "the standby waited for the lease to expire"
     await second.halt()
 
@@ -229,13 +238,13 @@ async def test_a_leader_whose_lease_is_overwritten_steps_down_at_once(conns, buc
 
 async def test_a_leader_that_cannot_reach_nats_steps_down_by_its_clock(tmp_path, bucket):
     server = EmbeddedNats(tmp_path / "nats")
+
     async def quiet(exc: Exception) -> None:  # reconnect refusals are the point here
         pass
 
     url = server.start()
     server.port = int(url.rsplit(":", 1)[1])  # it comes back on the same port
-    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                            error_cb=quiet)
+    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet)
     try:
         leader = Candidate(nc, "leader", bucket).start()
         await wait_for(lambda: leader.election.is_leader, TTL_S * 5)
@@ -246,9 +255,11 @@ async def test_a_leader_that_cannot_reach_nats_steps_down_by_its_clock(tmp_path,
         await wait_for(lambda: not leader.election.is_leader, TTL_S * 5)
         late_s = await lag.stop()
         deadline, gone = leader.deadlines[-1], leader.when("deposed")[0]
-        print(f"stepped down {gone - killed:.2f}s after NATS went away (TTL {TTL_S}s), "
-              f"{gone - deadline:+.3f}s from its deadline; timers fired up to "
-              f"{late_s * 1e3:.0f} ms late")
+        print(
+            f"stepped down {gone - killed:.2f}s after NATS went away (TTL {TTL_S}s), "
+            f"{gone - deadline:+.3f}s from its deadline; timers fired up to "
+            f"{late_s * 1e3:.0f} ms late"
+        )
         # By its own clock: never before the deadline of its last renewal (the lease still
         # lives), and at that deadline, allowing for this loop's timer lag; the server may
         # expire the renewal half a renewal period later, so that is the hard bound.
@@ -283,8 +294,13 @@ async def test_a_bucket_with_a_shorter_ttl_shortens_the_leaders_deadline(conns, 
 
 
 def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, model="m", prompt_token_ids=[1, 2, 3],
-                           sampling=SamplingParams(max_tokens=4), arrival_time=time.time())
+    return GenerateRequest(
+        request_id=rid,
+        model="m",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=4),
+        arrival_time=time.time(),
+    )
 
 
 class RunningConductor:
@@ -302,13 +318,12 @@ class RunningConductor:
 
         self.conductor.place = counting_place  # type: ignore[method-assign]
         intake = Intake(nc, self.conductor)
-        self.election = Election(nc, name, TTL_S, RENEW_S, intake.open, intake.close,
-                                 bucket=bucket)
+        self.election = Election(nc, name, TTL_S, RENEW_S, intake.open, intake.close, bucket=bucket)
         self.conductor.leading = lambda: self.election.is_leader
         self.nc, self.stop = nc, asyncio.Event()
         self.task: asyncio.Task | None = None
 
-    async def start(self) -> "RunningConductor":
+    async def start(self) -> RunningConductor:
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=self.conductor.on_heartbeat)
         self.task = asyncio.create_task(self.election.run(self.stop))
         STARTED.append(self)
@@ -346,8 +361,9 @@ async def test_only_the_leader_places_and_a_standby_takes_over(conns, bucket):
 async def placing_and_taking_over(client, a: RunningConductor, b: RunningConductor) -> None:
     await wait_for(lambda: a.heard("p0", "d0") and b.heard("p0", "d0"), 30)
     for i in range(5):
-        placed = await bus.request(client, subjects.CONDUCTOR_SCHEDULE, request(f"r{i}"),
-                                   Placement, 2)
+        placed = await bus.request(
+            client, subjects.CONDUCTOR_SCHEDULE, request(f"r{i}"), Placement, 2
+        )
         assert placed.prefill_id == "p0"
     assert (len(a.served), len(b.served)) == (5, 0)
     # The leader's process dies: its connection (and subscription) goes with it.
@@ -358,8 +374,7 @@ async def placing_and_taking_over(client, a: RunningConductor, b: RunningConduct
     gap = None
     while gap is None:
         try:
-            await bus.request(client, subjects.CONDUCTOR_SCHEDULE, request("gap"), Placement,
-                              0.2)
+            await bus.request(client, subjects.CONDUCTOR_SCHEDULE, request("gap"), Placement, 0.2)
             raise AssertionError("a request was placed while nobody led")
         except errors.Timeout:
             assert time.monotonic() - died < TTL_S, "the closed connection was not noticed"

@@ -34,8 +34,10 @@ async def _rows(engine) -> list[LoadSample]:
 
 
 def handled(conductor: Conductor, instance_id: str, queue_depth: int) -> bool:
-    return any(s.info.instance_id == instance_id and s.info.queue_depth == queue_depth
-               for s in conductor.registry.all())
+    return any(
+        s.info.instance_id == instance_id and s.info.queue_depth == queue_depth
+        for s in conductor.registry.all()
+    )
 
 
 async def test_heartbeats_become_load_samples(nats_url, db_url, monkeypatch):
@@ -43,34 +45,51 @@ async def test_heartbeats_become_load_samples(nats_url, db_url, monkeypatch):
     # An interval boundary a little in the past (the console reads the last hour).
     base = math.floor(time.time() / interval) * interval - 10 * interval
     clock = types.SimpleNamespace(now=base)
-    monkeypatch.setattr(handlers, "time", types.SimpleNamespace(
-        time=lambda: clock.now, perf_counter=time.perf_counter, monotonic=time.monotonic))
+    monkeypatch.setattr(
+        handlers,
+        "time",
+        types.SimpleNamespace(
+            time=lambda: clock.now, perf_counter=time.perf_counter, monotonic=time.monotonic
+        ),
+    )
     engine = db.make_engine(db_url)
     writer = RecordWriter(engine, flush_interval_s=0.0)
     await writer.start()
     nc = await nats.connect(nats_url)
-    conductor = Conductor(ConductorSettings(nats_url=nats_url, instance_record_interval_s=interval),
-                          nc, records=writer)
+    conductor = Conductor(
+        ConductorSettings(nats_url=nats_url, instance_record_interval_s=interval),
+        nc,
+        records=writer,
+    )
     sub = await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat)
     try:
         started = base
         for k in range(1, 17):  # 4 intervals of heartbeats, every quarter interval
             clock.now = base + (k - 1) * interval / 4
-            info = InstanceInfo(instance_id="prefill-7", role=Role.PREFILL, started_at=started,
-                                queue_depth=k, running=1, kv_blocks_total=64, kv_blocks_free=60,
-                                kv_activity=KVActivity(transfers_out=k, bytes_out=1000 * k),
-                                sent_at=clock.now)
+            info = InstanceInfo(
+                instance_id="prefill-7",
+                role=Role.PREFILL,
+                started_at=started,
+                queue_depth=k,
+                running=1,
+                kv_blocks_total=64,
+                kv_blocks_free=60,
+                kv_activity=KVActivity(transfers_out=k, bytes_out=1000 * k),
+                sent_at=clock.now,
+            )
             await nc.publish(subjects.heartbeat("prefill", "prefill-7"), info.encode())
-            gateway = InstanceInfo(instance_id="gw", role=Role.GATEWAY, queue_depth=k,
-                                   sent_at=clock.now)
+            gateway = InstanceInfo(
+                instance_id="gw", role=Role.GATEWAY, queue_depth=k, sent_at=clock.now
+            )
             await nc.publish(subjects.heartbeat("gateway", "gw"), gateway.encode())
             # One subscription handles them in order: the gateway's beat comes last.
-            await until(lambda: handled(conductor, "gw", k), what=f"heartbeat {k}")
+            await until(lambda k=k: handled(conductor, "gw", k), what=f"heartbeat {k}")
         await writer.flush()
         rows = await _rows(engine)
         assert {r.instance_id for r in rows} == {"prefill-7"}  # no samples of the gateway
         assert [(r.t, r.queue_depth) for r in rows] == [
-            (base + i * interval, 1 + 4 * i) for i in range(4)]  # each interval's first
+            (base + i * interval, 1 + 4 * i) for i in range(4)
+        ]  # each interval's first
         assert len({r.t for r in rows}) == len(rows)
         assert all(r.t % interval == 0 for r in rows)
         # Heartbeat k says queue_depth k and k transfers since its start. Each row is the first
@@ -95,16 +114,23 @@ async def test_two_conductors_one_row_and_old_samples_pruned(db_url):
     engine = db.make_engine(db_url)
     writers = [RecordWriter(engine, flush_interval_s=0.0) for _ in range(2)]
     settings = ConductorSettings(load_retention_s=60.0)
-    conductors = [Conductor(settings, None, records=w)  # type: ignore[arg-type]
-                  for w in writers]
+    conductors = [
+        Conductor(settings, None, records=w)  # type: ignore[arg-type]
+        for w in writers
+    ]
     for w in writers:
         await w.start()
     try:
         now = time.time()
         for offset in (-300, -200, -100, -30, 0):  # minutes apart: every sample may prune
             activity = KVActivity(bytes_in=300 + offset)
-            info = InstanceInfo(instance_id="decode-3", role=Role.DECODE, started_at=now - 900,
-                                running=offset // -10, kv_activity=activity)
+            info = InstanceInfo(
+                instance_id="decode-3",
+                role=Role.DECODE,
+                started_at=now - 900,
+                running=offset // -10,
+                kv_activity=activity,
+            )
             for c, w in zip(conductors, writers):  # both hear it; the second insert is ignored
                 c._record_instance(info, now + offset, "ready")
                 await w.flush()

@@ -63,8 +63,10 @@ async def test_connections_subscriptions_and_the_kv_stream_resume(server):
     # A reconnect writes the subscriptions again before anything else; a flush's PONG comes
     # after the server has taken them, so the ping below finds its responder.
     await worker.flush(timeout=30)
-    assert isinstance(await bus.request(client, "halfmoon.test.ping",
-                                        CancelRequest(request_id="x"), Ack, 10.0), Ack)
+    assert isinstance(
+        await bus.request(client, "halfmoon.test.ping", CancelRequest(request_id="x"), Ack, 10.0),
+        Ack,
+    )
     await client.publish(subjects.KV_EVENTS, b"after")
     resumed = await until(lambda: b"after" in events, 30)
     assert events == [b"before", b"during", b"after"]  # in order, none twice

@@ -22,16 +22,28 @@ PASSWORD = secrets.token_hex(12)
 
 @pytest.fixture(scope="module")
 def secure_nats(tmp_path_factory, pki):
-    server = EmbeddedNats(tmp_path_factory.mktemp("secure-nats"), tls_cert=pki.cert,
-                          tls_key=pki.key, tls_ca=pki.ca, user="halfmoon", password=PASSWORD)
+    server = EmbeddedNats(
+        tmp_path_factory.mktemp("secure-nats"),
+        tls_cert=pki.cert,
+        tls_key=pki.key,
+        tls_ca=pki.ca,
+        user="halfmoon",
+        password=PASSWORD,
+    )
     url = server.start()
     yield url
     server.stop()
 
 
 def settings(url: str, pki, **overrides) -> BaseSettings:  # type: ignore[no-untyped-def]
-    values = dict(nats_url=url, nats_user="halfmoon", nats_password=PASSWORD,
-                  nats_tls_ca=pki.ca, nats_tls_cert=pki.cert, nats_tls_key=pki.key)
+    values = dict(
+        nats_url=url,
+        nats_user="halfmoon",
+        nats_password=PASSWORD,
+        nats_tls_ca=pki.ca,
+        nats_tls_cert=pki.cert,
+        nats_tls_key=pki.key,
+    )
     values.update(overrides)
     return BaseSettings(**values)
 
@@ -40,6 +52,7 @@ async def test_services_connect_with_credentials_and_tls(secure_nats, pki):
     assert secure_nats.startswith("tls://127.0.0.1:")
     nc = await bus.connect(settings(secure_nats, pki), "secure-test")
     try:
+
         async def echo(msg) -> None:  # type: ignore[no-untyped-def]
             await msg.respond(msg.data[::-1])
 
@@ -52,14 +65,25 @@ async def test_services_connect_with_credentials_and_tls(secure_nats, pki):
 
 @pytest.mark.parametrize("missing", ["password", "client certificate", "CA", "TLS"])
 async def test_the_server_turns_away_who_lacks_one_of_them(secure_nats, pki, missing):
-    s = {"password": settings(secure_nats, pki, nats_password="guess"),
-         "client certificate": settings(secure_nats, pki, nats_tls_cert="", nats_tls_key=""),
-         "CA": settings(secure_nats, pki, nats_tls_ca=""),  # the system's CAs: not ours
-         "TLS": settings(secure_nats.replace("tls://", "nats://"), pki, nats_tls_ca="",
-                         nats_tls_cert="", nats_tls_key="")}[missing]
+    s = {
+        "password": settings(secure_nats, pki, nats_password="guess"),
+        "client certificate": settings(secure_nats, pki, nats_tls_cert="", nats_tls_key=""),
+        "CA": settings(secure_nats, pki, nats_tls_ca=""),  # the system's CAs: not ours
+        "TLS": settings(
+            secure_nats.replace("tls://", "nats://"),
+            pki,
+            nats_tls_ca="",
+            nats_tls_cert="",
+            nats_tls_key="",
+        ),
+    }[missing]
     with pytest.raises(Exception):  # noqa: B017 - nats-py raises auth, TLS or connect errors
-        nc = await asyncio.wait_for(nats.connect(
-            s.nats_url, allow_reconnect=False, connect_timeout=3, **bus.security_options(s)), 15)
+        nc = await asyncio.wait_for(
+            nats.connect(
+                s.nats_url, allow_reconnect=False, connect_timeout=3, **bus.security_options(s)
+            ),
+            15,
+        )
         await nc.close()
 
 

@@ -22,20 +22,36 @@ from services.conductor.args import ConductorSettings
 from services.conductor.costmodel import CostModel
 from services.conductor.handlers import Conductor
 from services.conductor.policy import make_policy
-from services.sim.model import Outcome, PrefillJob as SimJob, SimRequest
+from services.sim.model import Outcome, SimRequest
+from services.sim.model import PrefillJob as SimJob
 from services.sim.run import Cluster, SimConfig
 from shared import bus, subjects
 from shared.db.records import RecordWriter
 from shared.db.schema import DecisionRecord
 from shared.db.session import make_engine, sessionmaker
-from shared.messages import (Ack, GenerateRequest, InstanceInfo, KVMatchReply, Placement,
-                             PrefillJob, Role, SamplingParams)
+from shared.messages import (
+    Ack,
+    GenerateRequest,
+    InstanceInfo,
+    KVMatchReply,
+    Placement,
+    PrefillJob,
+    Role,
+    SamplingParams,
+)
 
 BS = 16
 # Round numbers: 1 ms per new prefill token, 2 ms per transferred block, 40 ms overhead.
-COST = CostModel(prefill_coef=[0.0, 1e-3, 0.0, 0.0], decode_coef=[0.01, 1e-3, 0.0],
-                 transfer_latency_s=0.0, transfer_bytes_per_s=1000.0, block_bytes=2,
-                 block_size=BS, overhead_s=0.04, source="test")
+COST = CostModel(
+    prefill_coef=[0.0, 1e-3, 0.0, 0.0],
+    decode_coef=[0.01, 1e-3, 0.0],
+    transfer_latency_s=0.0,
+    transfer_bytes_per_s=1000.0,
+    block_bytes=2,
+    block_size=BS,
+    overhead_s=0.04,
+    source="test",
+)
 HASHES = [1000 + i for i in range(10)]
 PROMPT = 10 * BS + 5  # 10 full blocks and 5 tokens
 MAX_TOKENS = 8
@@ -61,9 +77,14 @@ CASES = [
 
 
 def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, model="m", prompt_token_ids=list(range(PROMPT)),
-                           block_hashes=HASHES, sampling=SamplingParams(max_tokens=MAX_TOKENS),
-                           arrival_time=time.time())
+    return GenerateRequest(
+        request_id=rid,
+        model="m",
+        prompt_token_ids=list(range(PROMPT)),
+        block_hashes=HASHES,
+        sampling=SamplingParams(max_tokens=MAX_TOKENS),
+        arrival_time=time.time(),
+    )
 
 
 async def wait_for(cond, timeout_s: float = 5.0) -> None:
@@ -79,8 +100,13 @@ async def live(nats_url, db_url, tmp_path):
     """A conductor (kvcentric, recording to SQL) and the subscribers around it."""
     cost_path = tmp_path / "cost.json"
     COST.save(cost_path)
-    settings = ConductorSettings(nats_url=nats_url, cost_model=str(cost_path), slo_margin=1.0,
-                                 heartbeat_expiry_s=30.0, election=False)
+    settings = ConductorSettings(
+        nats_url=nats_url,
+        cost_model=str(cost_path),
+        slo_margin=1.0,
+        heartbeat_expiry_s=30.0,
+        election=False,
+    )
     nc = await nats.connect(nats_url)
     engine = make_engine(db_url)
     records = RecordWriter(engine, flush_interval_s=0.0)
@@ -96,11 +122,12 @@ async def live(nats_url, db_url, tmp_path):
     async def on_match(msg):
         await bus.respond(msg, KVMatchReply(matches=matches))
 
-    subs = [await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat),
-            await nc.subscribe(subjects.CONDUCTOR_SCHEDULE, cb=conductor.on_schedule),
-            await nc.subscribe(subjects.KV_MATCH, cb=on_match),
-            *[await nc.subscribe(subjects.prefill_submit(p), cb=on_submit)
-              for p in ("p00", "p01")]]
+    subs = [
+        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat),
+        await nc.subscribe(subjects.CONDUCTOR_SCHEDULE, cb=conductor.on_schedule),
+        await nc.subscribe(subjects.KV_MATCH, cb=on_match),
+        *[await nc.subscribe(subjects.prefill_submit(p), cb=on_submit) for p in ("p00", "p01")],
+    ]
     yield nc, conductor, records, engine, jobs, matches
     for s in subs:
         await s.unsubscribe()
@@ -116,8 +143,16 @@ async def beat(nc, iid: str, role: Role, **kw) -> None:
 
 def simulate(case: Case) -> tuple[Outcome, SimJob]:
     """The same cluster state in the simulator: p00's queue, both pools, one idle decode."""
-    cfg = SimConfig(num_prefill=2, num_decode=1, cache_blocks=None, cost=COST,
-                    block_tokens=BS, ttft_slo_s=30.0, tbt_slo_s=0.3, prewarm=False)
+    cfg = SimConfig(
+        num_prefill=2,
+        num_decode=1,
+        cache_blocks=None,
+        cost=COST,
+        block_tokens=BS,
+        ttft_slo_s=30.0,
+        tbt_slo_s=0.3,
+        prewarm=False,
+    )
     cluster = Cluster(cfg, make_policy("kvcentric"))
     for iid, n in case.cached.items():
         cluster._admit(cluster.prefills[iid], HASHES[:n], 0.0)
@@ -138,15 +173,19 @@ async def test_prediction_record_dispatch_and_simulator_agree(live, case):
     await beat(nc, "p00", Role.PREFILL, queue_depth=1, queue_prompts=[QUEUED_TOKENS])
     await beat(nc, "p01", Role.PREFILL)
     await beat(nc, "d00", Role.DECODE, kv_blocks_total=64, kv_blocks_free=64)
-    await wait_for(lambda: len(conductor.registry.alive(Role.PREFILL, time.time())) == 2
-                   and conductor.registry.alive(Role.DECODE, time.time()))
+    await wait_for(
+        lambda: (
+            len(conductor.registry.alive(Role.PREFILL, time.time())) == 2
+            and conductor.registry.alive(Role.DECODE, time.time())
+        )
+    )
 
-    placement = await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, request(case.name),
-                                  Placement, 5)
+    placement = await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, request(case.name), Placement, 5)
     await records.flush()
     async with sessionmaker(engine)() as s:
-        row = (await s.execute(select(DecisionRecord).where(
-            DecisionRecord.request_id == case.name))).scalar_one()
+        row = (
+            await s.execute(select(DecisionRecord).where(DecisionRecord.request_id == case.name))
+        ).scalar_one()
     out, sim_job = simulate(case)
 
     # Where: the same prefill and decode everywhere.

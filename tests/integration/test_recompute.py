@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shared.engine.llm_engine import EngineConfig, LLMEngine
-from shared.engine.runner import load_model
 from shared.engine.params import SamplingParams
+from shared.engine.runner import load_model
 
 pytestmark = pytest.mark.model
 PROMPTS = ["Write a haiku about the moon.", "Summarize the history of Rome. " * 12]
@@ -31,8 +31,9 @@ def run(engine: LLMEngine, rid: str) -> list[tuple[list[int], str]]:
 def test_recompute_continues_the_same_stream(lm):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for n, (text, split) in enumerate(zip(PROMPTS, (1, 7))):
-        ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                               add_generation_prompt=True)["input_ids"]
+        ids = lm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )["input_ids"]
         whole = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=128))
         whole.add_request(f"w{n}", ids, params)
         ref = run(whole, f"w{n}")

@@ -16,17 +16,30 @@ from shared.engine.runner import load_model
 pytestmark = pytest.mark.model
 
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                      "tags": {"type": "array", "items": {"type": "string",
-                                                                           "maxLength": 12},
-                                               "maxItems": 3}},
-     "required": ["city", "tags"], "additionalProperties": False},
-    {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                      "level": {"enum": ["low", "mid", "high"]}},
-     "required": ["ok", "level"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+        },
+        "required": ["city", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]}},
+        "required": ["ok", "level"],
+        "additionalProperties": False,
+    },
 ]
 
 
@@ -36,8 +49,9 @@ def lm(model_dir):
 
 
 def chat(lm, text: str) -> list[int]:
-    return lm.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True)["input_ids"]
+    return lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )["input_ids"]
 
 
 def run(engine, requests):
@@ -58,8 +72,12 @@ def test_json_schema_samples_always_validate(lm):
     reqs = []
     for i in range(12):
         schema = SCHEMAS[i % 3]
-        params = SamplingParams(temperature=0.9, seed=i, max_tokens=96,
-                                constraint=Constraint("json_schema", json.dumps(schema)))
+        params = SamplingParams(
+            temperature=0.9,
+            seed=i,
+            max_tokens=96,
+            constraint=Constraint("json_schema", json.dumps(schema)),
+        )
         reqs.append((f"s{i}", chat(lm, "Describe something as JSON."), params))
     text, reasons = run(engine, reqs)
     for i in range(12):
@@ -70,14 +88,35 @@ def test_json_schema_samples_always_validate(lm):
 
 def test_regex_choice_and_json_object(lm):
     engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=256 << 20))
-    reqs = [("re", chat(lm, "A date?"), SamplingParams(
-                temperature=0.8, seed=1, max_tokens=32,
-                constraint=Constraint("regex", r"\d{4}-\d{2}-\d{2}"))),
-            ("ch", chat(lm, "Pick a color."), SamplingParams(
-                temperature=0.8, seed=2, max_tokens=16,
-                constraint=Constraint("choice", json.dumps(["red", "green", "blue"])))),
-            ("js", chat(lm, "Any JSON object."), SamplingParams(
-                temperature=0.8, seed=3, max_tokens=64, constraint=Constraint("json_object")))]
+    reqs = [
+        (
+            "re",
+            chat(lm, "A date?"),
+            SamplingParams(
+                temperature=0.8,
+                seed=1,
+                max_tokens=32,
+                constraint=Constraint("regex", r"\d{4}-\d{2}-\d{2}"),
+            ),
+        ),
+        (
+            "ch",
+            chat(lm, "Pick a color."),
+            SamplingParams(
+                temperature=0.8,
+                seed=2,
+                max_tokens=16,
+                constraint=Constraint("choice", json.dumps(["red", "green", "blue"])),
+            ),
+        ),
+        (
+            "js",
+            chat(lm, "Any JSON object."),
+            SamplingParams(
+                temperature=0.8, seed=3, max_tokens=64, constraint=Constraint("json_object")
+            ),
+        ),
+    ]
     text, _ = run(engine, reqs)
     import re
 
@@ -89,20 +128,33 @@ def test_regex_choice_and_json_object(lm):
 def test_unconstrained_rows_beside_constrained_ones_are_unchanged(lm):
     prompts = [chat(lm, q) for q in ("What is the capital of France?", "Name three colors.")]
     alone = LLMEngine(lm, EngineConfig(kv_cache_bytes=256 << 20))
-    ref, _ = run(alone, [(f"u{i}", p, SamplingParams(temperature=0, max_tokens=24))
-                         for i, p in enumerate(prompts)])
+    ref, _ = run(
+        alone,
+        [(f"u{i}", p, SamplingParams(temperature=0, max_tokens=24)) for i, p in enumerate(prompts)],
+    )
     mixed = LLMEngine(lm, EngineConfig(kv_cache_bytes=256 << 20))
-    got, _ = run(mixed, [(f"u{i}", p, SamplingParams(temperature=0, max_tokens=24))
-                         for i, p in enumerate(prompts)] +
-                 [("c", prompts[0], SamplingParams(
-                     temperature=0, max_tokens=48,
-                     constraint=Constraint("json_schema", json.dumps(SCHEMAS[0]))))])
+    got, _ = run(
+        mixed,
+        [(f"u{i}", p, SamplingParams(temperature=0, max_tokens=24)) for i, p in enumerate(prompts)]
+        + [
+            (
+                "c",
+                prompts[0],
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=48,
+                    constraint=Constraint("json_schema", json.dumps(SCHEMAS[0])),
+                ),
+            )
+        ],
+    )
     assert {k: got[k] for k in ref} == ref
 
 
 def test_an_invalid_grammar_is_refused_with_why(lm):
     engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20))
     with pytest.raises(ValueError, match="regex"):
-        engine.add_request("bad", chat(lm, "x"), SamplingParams(
-            constraint=Constraint("regex", "(unclosed")))
+        engine.add_request(
+            "bad", chat(lm, "x"), SamplingParams(constraint=Constraint("regex", "(unclosed"))
+        )
     assert "bad" not in engine.requests

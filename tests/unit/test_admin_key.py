@@ -84,8 +84,7 @@ def test_a_console_beyond_loopback_shows_nothing_without_the_admin_key(wide_cons
     assert [t.label for t in at.tabs][:2] == ["Overview", "Pools"]  # in, for this session
 
 
-def test_a_console_beyond_loopback_without_a_key_turns_everyone_away(wide_console,
-                                                                     monkeypatch):
+def test_a_console_beyond_loopback_without_a_key_turns_everyone_away(wide_console, monkeypatch):
     monkeypatch.delenv("HALFMOON_ADMIN_KEY_FILE")
     at = AppTest.from_file(APP, default_timeout=60).run()
     assert not at.tabs and not at.text_input

@@ -1,9 +1,9 @@
 import pytest
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.params import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.hashing import block_hashes
-from shared.engine.params import SamplingParams
 
 
 def seq(rid, tokens, salt=""):
@@ -111,7 +111,9 @@ def test_hot_blocks_are_soft_pinned_until_their_ttl():
     hot = set(bm.cached_chain(block_hashes(list(range(8)), 4)))
     x = seq("x", [50] * 8)
     assert bm.allocate(x, 8)  # 2 blocks: the unpinned ones go, the hot prefix stays
-    assert not hot & set(x.block_table) and len(bm.cached_chain(block_hashes(list(range(8)), 4))) == 2
+    assert (
+        not hot & set(x.block_table) and len(bm.cached_chain(block_hashes(list(range(8)), 4))) == 2
+    )
     bm.free(x)
     bm.now = 111.0  # pins expired: plain LRU again
     y = seq("y", [60] * 16)
@@ -211,9 +213,17 @@ def test_empty_blocks_are_counted_through_allocation_commit_free_and_eviction():
     bm.check_invariants()
 
 
-@pytest.mark.parametrize("blocks, high, ratio, marks", [
-    (100, 0.9, 0.05, (90, 85)), (20, 0.9, 0.05, (18, 17)), (100_000, 0.9, 0.05, (90_000, 85_000)),
-    (4, 1.0, 0.5, (4, 2)), (1, 0.9, 0.05, (1, 0)), (10, 0.5, 0.01, (5, 4))])
+@pytest.mark.parametrize(
+    "blocks, high, ratio, marks",
+    [
+        (100, 0.9, 0.05, (90, 85)),
+        (20, 0.9, 0.05, (18, 17)),
+        (100_000, 0.9, 0.05, (90_000, 85_000)),
+        (4, 1.0, 0.5, (4, 2)),
+        (1, 0.9, 0.05, (1, 0)),
+        (10, 0.5, 0.01, (5, 4)),
+    ],
+)
 def test_watermark_marks(blocks, high, ratio, marks):
     from shared.engine.block_manager import watermark_marks
 

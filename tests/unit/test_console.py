@@ -30,8 +30,17 @@ from shared.db.kv_records import KVBlockWriter
 from shared.db.load_samples import LoadSampler
 from shared.db.records import RecordWriter
 from shared.db.session import make_engine, upgrade
-from shared.messages import (GenerateRequest, InstanceInfo, KVActivity, KVEvent, KVEventKind,
-                             KVMatchReply, KVMatchRequest, Role, SamplingParams)
+from shared.messages import (
+    GenerateRequest,
+    InstanceInfo,
+    KVActivity,
+    KVEvent,
+    KVEventKind,
+    KVMatchReply,
+    KVMatchRequest,
+    Role,
+    SamplingParams,
+)
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,18 +67,35 @@ MIB = 2**20
 # unknown (NULL) and 10 deltas count; prefill-1 started 2 s before its first heartbeat, so
 # all its counters count. (queue, running, blocks total, free, disk used, disk free)
 HEARTBEATS = {
-    "prefill-0": (-600, range(-60, -5, 5), (2, 1, 100, 60, 0, 0),
-                  {"blocks_stored": 10, "blocks_evicted": 2, "transfers_out": 1,
-                   "bytes_out": MIB}),
-    "decode-0": (-600, range(-60, -5, 5), (0, 4, 200, 50, 0, 0),
-                 {"transfers_in": 1, "bytes_in": MIB}),
-    "prefill-1": (-32, range(-30, -5, 5), (0, 3, 100, 90, 3, 97),
-                  {"blocks_stored": 2, "disk_stored": 1}),
+    "prefill-0": (
+        -600,
+        range(-60, -5, 5),
+        (2, 1, 100, 60, 0, 0),
+        {"blocks_stored": 10, "blocks_evicted": 2, "transfers_out": 1, "bytes_out": MIB},
+    ),
+    "decode-0": (
+        -600,
+        range(-60, -5, 5),
+        (0, 4, 200, 50, 0, 0),
+        {"transfers_in": 1, "bytes_in": MIB},
+    ),
+    "prefill-1": (
+        -32,
+        range(-30, -5, 5),
+        (0, 3, 100, 90, 3, 97),
+        {"blocks_stored": 2, "disk_stored": 1},
+    ),
 }
 # Expected totals over the window: prefill-0 10 x 10 stored, 2 x 10 evicted, 10 transfers
 # out; decode-0 10 transfers in (10 MiB); prefill-1 5 heartbeats x 2 stored, 5 to disk.
-TOTALS = {"blocks_stored": 100 + 10, "blocks_evicted": 20, "transfers_in": 10,
-          "transfers_out": 10, "bytes_in": 10 * MIB, "disk_stored": 5}
+TOTALS = {
+    "blocks_stored": 100 + 10,
+    "blocks_evicted": 20,
+    "transfers_in": 10,
+    "transfers_out": 10,
+    "bytes_in": 10 * MIB,
+    "disk_stored": 5,
+}
 H1, H2, H3, H4 = 0xA1, 0xB2, 0xC3, 0xD4  # block hashes (chained in real life)
 HOUR_HIT = (512 + 1536) / (1000 + 1000 + 2048)  # completed requests of the last hour
 ALL_HIT = (512 + 1536 + 100) / (1000 + 1000 + 2048 + 100)
@@ -77,11 +103,20 @@ ALL_HIT = (512 + 1536 + 100) / (1000 + 1000 + 2048 + 100)
 
 def _row(rid, status, offset, prefill, decode, prompt, cached, completion, ttft, e2e):
     arrival = NOW + offset
-    return {"id": rid, "status": status, "arrival_time": arrival, "prompt_tokens": prompt,
-            "cached_tokens": cached, "completion_tokens": completion, "ttft_ms": ttft,
-            "e2e_ms": e2e, "prefill_instance": prefill, "decode_instance": decode,
-            "first_token_time": None if ttft is None else arrival + ttft / 1000,
-            "finish_time": arrival + (e2e or 5) / 1000}
+    return {
+        "id": rid,
+        "status": status,
+        "arrival_time": arrival,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "completion_tokens": completion,
+        "ttft_ms": ttft,
+        "e2e_ms": e2e,
+        "prefill_instance": prefill,
+        "decode_instance": decode,
+        "first_token_time": None if ttft is None else arrival + ttft / 1000,
+        "finish_time": arrival + (e2e or 5) / 1000,
+    }
 
 
 ROWS = [_row(rid, *values) for rid, values in SEED.items()]
@@ -105,27 +140,61 @@ async def _seed(url: str) -> None:
     now = time.time()
     rows = [_shifted(r) for r in ROWS]
     for r in rows:
-        writer.request_accepted(id=r["id"], model="m", status="queued",
-                                arrival_time=r["arrival_time"], prompt_tokens=r["prompt_tokens"])
+        writer.request_accepted(
+            id=r["id"],
+            model="m",
+            status="queued",
+            arrival_time=r["arrival_time"],
+            prompt_tokens=r["prompt_tokens"],
+        )
         if r["prefill_instance"]:
-            writer.request_update(r["id"], status="running", prefill_instance=r["prefill_instance"],
-                                  decode_instance=r["decode_instance"])
+            writer.request_update(
+                r["id"],
+                status="running",
+                prefill_instance=r["prefill_instance"],
+                decode_instance=r["decode_instance"],
+            )
     await writer.flush()  # accepted before finished, as the gateway writes them
     for r in rows:
-        done = {k: r[k] for k in ("first_token_time", "finish_time", "completion_tokens",
-                                  "cached_tokens", "ttft_ms", "e2e_ms")}
+        done = {
+            k: r[k]
+            for k in (
+                "first_token_time",
+                "finish_time",
+                "completion_tokens",
+                "cached_tokens",
+                "ttft_ms",
+                "e2e_ms",
+            )
+        }
         reason = "stop" if r["status"] == "completed" else None
         phases = {k: r["arrival_time"] + v for k, v in PHASES.get(r["id"], {}).items()}
-        writer.request_finished(r["id"], r["status"], error=ERRORS.get(r["status"]),
-                                finish_reason=reason, **done, **phases)
+        writer.request_finished(
+            r["id"],
+            r["status"],
+            error=ERRORS.get(r["status"]),
+            finish_reason=reason,
+            **done,
+            **phases,
+        )
     await _heartbeats(writer, now)
     await _kv_blocks(engine, now)
-    for iid, queue, running in [("prefill-0", 2, 1), ("prefill-1", 0, 3), ("decode-0", 0, 4),
-                                ("decode-1", 1, 0), ("conductor-0", 0, 0)]:
-        writer.instance_seen(id=iid, role=iid.split("-")[0], host="127.0.0.1", status="ready",
-                             started_at=now - 600, last_heartbeat=now,
-                             info={"queue_depth": queue, "running": running,
-                                   "kv_tokens_used": 1000 * running})
+    for iid, queue, running in [
+        ("prefill-0", 2, 1),
+        ("prefill-1", 0, 3),
+        ("decode-0", 0, 4),
+        ("decode-1", 1, 0),
+        ("conductor-0", 0, 0),
+    ]:
+        writer.instance_seen(
+            id=iid,
+            role=iid.split("-")[0],
+            host="127.0.0.1",
+            status="ready",
+            started_at=now - 600,
+            last_heartbeat=now,
+            info={"queue_depth": queue, "running": running, "kv_tokens_used": 1000 * running},
+        )
     await writer.flush()
     writer.instance_seen(id="decode-1", status="dead")  # as the conductor's sweep writes it
     await writer.close()
@@ -145,26 +214,44 @@ async def _heartbeats(writer: RecordWriter, now: float) -> None:
         queue, running, total, free, disk_used, disk_free = gauges
         for k, offset in enumerate(offsets, start=1):
             activity = KVActivity(**{key: k * n for key, n in step.items()})
-            info = InstanceInfo(instance_id=iid, role=iid.split("-")[0], started_at=now + started,
-                                queue_depth=queue, running=running, kv_blocks_total=total,
-                                kv_blocks_free=free, disk_blocks_used=disk_used,
-                                disk_blocks_free=disk_free, kv_activity=activity)
+            info = InstanceInfo(
+                instance_id=iid,
+                role=iid.split("-")[0],
+                started_at=now + started,
+                queue_depth=queue,
+                running=running,
+                kv_blocks_total=total,
+                kv_blocks_free=free,
+                disk_blocks_used=disk_used,
+                disk_blocks_free=disk_free,
+                kv_activity=activity,
+            )
             conductor._record_instance(info, now + offset, "ready")
             conductor._record_instance(info, now + offset, "ready")  # same interval: no row
     r3, r5 = (_shifted(r) for r in ROWS if r["id"] in ("r3", "r5"))
     busy = Candidate("prefill-0", 0, "", 0.0, 1.5, 1.8)
     cached = Candidate("prefill-1", 96, "", 0.0, 0.4, 2.0)
-    conductor._record(_request("r3", r3), Decision("kvcentric", cached, "decode-0", 0.02,
-                                                   [busy, cached]), r3["arrival_time"])
-    conductor._record(_request("r5", r5), Decision("kvcentric", cached, "decode-0", 0.02,
-                                                   [busy, cached], ERRORS["rejected"]),
-                      r5["arrival_time"])
+    conductor._record(
+        _request("r3", r3),
+        Decision("kvcentric", cached, "decode-0", 0.02, [busy, cached]),
+        r3["arrival_time"],
+    )
+    conductor._record(
+        _request("r5", r5),
+        Decision("kvcentric", cached, "decode-0", 0.02, [busy, cached], ERRORS["rejected"]),
+        r5["arrival_time"],
+    )
     await writer.flush()
 
 
 def _request(rid: str, row: dict) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, model="m", prompt_token_ids=[1] * row["prompt_tokens"],
-                           sampling=SamplingParams(), arrival_time=row["arrival_time"])
+    return GenerateRequest(
+        request_id=rid,
+        model="m",
+        prompt_token_ids=[1] * row["prompt_tokens"],
+        sampling=SamplingParams(),
+        arrival_time=row["arrival_time"],
+    )
 
 
 class _MatchMsg:
@@ -184,13 +271,16 @@ async def _kv_blocks(engine, now: float) -> None:
     """kv_blocks as the KV manager writes them: events from the instances, then matches."""
     manager = KVManager(KVBlockWriter(engine))
     for kind, iid, tier, hashes in [
-            (KVEventKind.STORED, "prefill-0", "dram", [H1, H2, H3]),
-            (KVEventKind.STORED, "prefill-1", "dram", [H1, H4]),
-            (KVEventKind.STORED, "prefill-1", "disk", [H1]),
-            (KVEventKind.STORED, "decode-0", "dram", [H1, H2]),
-            (KVEventKind.REMOVED, "prefill-1", "dram", [H4])]:
-        manager.apply(KVEvent(kind=kind, instance_id=iid, tier=tier, block_hashes=hashes,
-                              block_nbytes=4096), now)
+        (KVEventKind.STORED, "prefill-0", "dram", [H1, H2, H3]),
+        (KVEventKind.STORED, "prefill-1", "dram", [H1, H4]),
+        (KVEventKind.STORED, "prefill-1", "disk", [H1]),
+        (KVEventKind.STORED, "decode-0", "dram", [H1, H2]),
+        (KVEventKind.REMOVED, "prefill-1", "dram", [H4]),
+    ]:
+        manager.apply(
+            KVEvent(kind=kind, instance_id=iid, tier=tier, block_hashes=hashes, block_nbytes=4096),
+            now,
+        )
     # [H1, H2, H3]: prefill-0 holds all three (twice); [H1, H2]: a tie that decode-0 wins
     # (same length, same DRAM length, smaller id). So H1 and H2 have 3 hits, H3 has 2.
     for hashes in ([H1, H2, H3], [H1, H2, H3], [H1, H2]):
@@ -290,22 +380,35 @@ def test_filter_and_timeline():
     assert [p["end_ms"] for p in phases] == [pytest.approx(100.0), pytest.approx(600.0)]
     assert queries.request_timeline(ROWS[4])[0]["phase"] == "arrival → rejected"
     r3 = dict(ROWS[2], **{k: ROWS[2]["arrival_time"] + v for k, v in PHASES["r3"].items()})
-    assert [(p["phase"], round(p["start_ms"]), round(p["end_ms"]))
-            for p in queries.request_timeline(r3)] == [
-        ("placement (conductor)", 0, 200), ("prefill queue + prefill", 200, 2500),
-        ("KV transfer + decode admission", 2500, 2600), ("decode", 2600, 2900)]
+    assert [
+        (p["phase"], round(p["start_ms"]), round(p["end_ms"])) for p in queries.request_timeline(r3)
+    ] == [
+        ("placement (conductor)", 0, 200),
+        ("prefill queue + prefill", 200, 2500),
+        ("KV transfer + decode admission", 2500, 2600),
+        ("decode", 2600, 2900),
+    ]
     # Colocated (no decode-side token): decode starts at the first token; no handoff phase.
     colocated = dict(r3, decode_first_token_time=None)
     assert [p["phase"] for p in queries.request_timeline(colocated)][-1:] == ["decode"]
     assert queries.request_timeline(colocated)[-1]["start_ms"] == pytest.approx(2500.0)
     failed = dict(ROWS[3], dispatch_time=ROWS[3]["arrival_time"] + 0.1)  # no token at all
     assert [p["phase"] for p in queries.request_timeline(failed)] == [
-        "placement (conductor)", "prefill queue → failed"]
+        "placement (conductor)",
+        "prefill queue → failed",
+    ]
 
 
 def _info(iid: str, started_at: float, **activity: int) -> InstanceInfo:
-    return InstanceInfo(instance_id=iid, role=Role.DECODE, started_at=started_at, running=2,
-                        kv_blocks_total=10, kv_blocks_free=4, kv_activity=KVActivity(**activity))
+    return InstanceInfo(
+        instance_id=iid,
+        role=Role.DECODE,
+        started_at=started_at,
+        running=2,
+        kv_blocks_total=10,
+        kv_blocks_free=4,
+        kv_activity=KVActivity(**activity),
+    )
 
 
 def test_load_sampler_one_row_per_interval_with_deltas():
@@ -316,7 +419,11 @@ def test_load_sampler_one_row_per_interval_with_deltas():
     assert sampler.sample(_info("d", 0.0, transfers_in=6), 1004.9, 5.0) is None  # same interval
     row = sampler.sample(_info("d", 0.0, transfers_in=9, bytes_in=100), 1006.0, 5.0)
     assert (row["t"], row["interval_s"], row["transfers_in"], row["bytes_in"]) == (
-        1005.0, 6.0, 4, 100)
+        1005.0,
+        6.0,
+        4,
+        100,
+    )
     # A restart resets the counters: what it reports is all since its start.
     assert sampler.sample(_info("d", 1008.0, transfers_in=2), 1009.0, 5.0) is None
     row = sampler.sample(_info("d", 1008.0, transfers_in=3), 1011.0, 5.0)
@@ -327,13 +434,35 @@ def test_load_sampler_one_row_per_interval_with_deltas():
 
 
 def test_load_series_buckets_gauges_and_counts():
-    samples = [{"instance_id": i, "role": role, "t": t, "interval_s": 5.0, **dict.fromkeys(
-        history.GAUGES, 0), **dict.fromkeys(("blocks_stored", "blocks_evicted", "disk_stored",
-                                             "disk_removed", "transfers_out", "bytes_in",
-                                             "bytes_out"), 0), "queue_depth": q,
-        "transfers_in": n} for i, role, t, q, n in [
-            ("d0", "decode", 100.0, 1, None), ("d0", "decode", 105.0, 3, 2),
-            ("d0", "decode", 110.0, 5, 4), ("p0", "prefill", 100.0, 7, 0)]]
+    samples = [
+        {
+            "instance_id": i,
+            "role": role,
+            "t": t,
+            "interval_s": 5.0,
+            **dict.fromkeys(history.GAUGES, 0),
+            **dict.fromkeys(
+                (
+                    "blocks_stored",
+                    "blocks_evicted",
+                    "disk_stored",
+                    "disk_removed",
+                    "transfers_out",
+                    "bytes_in",
+                    "bytes_out",
+                ),
+                0,
+            ),
+            "queue_depth": q,
+            "transfers_in": n,
+        }
+        for i, role, t, q, n in [
+            ("d0", "decode", 100.0, 1, None),
+            ("d0", "decode", 105.0, 3, 2),
+            ("d0", "decode", 110.0, 5, 4),
+            ("p0", "prefill", 100.0, 7, 0),
+        ]
+    ]
     series = history.load_series(samples, 10.0)
     assert list(series) == ["p0", "d0"]  # prefill first
     assert series["d0"]["t"] == [100.0, 110.0]
@@ -346,25 +475,44 @@ def test_load_series_buckets_gauges_and_counts():
 
 
 def test_placement_reasons():
-    decision = {"policy": "kvcentric", "prefill_instance": "p1", "decode_instance": "d0",
-                "predicted_ttft_ms": 2400.0, "predicted_tbt_ms": 20.0, "rejected": None,
-                "candidates": [{"instance": "p0", "ttft_ms": 3300.0},
-                               {"instance": "p2", "ttft_ms": 1000.0},
-                               {"instance": "p1", "ttft_ms": 2400.0}, "junk"]}
+    decision = {
+        "policy": "kvcentric",
+        "prefill_instance": "p1",
+        "decode_instance": "d0",
+        "predicted_ttft_ms": 2400.0,
+        "predicted_tbt_ms": 20.0,
+        "rejected": None,
+        "candidates": [
+            {"instance": "p0", "ttft_ms": 3300.0},
+            {"instance": "p2", "ttft_ms": 1000.0},
+            {"instance": "p1", "ttft_ms": 2400.0},
+            "junk",
+        ],
+    }
     rows = history.candidates_table(decision)
     assert [(r["instance"], r["chosen"]) for r in rows] == [
-        ("p1", True), ("p2", False), ("p0", False)]
+        ("p1", True),
+        ("p2", False),
+        ("p0", False),
+    ]
     assert history.decision_summary(decision, {"ttft_ms": 2500.0}) == (
         "Placed by policy kvcentric on prefill p1, decode d0; predicted TTFT 2,400 ms, "
-        "measured 2,500 ms; predicted TBT 20.0 ms")
+        "measured 2,500 ms; predicted TBT 20.0 ms"
+    )
     assert history.decision_summary({"policy": "x", "rejected": "too slow"}, {}) == (
-        "Rejected by policy x: too slow")
+        "Rejected by policy x: too slow"
+    )
 
 
 def test_report_sections_are_defensive(tmp_path):
-    report = {"requests": 12, "ok": True, "name": "x", "ttft_ms": {"p50": 3.0, "p99": "n/a"},
-              "configs": {"global": {"ttft": 3.07}, "lb": {"ttft": 5.27}},
-              "runs": [{"policy": "lru", "hit": 0.37, "nested": {"a": 1, "b": [1]}}]}
+    report = {
+        "requests": 12,
+        "ok": True,
+        "name": "x",
+        "ttft_ms": {"p50": 3.0, "p99": "n/a"},
+        "configs": {"global": {"ttft": 3.07}, "lb": {"ttft": 5.27}},
+        "runs": [{"policy": "lru", "hit": 0.37, "nested": {"a": 1, "b": [1]}}],
+    }
     metrics, tables = queries.report_sections(report)
     assert metrics == {"requests": 12, "ttft_ms.p50": 3.0}
     assert tables["configs"] == [{"name": "global", "ttft": 3.07}, {"name": "lb", "ttft": 5.27}]
@@ -406,10 +554,14 @@ def test_snapshot_reads_load_history_and_cache_contents(seeded_url):
     hot = [(b["block"], b["hits"], b["replicas"], b["instances"]) for b in snap.hot_blocks]
     assert hot == [(f"{H1:016x}", 3, 4, 3), (f"{H2:016x}", 3, 2, 2), (f"{H3:016x}", 2, 1, 1)]
     assert snap.hot_blocks[0]["holders"] == (
-        "decode-0/dram, prefill-0/dram, prefill-1/disk, prefill-1/dram")
+        "decode-0/dram, prefill-0/dram, prefill-1/disk, prefill-1/dram"
+    )
     assert {(r["instance"], r["tier"]): r["blocks"] for r in snap.kv_tiers} == {
-        ("decode-0", "dram"): 2, ("prefill-0", "dram"): 3, ("prefill-1", "dram"): 1,
-        ("prefill-1", "disk"): 1}  # H4 was removed
+        ("decode-0", "dram"): 2,
+        ("prefill-0", "dram"): 3,
+        ("prefill-1", "dram"): 1,
+        ("prefill-1", "disk"): 1,
+    }  # H4 was removed
     decision = queries.load_decision(seeded_url, "r3")
     assert (decision["prefill_instance"], decision["predicted_ttft_ms"]) == ("prefill-1", 2400.0)
     assert [c["instance"] for c in decision["candidates"]] == ["prefill-0", "prefill-1"]
@@ -417,20 +569,42 @@ def test_snapshot_reads_load_history_and_cache_contents(seeded_url):
 
 
 def test_pool_rows_from_live_and_sql():
-    state = {"instances": [
-        {"instance_id": "p0", "role": "prefill", "status": "ready", "heartbeat_age_s": 0.4,
-         "queue_depth": 3, "running": 1, "kv_tokens_used": 64, "kv_blocks_gpu": 7, "pid": 1},
-        {"instance_id": "d0", "role": "decode", "status": "ready", "heartbeat_age_s": 9.0},
-        {"instance_id": "g", "role": "gateway"}, "junk"]}
+    state = {
+        "instances": [
+            {
+                "instance_id": "p0",
+                "role": "prefill",
+                "status": "ready",
+                "heartbeat_age_s": 0.4,
+                "queue_depth": 3,
+                "running": 1,
+                "kv_tokens_used": 64,
+                "kv_blocks_gpu": 7,
+                "pid": 1,
+            },
+            {"instance_id": "d0", "role": "decode", "status": "ready", "heartbeat_age_s": 9.0},
+            {"instance_id": "g", "role": "gateway"},
+            "junk",
+        ]
+    }
     rows = live.pool_from_live(state)
     assert [(r["instance"], r["health"]) for r in rows] == [("p0", "alive"), ("d0", "DEAD")]
     assert rows[0]["kv_blocks_gpu"] == 7 and "pid" not in rows[0]
-    sql = [{"id": "d1", "role": "decode", "status": "dead", "last_heartbeat": NOW, "info": {}},
-           {"id": "p1", "role": "prefill", "status": "ready", "last_heartbeat": NOW - 1,
-            "info": {"queue_depth": 2}}]
+    sql = [
+        {"id": "d1", "role": "decode", "status": "dead", "last_heartbeat": NOW, "info": {}},
+        {
+            "id": "p1",
+            "role": "prefill",
+            "status": "ready",
+            "last_heartbeat": NOW - 1,
+            "info": {"queue_depth": 2},
+        },
+    ]
     rows = live.pool_from_sql(sql, NOW)
     assert [(r["instance"], r["health"], r["queue_depth"]) for r in rows] == [
-        ("p1", "alive", 2), ("d1", "DEAD", 0)]
+        ("p1", "alive", 2),
+        ("d1", "DEAD", 0),
+    ]
     with pytest.raises(live.ClusterUnavailable):
         live.fetch_state(UNREACHABLE_GATEWAY, timeout_s=1.0)
 
@@ -439,23 +613,37 @@ def test_charts_carry_the_data():
     series = queries.status_series([r for r in ROWS if r["id"] != "old"], 3600.0)
     fig = charts.requests_by_status(series, 3600.0)
     assert {t.name: sum(t.y) for t in fig.data} == {"completed": 3, "failed": 1, "rejected": 1}
-    pool = live.pool_from_sql([{"id": "d1", "role": "decode", "status": "dead",
-                                "last_heartbeat": NOW, "info": {"running": 2}}], NOW)
+    pool = live.pool_from_sql(
+        [
+            {
+                "id": "d1",
+                "role": "decode",
+                "status": "dead",
+                "last_heartbeat": NOW,
+                "info": {"running": 2},
+            }
+        ],
+        NOW,
+    )
     fig = charts.pool_load(pool)
     assert list(fig.data[1].x) == ["d1 (DEAD)"] and list(fig.data[1].y) == [2]
     fig = charts.hit_rate_over_time(queries.hit_rate_series(ROWS, 1e10))
     assert fig.data[0].name == "cluster" and fig.data[0].y[0] == pytest.approx(100 * ALL_HIT)
     fig = charts.request_timeline(queries.request_timeline(ROWS[0]), "r1")
-    assert [(b.base[0], b.x[0]) for b in fig.data] == [(0.0, pytest.approx(100.0)),
-                                                     (pytest.approx(100.0), pytest.approx(500.0))]
+    assert [(b.base[0], b.x[0]) for b in fig.data] == [
+        (0.0, pytest.approx(100.0)),
+        (pytest.approx(100.0), pytest.approx(500.0)),
+    ]
 
 
 def test_app_overview_from_sql(app_env):
     at = _run_app()
     assert [t.label for t in at.tabs] == ["Overview", "Pools", "KV cache", "Requests", "Benchmarks"]
     assert not at.error
-    assert any(w.value.startswith(f"Cluster unreachable at {UNREACHABLE_GATEWAY}/admin/state")
-               for w in at.warning)
+    assert any(
+        w.value.startswith(f"Cluster unreachable at {UNREACHABLE_GATEWAY}/admin/state")
+        for w in at.warning
+    )
     m = _metrics(_tab(at, "Overview"))
     assert (m["Requests"], m["Failed"], m["TTFT p50"]) == ("5", "1", "300 ms")
     assert m["E2E p50"] == "700 ms"
@@ -463,7 +651,10 @@ def test_app_overview_from_sql(app_env):
     assert m["KV hit rate"] == f"{100 * HOUR_HIT:.1f}%"
     status = _figure(_tab(at, "Overview"), 0)
     assert {d["name"]: sum(d["y"]) for d in status["data"]} == {
-        "completed": 3, "failed": 1, "rejected": 1}
+        "completed": 3,
+        "failed": 1,
+        "rejected": 1,
+    }
     ttft = _figure(_tab(at, "Overview"), 1)
     assert [d["name"] for d in ttft["data"]] == ["TTFT p50", "TTFT p99"]
     # 60 s buckets: r1..r3 (at -100, -90, -80 s) share one, or r3 shares with r2, or is alone.
@@ -494,15 +685,26 @@ def test_app_pools_mark_the_dead_instance(app_env):
 def test_app_pools_load_history(app_env):
     at = _run_app()
     figs = _figures(_tab(at, "Pools"))
-    assert set(figs) == {"Load per instance", "Queue depth over time", "Running batch over time",
-                         "KV blocks over time, DRAM tier", "KV blocks over time, disk tier"}
+    assert set(figs) == {
+        "Load per instance",
+        "Queue depth over time",
+        "Running batch over time",
+        "KV blocks over time, DRAM tier",
+        "KV blocks over time, disk tier",
+    }
     queue = _traces(figs["Queue depth over time"])
     assert list(queue) == ["prefill-0", "prefill-1", "decode-0"]  # prefill first, by name
     assert {i: set(v) for i, v in queue.items()} == {
-        "prefill-0": {2}, "prefill-1": {0}, "decode-0": {0}}  # bucket means of constants
+        "prefill-0": {2},
+        "prefill-1": {0},
+        "decode-0": {0},
+    }  # bucket means of constants
     running = _traces(figs["Running batch over time"])
     assert {i: set(v) for i, v in running.items()} == {
-        "prefill-0": {1}, "prefill-1": {3}, "decode-0": {4}}
+        "prefill-0": {1},
+        "prefill-1": {3},
+        "decode-0": {4},
+    }
     dram = _traces(figs["KV blocks over time, DRAM tier"])
     assert (set(dram["decode-0 used"]), set(dram["decode-0 free"])) == ({150}, {50})
     assert (set(dram["prefill-0 used"]), set(dram["prefill-1 used"])) == ({40}, {10})
@@ -511,8 +713,11 @@ def test_app_pools_load_history(app_env):
     # Five minutes: 5 s buckets, so every sample is a point of its own.
     at.sidebar.selectbox(key="window").select("last 5 min").run()
     queue = _traces(_figures(_tab(at, "Pools"))["Queue depth over time"])
-    assert {i: len(v) for i, v in queue.items()} == {"prefill-0": 11, "prefill-1": 5,
-                                                     "decode-0": 11}
+    assert {i: len(v) for i, v in queue.items()} == {
+        "prefill-0": 11,
+        "prefill-1": 5,
+        "decode-0": 11,
+    }
 
 
 def test_app_kv_cache_page(app_env):
@@ -521,7 +726,8 @@ def test_app_kv_cache_page(app_env):
     assert {k: v for k, v in m.items() if "hit rate" in k} == {
         "Cluster hit rate": f"{100 * HOUR_HIT:.1f}%",
         "prefill-0 hit rate": f"{100 * 512 / 2000:.1f}%",
-        "prefill-1 hit rate": f"{100 * 1536 / 2048:.1f}%"}
+        "prefill-1 hit rate": f"{100 * 1536 / 2048:.1f}%",
+    }
     lines = {d["name"]: [y for y in d["y"] if y is not None] for d in _figure(kv)["data"]}
     assert set(lines) == {"cluster", "prefill-0", "prefill-1"}  # token-weighted, in percent
     assert sum(lines["prefill-1"]) / len(lines["prefill-1"]) == pytest.approx(75.0)
@@ -529,15 +735,24 @@ def test_app_kv_cache_page(app_env):
     hot = kv.dataframe[0].value
     assert list(hot["block"]) == [f"{H1:016x}", f"{H2:016x}", f"{H3:016x}"]
     assert (list(hot["hits"]), list(hot["replicas"]), list(hot["instances"])) == (
-        [3, 3, 2], [4, 2, 1], [3, 2, 1])
+        [3, 3, 2],
+        [4, 2, 1],
+        [3, 2, 1],
+    )
     figs = _figures(kv)
     tiers = figs["Cached KV blocks per instance and tier"]["data"]
     assert {d["name"]: dict(zip(d["x"], d["y"])) for d in tiers} == {
         "disk": {"decode-0": 0, "prefill-0": 0, "prefill-1": 1},
-        "dram": {"decode-0": 2, "prefill-0": 3, "prefill-1": 1}}
+        "dram": {"decode-0": 2, "prefill-0": 3, "prefill-1": 1},
+    }
     # Evictions and transfers over the window, as the heartbeats counted them.
-    assert (m["Blocks stored"], m["Blocks evicted"], m["Transfers in"], m["Transfers out"],
-            m["MiB transferred"]) == ("110", "20", "10", "10", "10.0")
+    assert (
+        m["Blocks stored"],
+        m["Blocks evicted"],
+        m["Transfers in"],
+        m["Transfers out"],
+        m["MiB transferred"],
+    ) == ("110", "20", "10", "10", "10.0")
     churn = _traces(figs["KV blocks stored and evicted per 60 s"])
     assert (sum(churn["prefill-0 stored"]), sum(churn["prefill-0 evicted"])) == (100, 20)
     assert (sum(churn["prefill-1 stored"]), sum(churn["prefill-1 to disk"])) == (10, 5)
@@ -557,25 +772,33 @@ def test_app_requests_filter_and_timeline(app_env):
     at.run()
     assert list(_tab(at, "Requests").dataframe[0].value["id"]) == ["r4", "r3"]
     at.selectbox(key="req_id").select("r4").run()
-    assert any(i.value == "The conductor recorded no decision for this request."
-               for i in _tab(at, "Requests").info)
+    assert any(
+        i.value == "The conductor recorded no decision for this request."
+        for i in _tab(at, "Requests").info
+    )
     at.selectbox(key="req_id").select("r3").run()
     req = _tab(at, "Requests")
     bars = _figures(req)["Timeline of r3"]["data"]
     assert [(b["name"], round(b["base"][0]), round(b["x"][0])) for b in bars] == [
-        ("placement (conductor)", 0, 200), ("prefill queue + prefill", 200, 2300),
-        ("KV transfer + decode admission", 2500, 100), ("decode", 2600, 300)]
+        ("placement (conductor)", 0, 200),
+        ("prefill queue + prefill", 200, 2300),
+        ("KV transfer + decode admission", 2500, 100),
+        ("decode", 2600, 300),
+    ]
     assert [m.value for m in req.markdown if m.value.startswith("**Placement.**")] == [
         "**Placement.** Placed by policy kvcentric on prefill prefill-1, decode decode-0; "
-        "predicted TTFT 2,400 ms, measured 2,500 ms; predicted TBT 20.0 ms"]
+        "predicted TTFT 2,400 ms, measured 2,500 ms; predicted TBT 20.0 ms"
+    ]
     candidates = req.dataframe[1].value
     assert list(candidates["instance"]) == ["prefill-1", "prefill-0"]
     assert list(candidates["chosen"]) == [True, False]
     assert list(candidates["prefix_blocks"]) == [96, 0]
     costs = _figures(req)["Predicted TTFT per candidate for r3"]["data"]
-    assert {d["name"]: d["x"] for d in costs} == {"prefix transfer": [0.0, 0.0],
-                                                  "queue": [400.0, 1500.0],
-                                                  "prefill": [2000.0, 1800.0]}
+    assert {d["name"]: d["x"] for d in costs} == {
+        "prefix transfer": [0.0, 0.0],
+        "queue": [400.0, 1500.0],
+        "prefill": [2000.0, 1800.0],
+    }
 
 
 def test_app_requests_rejection_reason(app_env):
@@ -583,15 +806,25 @@ def test_app_requests_rejection_reason(app_env):
     at.selectbox(key="req_id").select("r5").run()
     req = _tab(at, "Requests")
     assert [m.value for m in req.markdown if m.value.startswith("**Placement.**")] == [
-        "**Placement.** Rejected by policy kvcentric: TTFT SLO cannot be met"]
+        "**Placement.** Rejected by policy kvcentric: TTFT SLO cannot be met"
+    ]
     assert [b["name"] for b in _figures(req)["Timeline of r5"]["data"]] == ["arrival → rejected"]
 
 
 def test_app_benchmarks_page(app_env, tmp_path):
     report = tmp_path / "report.json"
-    report.write_text(json.dumps({"requests": 120, "ttft_ms": {"mean": 3070.0},
-                                  "configs": [{"policy": "global", "ttft_s": 3.07},
-                                              {"policy": "load-balance", "ttft_s": 5.27}]}))
+    report.write_text(
+        json.dumps(
+            {
+                "requests": 120,
+                "ttft_ms": {"mean": 3070.0},
+                "configs": [
+                    {"policy": "global", "ttft_s": 3.07},
+                    {"policy": "load-balance", "ttft_s": 5.27},
+                ],
+            }
+        )
+    )
     at = _run_app()
     assert any("Enter the path" in i.value for i in _tab(at, "Benchmarks").info)
     at.text_input(key="report_path").input(str(report)).run()
@@ -634,10 +867,27 @@ class _Admin(BaseHTTPRequestHandler):
 @pytest.fixture
 def fake_gateway():
     live_info = {"status": "ready", "queue_depth": 1, "running": 2, "kv_tokens_used": 64}
-    _Admin.state = {"gateway": "gw-1", "uptime_s": 5.0, "in_flight": 2, "instances": [
-        {**live_info, "instance_id": "prefill-9", "role": "prefill", "heartbeat_age_s": 0.2,
-         "kv_blocks_gpu": 12}, {**live_info, "instance_id": "decode-9", "role": "decode",
-                                "heartbeat_age_s": 7.5, "queue_depth": 3}]}
+    _Admin.state = {
+        "gateway": "gw-1",
+        "uptime_s": 5.0,
+        "in_flight": 2,
+        "instances": [
+            {
+                **live_info,
+                "instance_id": "prefill-9",
+                "role": "prefill",
+                "heartbeat_age_s": 0.2,
+                "kv_blocks_gpu": 12,
+            },
+            {
+                **live_info,
+                "instance_id": "decode-9",
+                "role": "decode",
+                "heartbeat_age_s": 7.5,
+                "queue_depth": 3,
+            },
+        ],
+    }
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Admin)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -661,12 +911,17 @@ def test_app_pools_from_the_live_gateway(app_env, monkeypatch, fake_gateway):
 def test_serve_command_and_env(monkeypatch):
     monkeypatch.setenv("HALFMOON_CONSOLE_PORT", "8600")
     args, extra = serve.build_parser().parse_known_args(
-        ["--host", "0.0.0.0", "--gateway-url", "http://gw:8000", "--theme.base", "dark"])
+        ["--host", "0.0.0.0", "--gateway-url", "http://gw:8000", "--theme.base", "dark"]
+    )
     cmd = serve.command(args.host, args.port, extra)
     assert cmd[:4] == [sys.executable, "-m", "streamlit", "run"] and cmd[4].endswith("app.py")
     assert dict(zip(cmd[5::2], cmd[6::2])) == {
-        "--server.headless": "true", "--server.port": "8600", "--server.address": "0.0.0.0",
-        "--browser.gatherUsageStats": "false", "--theme.base": "dark"}
+        "--server.headless": "true",
+        "--server.port": "8600",
+        "--server.address": "0.0.0.0",
+        "--browser.gatherUsageStats": "false",
+        "--theme.base": "dark",
+    }
     assert serve.child_env(args)["HALFMOON_GATEWAY_URL"] == "http://gw:8000"
 
 
@@ -676,9 +931,14 @@ def test_serve_runs_streamlit_and_forwards_sigterm(seeded_url, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), HALFMOON_DATABASE_URL=seeded_url)
     log = tmp_path / "serve.log"
     with log.open("w") as out:  # its own session, so cleanup can reach the streamlit child
-        proc = subprocess.Popen([sys.executable, "-m", "console.serve", "--port", str(port)],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "console.serve", "--port", str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.time() + 60
         while True:

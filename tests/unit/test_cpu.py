@@ -10,8 +10,9 @@ import pytest
 
 from shared.engine import cpu
 
-ZEN5 = frozenset("fma avx f16c avx2 avx512f avx512bw avx512vl avx512dq avx512_bf16 "
-                 "avx512_vnni".split())
+ZEN5 = frozenset(
+    "fma avx f16c avx2 avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni".split()
+)
 EPYC_AVX2 = frozenset("fma avx f16c avx2".split())
 SPR = ZEN5 | {"amx_bf16", "amx_tile", "amx_int8", "avx_vnni", "avx512_fp16"}
 
@@ -59,12 +60,22 @@ def test_unknown_cap_is_refused(monkeypatch):
 
 def test_the_cap_reaches_aten_before_torch_loads():
     """Importing the engine package sets ATen's cap, so torch dispatches AVX2 kernels."""
-    code = ("import shared.engine, torch; from shared.engine import cpu; "
-            "print(torch.backends.cpu.get_cpu_capability(), cpu.resolve_dtype('auto')[0])")
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY",
-                                                             "ONEDNN_MAX_CPU_ISA")}
-    out = subprocess.run([sys.executable, "-c", code], env={**env, cpu.ISA_ENV: "avx2"},
-                         capture_output=True, text=True, check=True).stdout.split()
+    code = (
+        "import shared.engine, torch; from shared.engine import cpu; "
+        "print(torch.backends.cpu.get_cpu_capability(), cpu.resolve_dtype('auto')[0])"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, cpu.ISA_ENV: "avx2"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert out[1] == "float32"
     if "avx2" in cpu._read_cpuinfo()[1]:
         assert out[0] == "AVX2"

@@ -5,7 +5,9 @@ from shared.engine.disk_tier import DiskTier
 
 def block(seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 3, 4, generator=g).bfloat16(), torch.randn(2, 3, 4, generator=g).bfloat16()
+    return torch.randn(2, 3, 4, generator=g).bfloat16(), torch.randn(
+        2, 3, 4, generator=g
+    ).bfloat16()
 
 
 def test_round_trip_and_lru_by_bytes(tmp_path):

@@ -19,9 +19,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.engine.llm_engine import EngineConfig, LLMEngine
+from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.hashing import block_hashes
-from shared.engine.params import SamplingParams
 
 BLOCK = 16
 PREFIX_BLOCKS = 4
@@ -29,12 +29,20 @@ PREFIX_BLOCKS = 4
 
 def tiny_model() -> LoadedModel:
     # Big blocks (8 layers x 8 KV heads x 64 dims) make each copy long enough to race.
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=8, head_dim=64,
-                      max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
-    return LoadedModel("tiny", LlamaForCausalLM(cfg).eval(), None, torch.float32, "cpu", 512,
-                       frozenset())
+    return LoadedModel(
+        "tiny", LlamaForCausalLM(cfg).eval(), None, torch.float32, "cpu", 512, frozenset()
+    )
 
 
 def value_of(block_hash: int) -> float:
@@ -50,9 +58,17 @@ def export_for(engine: LLMEngine, tokens: list[int]) -> KVExport:
     for j, h in enumerate(hashes):
         k[:, j] = value_of(h)
         v[:, j] = -value_of(h)
-    meta = KVMeta(model="tiny", dtype="float32", num_layers=s.num_layers,
-                  num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, block_size=s.block_size,
-                  num_tokens=len(tokens), num_blocks=len(hashes), block_hashes=hashes)
+    meta = KVMeta(
+        model="tiny",
+        dtype="float32",
+        num_layers=s.num_layers,
+        num_kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        block_size=s.block_size,
+        num_tokens=len(tokens),
+        num_blocks=len(hashes),
+        block_hashes=hashes,
+    )
     return KVExport(meta, torch.cat([k.reshape(-1), v.reshape(-1)]))
 
 
@@ -71,8 +87,15 @@ def wrong_blocks(engine: LLMEngine, export: KVExport) -> int:
 def test_exports_never_copy_a_block_being_overwritten():
     lm = tiny_model()
     # 48 blocks for 40 prefixes of 4: imports evict all the time.
-    engine = LLMEngine(lm, EngineConfig(block_size=BLOCK, hot_hits=0, max_num_batched_tokens=64,
-                                        kv_cache_bytes=48 * lm.num_layers * 2 * 8 * 64 * BLOCK * 4))
+    engine = LLMEngine(
+        lm,
+        EngineConfig(
+            block_size=BLOCK,
+            hot_hits=0,
+            max_num_batched_tokens=64,
+            kv_cache_bytes=48 * lm.num_layers * 2 * 8 * 64 * BLOCK * 4,
+        ),
+    )
     rng = random.Random(1)
     prefixes = [[rng.randrange(1, 512) for _ in range(PREFIX_BLOCKS * BLOCK)] for _ in range(40)]
     exports = [export_for(engine, p) for p in prefixes]
@@ -97,8 +120,11 @@ def test_exports_never_copy_a_block_being_overwritten():
             i = rng.randrange(len(prefixes))
             engine.import_prefix(prefixes[i], exports[i])
             if n % 7 == 0:  # a request that allocates, steps and frees beside the imports
-                engine.add_request(f"r{n}", [rng.randrange(1, 512) for _ in range(40)],
-                                   SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+                engine.add_request(
+                    f"r{n}",
+                    [rng.randrange(1, 512) for _ in range(40)],
+                    SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                )
                 while engine.has_work():
                     engine.step()
             n += 1

@@ -10,10 +10,16 @@ from services.up import restart_delay
 from shared.messages import InstanceInfo, Role
 
 
-def info(iid: str, role: Role = Role.DECODE, started_at: float = 1.0, load: int = 0,
-         status: str = "ready") -> InstanceInfo:
-    return InstanceInfo(instance_id=iid, role=role, started_at=started_at, running=load,
-                        status=status)
+def info(
+    iid: str,
+    role: Role = Role.DECODE,
+    started_at: float = 1.0,
+    load: int = 0,
+    status: str = "ready",
+) -> InstanceInfo:
+    return InstanceInfo(
+        instance_id=iid, role=role, started_at=started_at, running=load, status=status
+    )
 
 
 def test_silence_is_death_only_while_others_are_heard():
@@ -66,13 +72,19 @@ def test_who_must_be_alive_for_the_next_event():
 
 def test_restart_backoff_doubles_and_is_capped():
     assert [restart_delay(n, 1.0, 30.0) for n in (1, 2, 3, 4, 5, 6, 7)] == [
-        1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+        1.0,
+        2.0,
+        4.0,
+        8.0,
+        16.0,
+        30.0,
+        30.0,
+    ]
     assert restart_delay(0, 0.5, 30.0) == 0.5
 
 
 def test_chaos_outcomes():
-    done = Result(terminal=True, finish_reason="length", completion_tokens=8,
-                  chunk_times=[0.1] * 8)
+    done = Result(terminal=True, finish_reason="length", completion_tokens=8, chunk_times=[0.1] * 8)
     assert outcome(done, 8) == "completed"
     assert outcome(Result(terminal=True, error="503"), 8) == "error"
     assert outcome(Result(terminal=False, error="TimeoutError"), 8) == "hung"
@@ -80,6 +92,5 @@ def test_chaos_outcomes():
     assert outcome(Result(terminal=True), 8) == "hung"  # [DONE] but never a finish
     short = Result(terminal=True, finish_reason="length", completion_tokens=7)
     assert outcome(short, 8) == "inconsistent"
-    dup = Result(terminal=True, finish_reason="length", completion_tokens=8,
-                 chunk_times=[0.1] * 9)
+    dup = Result(terminal=True, finish_reason="length", completion_tokens=8, chunk_times=[0.1] * 9)
     assert outcome(dup, 8) == "inconsistent"

@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 
-from shared.engine.logits import RowContext
-from shared.engine.sampling import sample
-from shared.engine.params import SamplingParams
 from services.gateway.protocol import parse_request
+from shared.engine.logits import RowContext
+from shared.engine.params import SamplingParams
+from shared.engine.sampling import sample
 
 
 def test_tiny_temperatures_sample_greedily_instead_of_failing():
@@ -19,8 +19,9 @@ def test_tiny_temperatures_sample_greedily_instead_of_failing():
     # engine step failed (a 500 in the stream of every request in the batch).
     logits = torch.randn(1, 4096, generator=torch.Generator().manual_seed(0)) * 5
     best = int(torch.argmax(logits))
-    for t, k, p, seed in itertools.product([1e-6, 1e-38, 1e-45, 5e-324], [0, 2, 10**9],
-                                           [1.0, 0.5, 5e-324], [None, 7]):
+    for t, k, p, seed in itertools.product(
+        [1e-6, 1e-38, 1e-45, 5e-324], [0, 2, 10**9], [1.0, 0.5, 5e-324], [None, 7]
+    ):
         params = SamplingParams(temperature=t, top_k=k, top_p=p, seed=seed)
         assert sample(logits, [RowContext(params, 0)]).tokens == [best]
 

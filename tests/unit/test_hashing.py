@@ -1,5 +1,11 @@
-from shared.hashing import (block_hashes, common_prefix_blocks, from_signed, hash_block,
-                            root_hash, to_signed)
+from shared.hashing import (
+    block_hashes,
+    common_prefix_blocks,
+    from_signed,
+    hash_block,
+    root_hash,
+    to_signed,
+)
 
 
 def test_only_full_blocks_are_hashed():
@@ -26,8 +32,10 @@ def test_hash_is_the_chained_definition():
 
 def test_salt_isolates_tenants():
     tokens = list(range(32))
-    assert common_prefix_blocks(block_hashes(tokens, 16, salt="a"),
-                                block_hashes(tokens, 16, salt="b")) == 0
+    assert (
+        common_prefix_blocks(block_hashes(tokens, 16, salt="a"), block_hashes(tokens, 16, salt="b"))
+        == 0
+    )
     assert block_hashes(tokens, 16, salt="a") == block_hashes(tokens, 16, salt="a")
 
 

@@ -27,7 +27,7 @@ def test_dense_linear_matches_torch(dtype, rows):
     w, b = rand(192, 128, dtype=dtype), rand(192, seed=1)
     x = rand(rows, 128, dtype=dtype, seed=2)
     got = DenseLinear(w, b.to(dtype))(x).float()
-    ref = (x.float() @ w.float().t() + b.to(dtype).float())
+    ref = x.float() @ w.float().t() + b.to(dtype).float()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
@@ -85,14 +85,14 @@ def test_rope_kv_write_rotates_and_writes_slots():
     fused.rope_kv_write(qkv, cos, sin, positions, hq, hk, d, blocks, offsets, k_cache, v_cache)
 
     def rot(x, p):
-        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
         return x * cos[p] + torch.cat([-x2, x1], -1) * sin[p]
 
     for r, p in enumerate(positions.tolist()):
-        q = ref[r, :hq * d].view(hq, d)
-        k = ref[r, hq * d:(hq + hk) * d].view(hk, d)
-        v = ref[r, (hq + hk) * d:].view(hk, d)
-        assert torch.allclose(qkv[r, :hq * d].view(hq, d), rot(q, p), atol=1e-6)
+        q = ref[r, : hq * d].view(hq, d)
+        k = ref[r, hq * d : (hq + hk) * d].view(hk, d)
+        v = ref[r, (hq + hk) * d :].view(hk, d)
+        assert torch.allclose(qkv[r, : hq * d].view(hq, d), rot(q, p), atol=1e-6)
         assert torch.allclose(k_cache[blocks[r], :, :, offsets[r]], rot(k, p), atol=1e-6)
         assert torch.equal(v_cache[blocks[r], :, offsets[r], :], v)
 
@@ -103,21 +103,28 @@ def test_paged_attention_matches_sdpa(dtype, seqs, ctx):
     """One query per sequence against its scattered blocks; with one or two sequences and a
     long context the kernel splits the context over threads and merges the parts."""
     hq, hk, d, bs, nblocks = 9, 3, 64, 16, 200
-    k_cache, v_cache = rand(nblocks, hk, d, bs, dtype=dtype, seed=9), rand(nblocks, hk, bs, d, dtype=dtype, seed=10)
+    k_cache, v_cache = (
+        rand(nblocks, hk, d, bs, dtype=dtype, seed=9),
+        rand(nblocks, hk, bs, d, dtype=dtype, seed=10),
+    )
     lens = [ctx - 7 * s if ctx - 7 * s > 0 else ctx for s in range(seqs)]
     width = -(-max(lens) // bs)
     gen = torch.Generator().manual_seed(11)
-    tables = torch.stack([torch.randperm(nblocks, generator=gen)[:width] for _ in range(seqs)]).int()
+    tables = torch.stack(
+        [torch.randperm(nblocks, generator=gen)[:width] for _ in range(seqs)]
+    ).int()
     q = rand(seqs, (hq + 2 * hk) * d, dtype=dtype, seed=12)  # rows of a qkv buffer
     out = torch.empty(seqs, hq * d, dtype=dtype)
-    kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
-                                   d ** -0.5, out)
+    kernels.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), d**-0.5, out
+    )
     for s, n in enumerate(lens):
-        ids = tables[s, :-(-n // bs)].long()
+        ids = tables[s, : -(-n // bs)].long()
         k = k_cache[ids].permute(1, 0, 3, 2).reshape(hk, -1, d)[:, :n].float()
         v = v_cache[ids].permute(1, 0, 2, 3).reshape(hk, -1, d)[:, :n].float()
-        qs = q[s, :hq * d].float().view(hq, 1, d)
-        ref = F.scaled_dot_product_attention(qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                             enable_gqa=True)[0].reshape(hq * d)
+        qs = q[s, : hq * d].float().view(hq, 1, d)
+        ref = F.scaled_dot_product_attention(
+            qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), enable_gqa=True
+        )[0].reshape(hq * d)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert torch.allclose(out[s].float(), ref, atol=tol, rtol=tol), (s, n)

@@ -10,12 +10,12 @@ import time
 import pytest
 from sqlalchemy import inspect, text
 
-from shared.db import session as db
 from services.gateway import keys
 from services.gateway.args import GatewaySettings, parse_args
 from services.gateway.auth import area_of
 from services.gateway.keys import ApiKey, KeyStore
 from services.gateway.ratelimit import KeyLimiter
+from shared.db import session as db
 
 
 def test_secrets_are_random_and_hashed_with_sha256():
@@ -49,9 +49,18 @@ def test_keys_are_off_by_default_and_on_when_any_key_is_given():
 
 
 def test_routes_fall_in_areas():
-    assert [area_of(p) for p in ("/v1/chat/completions", "/v1/models", "/admin/kv",
-                                 "/admin/requests/x", "/health", "/openapi.json", "/v1x")] == \
-        ["api", "api", "admin", "admin", "public", "public", "public"]
+    assert [
+        area_of(p)
+        for p in (
+            "/v1/chat/completions",
+            "/v1/models",
+            "/admin/kv",
+            "/admin/requests/x",
+            "/health",
+            "/openapi.json",
+            "/v1x",
+        )
+    ] == ["api", "api", "admin", "admin", "public", "public", "public"]
 
 
 async def test_sql_store_keeps_only_digests_and_honours_revocation(db_url):

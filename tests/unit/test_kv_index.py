@@ -64,7 +64,9 @@ def test_removed_updates_match_and_accounting(index: KVIndex) -> None:
     assert index.match(CHAIN).per_instance[I("a")] == 6  # disk still holds block 2
     assert index.usage("a", "dram").nbytes == 300
     assert index.replicas(CHAIN[2]) == [
-        Replica(I("a"), "disk"), Replica(I("c"), "disk"), Replica(I("d"), "dram")
+        Replica(I("a"), "disk"),
+        Replica(I("c"), "disk"),
+        Replica(I("d"), "dram"),
     ]
     index.check_invariants()
 
@@ -135,7 +137,9 @@ def test_broken_invariant_is_detected(index: KVIndex) -> None:
         index.check_invariants()
 
 
-def _naive_match(held: dict[tuple[str, str], set[int]], chain: list[int]) -> dict[str, dict[str, int]]:
+def _naive_match(
+    held: dict[tuple[str, str], set[int]], chain: list[int]
+) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for (inst, tier), blocks in held.items():
         n = 0

@@ -7,22 +7,24 @@ from pathlib import Path
 
 import pytest
 
-from shared import errors
 from services.gateway.prompt import PromptBuilder
 from services.gateway.protocol import parse_request
+from shared import errors
 
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def builder(model_dir: Path) -> PromptBuilder:
-    return PromptBuilder(model_dir, "m", 8, max_messages=4, max_prompt_tokens=64,
-                         max_output_tokens=16)
+    return PromptBuilder(
+        model_dir, "m", 8, max_messages=4, max_prompt_tokens=64, max_output_tokens=16
+    )
 
 
 def chat(*contents: str, **extra):
-    return parse_request({"model": "m", "messages": [{"role": "user", "content": c}
-                                                     for c in contents], **extra})
+    return parse_request(
+        {"model": "m", "messages": [{"role": "user", "content": c} for c in contents], **extra}
+    )
 
 
 def refused(builder: PromptBuilder, request) -> errors.HalfmoonError:
@@ -75,10 +77,11 @@ def test_huge_text_is_refused_without_tokenizing_it(builder, monkeypatch):
     errs: list[errors.HalfmoonError] = []
     took = fastest(lambda: errs.append(refused(builder, request)))
     assert calls == [] and {e.code for e in errs} == {"context_length_exceeded"}
-    hundredth = [{"role": "user", "content": text[:len(text) // 100]}]
+    hundredth = [{"role": "user", "content": text[: len(text) // 100]}]
     baseline = fastest(lambda: tokenize(hundredth))
-    assert took < baseline, f"refusal {took * 1e3:.2f} ms, a hundredth tokenized " \
-                            f"{baseline * 1e3:.2f} ms"
+    assert took < baseline, (
+        f"refusal {took * 1e3:.2f} ms, a hundredth tokenized {baseline * 1e3:.2f} ms"
+    )
 
 
 def test_the_length_check_never_refuses_what_would_fit(builder):

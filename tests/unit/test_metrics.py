@@ -15,8 +15,18 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.messages import (FinishReason, InstanceInfo, KVEvent, KVEventKind, KVMatchReply,
-                             KVMatchRequest, Role, SamplingParams, TokenEvent, Usage)
+from shared.messages import (
+    FinishReason,
+    InstanceInfo,
+    KVEvent,
+    KVEventKind,
+    KVMatchReply,
+    KVMatchRequest,
+    Role,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+)
 from shared.metrics import exposition, new_registry, start_metrics_server
 from shared.settings import parse_settings
 from tests.conftest import free_port
@@ -72,8 +82,13 @@ def test_metrics_port_is_a_setting_of_every_service(monkeypatch):
     from services.kvmanager.args import KVManagerSettings
     from services.prefill.args import PrefillSettings
 
-    for cls in (ConductorSettings, DecodeSettings, GatewaySettings, KVManagerSettings,
-                PrefillSettings):
+    for cls in (
+        ConductorSettings,
+        DecodeSettings,
+        GatewaySettings,
+        KVManagerSettings,
+        PrefillSettings,
+    ):
         assert parse_settings(cls, [], "x").metrics_port == 0  # off unless asked
     monkeypatch.setenv("HALFMOON_METRICS_PORT", "9123")
     assert parse_settings(KVManagerSettings, [], "x").metrics_port == 9123
@@ -93,10 +108,14 @@ def test_registries_are_per_object_never_global():
 
 
 def _event(index: int, token: int, final: bool = False) -> TokenEvent:
-    return TokenEvent(request_id="r", index=index, token_ids=[token], text="x",
-                      finish_reason=FinishReason.LENGTH if final else None,
-                      usage=Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=32)
-                      if final else None)
+    return TokenEvent(
+        request_id="r",
+        index=index,
+        token_ids=[token],
+        text="x",
+        finish_reason=FinishReason.LENGTH if final else None,
+        usage=Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=32) if final else None,
+    )
 
 
 def test_gateway_request_life_feeds_latencies_and_counts():
@@ -167,10 +186,22 @@ async def test_kvmanager_metrics_read_the_index_and_match_totals():
 
     manager = KVManager()
     m = KVManagerMetrics(manager)
-    manager.apply(KVEvent(kind=KVEventKind.STORED, instance_id="p0", block_hashes=[1, 2, 3],
-                          block_nbytes=100), time.time())
-    manager.apply(KVEvent(kind=KVEventKind.STORED, instance_id="p0", tier="disk",
-                          block_hashes=[9], block_nbytes=100), time.time())
+    manager.apply(
+        KVEvent(
+            kind=KVEventKind.STORED, instance_id="p0", block_hashes=[1, 2, 3], block_nbytes=100
+        ),
+        time.time(),
+    )
+    manager.apply(
+        KVEvent(
+            kind=KVEventKind.STORED,
+            instance_id="p0",
+            tier="disk",
+            block_hashes=[9],
+            block_nbytes=100,
+        ),
+        time.time(),
+    )
     msg = _Msg(KVMatchRequest(block_hashes=[1, 2, 7, 8]).encode())
     await manager.on_match(msg)
     assert KVMatchReply.model_validate_json(msg.replies[0]).matches == {"p0": 2}
@@ -189,9 +220,16 @@ def test_up_gives_each_child_its_own_metrics_port():
     from services.up import LocalCluster, UpSettings, _metrics_lines
 
     c = LocalCluster(UpSettings(metrics_base_port=9200))
-    ports = [c._metrics_env(n, r)["HALFMOON_METRICS_PORT"] for n, r in
-             [("conductor", "conductor"), ("kvmanager", "kvmanager"), ("prefill-0", "prefill"),
-              ("decode-0", "decode"), ("gateway", "gateway")]]
+    ports = [
+        c._metrics_env(n, r)["HALFMOON_METRICS_PORT"]
+        for n, r in [
+            ("conductor", "conductor"),
+            ("kvmanager", "kvmanager"),
+            ("prefill-0", "prefill"),
+            ("decode-0", "decode"),
+            ("gateway", "gateway"),
+        ]
+    ]
     assert ports == ["9200", "9201", "9202", "9203", "0"]
     assert c._metrics_env("prefill-0", "prefill")["HALFMOON_METRICS_PORT"] == "9202"  # restart
     assert c._metrics_env("console", "console") == {}
@@ -205,28 +243,41 @@ def test_up_gives_each_child_its_own_metrics_port():
 
 # -- an engine instance ------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny():
     from shared.engine.runner import LoadedModel
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=512)
-    return LoadedModel("tiny", LlamaForCausalLM(cfg).eval(), None, torch.float32, "cpu", 512,
-                       frozenset())
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    return LoadedModel(
+        "tiny", LlamaForCausalLM(cfg).eval(), None, torch.float32, "cpu", 512, frozenset()
+    )
 
 
 async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_path):
     from services.prefill.args import PrefillSettings
     from services.prefill.handlers import PrefillInstance
     from services.worker.metrics import EngineMetrics
-    from shared.transfer import TransferFailed
     from shared.engine.params import SamplingParams as EngineParams
+    from shared.transfer import TransferFailed
     from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 
-    settings = PrefillSettings(instance_id="prefill-t", kv_cache_gb=4 / 1024, disk_tier_gb=0.001,
-                               disk_tier_dir=str(tmp_path))
+    settings = PrefillSettings(
+        instance_id="prefill-t",
+        kv_cache_gb=4 / 1024,
+        disk_tier_gb=0.001,
+        disk_tier_dir=str(tmp_path),
+    )
     sender, receiver = TcpKVSender(), TcpKVReceiver()
     await sender.start()
     inst = PrefillInstance(settings, None, tiny, sender, receiver)  # type: ignore[arg-type]
@@ -234,8 +285,9 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
         m = EngineMetrics(inst)
         prompt = list(range(1, 41))  # 2 full blocks can be reused (one token is always computed)
         for rid in ("a", "b"):
-            inst.engine.add_request(rid, prompt, EngineParams(temperature=0, max_tokens=2,
-                                                              ignore_eos=True))
+            inst.engine.add_request(
+                rid, prompt, EngineParams(temperature=0, max_tokens=2, ignore_eos=True)
+            )
             while inst.engine.has_work():
                 inst.engine.step()
         inst._stats = inst.engine.stats()

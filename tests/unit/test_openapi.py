@@ -36,8 +36,7 @@ def test_the_description_is_valid_openapi_3_1():
 
 
 def test_request_schema_is_pydantics_with_this_servers_limits():
-    spec, _ = spec_for(GatewaySettings(max_messages=7, max_output_tokens=64,
-                                       default_max_tokens=32))
+    spec, _ = spec_for(GatewaySettings(max_messages=7, max_output_tokens=64, default_max_tokens=32))
     body = spec["components"]["schemas"]["ChatCompletionRequest"]
     assert set(body["properties"]) == set(ChatCompletionRequest.model_fields)
     assert body["required"] == ["model", "messages"]
@@ -47,7 +46,8 @@ def test_request_schema_is_pydantics_with_this_servers_limits():
     assert ints == [{"type": "integer", "minimum": 1, "maximum": 64}]
     op = spec["paths"]["/v1/chat/completions"]["post"]
     assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
-        "/ChatCompletionRequest")
+        "/ChatCompletionRequest"
+    )
     assert {"400", "404", "413", "429"} <= set(op["responses"])
     assert "text/event-stream" in op["responses"]["200"]["content"]
 

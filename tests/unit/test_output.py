@@ -18,9 +18,16 @@ def ids(text):
 
 
 def tracker(prefix=(), emitted="", **params):
-    return OutputTracker(SamplingParams(**params), FullDecodeDetokenizer(decode, list(prefix)),
-                         frozenset({EOS}), prompt_len=10, max_model_len=1000,
-                         token_ids=list(prefix), text=decode(list(prefix)), emitted_text=emitted)
+    return OutputTracker(
+        SamplingParams(**params),
+        FullDecodeDetokenizer(decode, list(prefix)),
+        frozenset({EOS}),
+        prompt_len=10,
+        max_model_len=1000,
+        token_ids=list(prefix),
+        text=decode(list(prefix)),
+        emitted_text=emitted,
+    )
 
 
 def feed(t, tokens):
@@ -51,8 +58,13 @@ def test_max_tokens_is_length():
 
 
 def test_context_limit_is_length():
-    t = OutputTracker(SamplingParams(max_tokens=100), FullDecodeDetokenizer(decode, []),
-                      frozenset(), prompt_len=997, max_model_len=1000)
+    t = OutputTracker(
+        SamplingParams(max_tokens=100),
+        FullDecodeDetokenizer(decode, []),
+        frozenset(),
+        prompt_len=997,
+        max_model_len=1000,
+    )
     assert feed(t, ids("abcdef")) == ("abc", FinishReason.LENGTH)
 
 
@@ -72,7 +84,7 @@ def test_stop_string_across_tokens_is_cut_and_never_streamed():
 
 def test_held_text_is_released_when_stop_does_not_match():
     t = tracker(max_tokens=50, stop=["end"])
-    assert feed(t, ids("a ended") [:4] + ids("x") + [EOS]) == ("a enx", FinishReason.STOP)
+    assert feed(t, ids("a ended")[:4] + ids("x") + [EOS]) == ("a enx", FinishReason.STOP)
 
 
 def test_stop_token_ids():
@@ -90,22 +102,25 @@ def test_continuation_on_another_process_resumes_text():
 def test_held_stop_prefix_survives_the_move_to_another_process():
     first = tracker(max_tokens=50, stop=["end"])
     assert feed(first, ids("the en")) == ("the ", None)  # "en" held back
-    second = tracker(prefix=first.token_ids, emitted=first.emitted_text, max_tokens=50,
-                     stop=["end"])
+    second = tracker(
+        prefix=first.token_ids, emitted=first.emitted_text, max_tokens=50, stop=["end"]
+    )
     assert feed(second, ids("ds")) == ("", FinishReason.STOP)
 
 
 def test_stream_detokenizer_matches_a_full_decode(tmp_path):
     """DecodeStream on a real byte-level BPE: multi-byte characters split over tokens come
     out whole, and the pieces add up to what decoding everything at once gives."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     text = "Héllo wörld, ça va? 日本語 🙂 ok. " * 3
-    tok.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [text],
+        trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     token_ids = tok.encode(text).ids
     detok = StreamDetokenizer(tok, token_ids[:4])
     pieces = [detok.step(t) for t in token_ids[4:]]

@@ -7,8 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.engine import kernels
 from shared.engine.llm_engine import EngineConfig, LLMEngine
-from shared.engine.runner import LoadedModel
 from shared.engine.params import SamplingParams
+from shared.engine.runner import LoadedModel
 
 
 # hidden 96: the fused ops with torch's matmuls; hidden 128 (a multiple of 64): the GEMV
@@ -17,9 +17,16 @@ from shared.engine.params import SamplingParams
 def tiny(request):
     torch.manual_seed(0)
     hidden, heads = request.param
-    cfg = LlamaConfig(vocab_size=300, hidden_size=hidden, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=2,
-                      head_dim=16, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     model = LlamaForCausalLM(cfg).eval()
     return LoadedModel("tiny", model, None, torch.float32, "cpu", 512, frozenset())
 
@@ -41,7 +48,7 @@ def reference(lm, prompt, n=12):
     with torch.inference_mode():
         for _ in range(n):
             ids.append(int(lm.model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_native_and_fallback_match_transformers(tiny):

@@ -4,21 +4,37 @@ import pytest
 
 from services.conductor import snapshot
 from services.conductor.costmodel import CostModel
-from services.conductor.policy import (POLICIES, InstanceView, RequestView, Snapshot,
-                                       kv_blocks_needed, make_policy)
+from services.conductor.policy import (
+    POLICIES,
+    InstanceView,
+    RequestView,
+    Snapshot,
+    kv_blocks_needed,
+    make_policy,
+)
 from services.conductor.registry import Registry
 from shared.messages import InstanceInfo, Role
 
 # Round numbers: prefill = 1 ms per new token; decode step = 10 ms + 1 ms per sequence;
 # a pulled block costs 2 ms (plus 0 latency); 16-token blocks.
-COST = CostModel(prefill_coef=[0.0, 1e-3, 0.0, 0.0], decode_coef=[0.01, 1e-3, 0.0],
-                 transfer_latency_s=0.0, transfer_bytes_per_s=1000.0, block_bytes=2, block_size=16,
-                 overhead_s=0.0)
+COST = CostModel(
+    prefill_coef=[0.0, 1e-3, 0.0, 0.0],
+    decode_coef=[0.01, 1e-3, 0.0],
+    transfer_latency_s=0.0,
+    transfer_bytes_per_s=1000.0,
+    block_bytes=2,
+    block_size=16,
+    overhead_s=0.0,
+)
 
 
 def snap(queues, decodes=(("d0", 0),)):
-    return Snapshot([InstanceView(i, queue_s=q) for i, q in queues],
-                    [InstanceView(i, running=r) for i, r in decodes], COST, balancing_threshold=1.5)
+    return Snapshot(
+        [InstanceView(i, queue_s=q) for i, q in queues],
+        [InstanceView(i, running=r) for i, r in decodes],
+        COST,
+        balancing_threshold=1.5,
+    )
 
 
 def req(prefix=None, prompt=1600, ttft=100.0, tbt=1.0):
@@ -42,7 +58,9 @@ def test_kvcentric_pulls_to_an_idle_instance_when_the_holder_is_overloaded():
 def test_kvcentric_computes_locally_when_pulling_is_not_worth_it():
     # b has 60 of a's 80 blocks: 80/60 < 1.5, so b uses its own cache
     d = make_policy("kvcentric").decide(snap([("a", 5.0), ("b", 0.0)]), req({"a": 80, "b": 60}))
-    assert d.prefill.instance_id == "b" and d.prefill.pull_from == "" and d.prefill.prefix_blocks == 60
+    assert (
+        d.prefill.instance_id == "b" and d.prefill.pull_from == "" and d.prefill.prefix_blocks == 60
+    )
 
 
 def test_ties_go_to_the_smallest_id():
@@ -121,8 +139,9 @@ def test_kvcentric_pulls_only_past_the_balancing_threshold():
 
 
 def test_every_candidate_carries_its_own_pull_and_the_decision_its_transfer():
-    d = make_policy("kvcentric").decide(snap([("a", 5.0), ("b", 0.0), ("c", 0.0)]),
-                                        req({"a": 90, "c": 70}))
+    d = make_policy("kvcentric").decide(
+        snap([("a", 5.0), ("b", 0.0), ("c", 0.0)]), req({"a": 90, "c": 70})
+    )
     by = {c.instance_id: c for c in d.candidates}
     assert (by["a"].pull_from, by["b"].pull_from, by["c"].pull_from) == ("", "a", "")
     assert by["b"].transfer_s == pytest.approx(0.18) and by["c"].transfer_s == 0.0
@@ -132,8 +151,12 @@ def test_every_candidate_carries_its_own_pull_and_the_decision_its_transfer():
 
 
 def test_an_infinite_threshold_never_pulls():
-    s = Snapshot([InstanceView("a", queue_s=5.0), InstanceView("b")], [InstanceView("d0")],
-                 COST, balancing_threshold=float("inf"))
+    s = Snapshot(
+        [InstanceView("a", queue_s=5.0), InstanceView("b")],
+        [InstanceView("d0")],
+        COST,
+        balancing_threshold=float("inf"),
+    )
     d = make_policy("kvcentric").decide(s, req({"a": 90}))
     assert all(c.pull_from == "" and c.transfer_s == 0.0 for c in d.candidates)
 
@@ -152,8 +175,12 @@ def test_the_baselines_never_pull(name):
 
 
 def decodes_with_room(*rooms):
-    return Snapshot([InstanceView("a")], [InstanceView(f"d{i}", running=i, kv_blocks_free=r)
-                                          for i, r in enumerate(rooms)], COST, 1.5)
+    return Snapshot(
+        [InstanceView("a")],
+        [InstanceView(f"d{i}", running=i, kv_blocks_free=r) for i, r in enumerate(rooms)],
+        COST,
+        1.5,
+    )
 
 
 def test_decode_blocks_cover_the_prompt_and_every_output_token():
@@ -186,10 +213,22 @@ def test_two_quick_decisions_do_not_count_the_same_free_blocks():
     # heartbeat the second decision sees 29 and goes to the other instance.
     reg = Registry(expiry_s=3)
     reg.seen(InstanceInfo(instance_id="a", role=Role.PREFILL), now=0)
-    reg.seen(InstanceInfo(instance_id="d0", role=Role.DECODE, kv_blocks_total=200,
-                          kv_blocks_free=150, kv_blocks_leased=20), now=0)
-    reg.seen(InstanceInfo(instance_id="d1", role=Role.DECODE, running=50, kv_blocks_total=200,
-                          kv_blocks_free=120), now=0)
+    reg.seen(
+        InstanceInfo(
+            instance_id="d0",
+            role=Role.DECODE,
+            kv_blocks_total=200,
+            kv_blocks_free=150,
+            kv_blocks_leased=20,
+        ),
+        now=0,
+    )
+    reg.seen(
+        InstanceInfo(
+            instance_id="d1", role=Role.DECODE, running=50, kv_blocks_total=200, kv_blocks_free=120
+        ),
+        now=0,
+    )
     r = RequestView("r", 1600, {}, 100.0, 10.0, max_tokens=16)
 
     def decide():
@@ -202,8 +241,10 @@ def test_two_quick_decisions_do_not_count_the_same_free_blocks():
     assert snapshot.decode_view(reg.alive(Role.DECODE, 0)[0]).kv_blocks_free == 29
     assert decide().decode_id == "d1"
     # a heartbeat reports what the instance holds now: the promise is no longer pending
-    reg.seen(InstanceInfo(instance_id="d0", role=Role.DECODE, kv_blocks_total=200,
-                          kv_blocks_free=200), now=1)
+    reg.seen(
+        InstanceInfo(instance_id="d0", role=Role.DECODE, kv_blocks_total=200, kv_blocks_free=200),
+        now=1,
+    )
     assert decide().decode_id == "d0"
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from services.kvmanager import traces
 from services.kvmanager.pool import POLICIES, HashPool
 from services.kvmanager.replay import main, replay_requests, replay_trace
-from services.kvmanager import traces
 from services.kvmanager.traces import SAMPLE_TRACE, load_trace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,7 +78,9 @@ def test_chain_longer_than_the_pool_is_partly_rejected(synthetic: Path) -> None:
     assert r.blocks_rejected >= 1 and r.peak_blocks == 3
 
 
-def _set_based_hits(requests: list[tuple[int, list[int]]], block_tokens: int = 512) -> tuple[int, int]:
+def _set_based_hits(
+    requests: list[tuple[int, list[int]]], block_tokens: int = 512
+) -> tuple[int, int]:
     seen: set[int] = set()
     hit = total = 0
     for n_tokens, hashes in requests:
@@ -134,7 +136,10 @@ def test_cli_json_and_table(synthetic: Path, capsys: pytest.CaptureFixture[str])
     argv = ["--trace", str(synthetic), "--capacity-blocks", "inf", "4", "--policy", "lru"]
     assert main([*argv, "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(row["capacity_blocks"], row["hit_tokens"]) for row in rows] == [(None, 1724), (4, 1024)]
+    assert [(row["capacity_blocks"], row["hit_tokens"]) for row in rows] == [
+        (None, 1724),
+        (4, 1024),
+    ]
     assert main(["--trace", str(synthetic), "--capacity-blocks", "unlimited", "4"]) == 0
     out = capsys.readouterr().out
     assert "watermark" in out and " lru " in out and "26.52" in out  # 1724 / 6500
@@ -150,9 +155,23 @@ def test_cli_rejects_bad_input(synthetic: Path, tmp_path: Path) -> None:
 
 def test_module_entry_point(synthetic: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "services.kvmanager.replay", "--trace", str(synthetic),
-         "--capacity-blocks", "inf", "--policy", "lru", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
+        [
+            sys.executable,
+            "-m",
+            "services.kvmanager.replay",
+            "--trace",
+            str(synthetic),
+            "--capacity-blocks",
+            "inf",
+            "--policy",
+            "lru",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert json.loads(proc.stdout)["hit_tokens"] == 1724
 
@@ -280,9 +299,12 @@ def test_unlimited_pool_never_evicts() -> None:
 
 
 def test_pool_misuse_is_a_value_error() -> None:
-    for bad in (dict(capacity_blocks=0), dict(capacity_blocks=4, policy="mru"),
-                dict(capacity_blocks=4, policy="watermark", high_watermark=1.5),
-                dict(capacity_blocks=4, policy="watermark", high_watermark=0.5, evict_ratio=0.6)):
+    for bad in (
+        dict(capacity_blocks=0),
+        dict(capacity_blocks=4, policy="mru"),
+        dict(capacity_blocks=4, policy="watermark", high_watermark=1.5),
+        dict(capacity_blocks=4, policy="watermark", high_watermark=0.5, evict_ratio=0.6),
+    ):
         with pytest.raises(ValueError):
             HashPool(**bad)
 
@@ -319,22 +341,28 @@ def test_the_sample_is_the_default_bench_slice_of_the_conversation_trace() -> No
 
 def test_digest_is_of_the_content_not_the_formatting(tmp_path: Path, synthetic: Path) -> None:
     compact = tmp_path / "compact.jsonl"
-    compact.write_text("".join(json.dumps(json.loads(line), separators=(",", ":")) + "\n\n"
-                               for line in synthetic.read_text().splitlines()))
+    compact.write_text(
+        "".join(
+            json.dumps(json.loads(line), separators=(",", ":")) + "\n\n"
+            for line in synthetic.read_text().splitlines()
+        )
+    )
     digest = traces.trace_digest(load_trace(str(synthetic)))
     assert traces.trace_digest(load_trace(str(compact))) == digest
     assert traces.trace_digest(load_trace(str(synthetic), limit=4)) != digest
 
 
 def test_reference_column_only_for_the_conversation_trace(
-        synthetic: Path, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    synthetic: Path, monkeypatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["--trace", str(synthetic), "--capacity-blocks", "inf", "1000"]
     assert main(argv) == 0
     assert "ref %" not in capsys.readouterr().out
     # Pretend the synthetic trace is the conversation trace: DESIGN.md's figures appear
     # beside plain LRU, and only there (not for watermark, nor tail-first LRU).
-    monkeypatch.setattr(traces, "CONVERSATION_TRACE_DIGEST",
-                        traces.trace_digest(load_trace(str(synthetic))))
+    monkeypatch.setattr(
+        traces, "CONVERSATION_TRACE_DIGEST", traces.trace_digest(load_trace(str(synthetic)))
+    )
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "ref %" in lines[1]

@@ -14,6 +14,7 @@ from services.bench.replay.prompts import PromptMaker, ideal_hit_ratio, single_t
 from services.bench.replay.workload import SliceSpec, arrivals, select
 from services.kvmanager.traces import SAMPLE_TRACE, TraceRequest, load_trace
 
+
 def tr(ts: int, hashes: list[int], inp: int | None = None, out: int = 512) -> TraceRequest:
     return TraceRequest(ts, inp if inp is not None else 512 * len(hashes), out, hashes)
 
@@ -26,8 +27,9 @@ def tokenizer(model_dir: Path):
 
 
 def chat_ids(tok, content: str) -> list[int]:
-    return tok.apply_chat_template([{"role": "user", "content": content}],
-                                   add_generation_prompt=True)["input_ids"]
+    return tok.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )["input_ids"]
 
 
 def common(a: list[int], b: list[int]) -> int:
@@ -49,13 +51,20 @@ def test_shared_hash_ids_become_exactly_shared_prompt_tokens(tokenizer):
     # deterministic: the same hash id is the same words in another maker with the same seed
     again = PromptMaker(single_token_words(tokenizer), block_tokens=16).make(tr(0, [7, 8, 9, 10]))
     assert again.content == a.content
-    assert PromptMaker(single_token_words(tokenizer), 16, seed=1).make(
-        tr(0, [7, 8, 9, 10])).content != a.content
+    assert (
+        PromptMaker(single_token_words(tokenizer), 16, seed=1).make(tr(0, [7, 8, 9, 10])).content
+        != a.content
+    )
 
 
 def test_lengths_scale_and_cap():
-    maker = PromptMaker([f" w{i}" for i in range(100)], block_tokens=16, max_input_tokens=40,
-                        max_output_tokens=8, min_output_tokens=2)
+    maker = PromptMaker(
+        [f" w{i}" for i in range(100)],
+        block_tokens=16,
+        max_input_tokens=40,
+        max_output_tokens=8,
+        min_output_tokens=2,
+    )
     p = maker.make(tr(0, [1, 2], inp=600, out=100))  # 600 trace tokens -> ceil(18.75) words
     assert (p.input_tokens, p.output_tokens, p.hash_ids) == (19, 4, (1, 2))
     assert maker.make(tr(0, [1, 2, 3, 4], out=10_000)).input_tokens == 40  # the cap
@@ -91,17 +100,26 @@ def result(ttft: float, gaps: list[float], ok: bool = True, status: int = 200) -
     times = [ttft]
     for g in gaps:
         times.append(times[-1] + g)
-    return Result(ok=ok, status=status, ttft_s=ttft if ok else None,
-                  chunk_times=times if ok else [], completion_tokens=len(times),
-                  prompt_tokens=100, cached_tokens=40, end_s=times[-1] if ok else 0.1)
+    return Result(
+        ok=ok,
+        status=status,
+        ttft_s=ttft if ok else None,
+        chunk_times=times if ok else [],
+        completion_tokens=len(times),
+        prompt_tokens=100,
+        cached_tokens=40,
+        end_s=times[-1] if ok else 0.1,
+    )
 
 
 def test_summary_tbt_goodput_and_capacity():
     gaps = [0.01] * 18 + [0.5, 0.3]  # 20 gaps: TBT = mean of the slowest 2 = 0.4
-    recs = [record_from(0, 0.0, 0.0, 80, 21, result(0.2, gaps)),
-            record_from(1, 1.0, 0.0, 80, 21, result(0.2, [0.05] * 20)),
-            record_from(2, 2.0, 0.0, 80, 21, result(5.0, [0.05] * 20)),  # misses TTFT
-            record_from(3, 3.0, 0.0, 80, 21, result(0, [], ok=False, status=429))]
+    recs = [
+        record_from(0, 0.0, 0.0, 80, 21, result(0.2, gaps)),
+        record_from(1, 1.0, 0.0, 80, 21, result(0.2, [0.05] * 20)),
+        record_from(2, 2.0, 0.0, 80, 21, result(5.0, [0.05] * 20)),  # misses TTFT
+        record_from(3, 3.0, 0.0, 80, 21, result(0, [], ok=False, status=429)),
+    ]
     assert recs[0].tbt_s == pytest.approx(0.4) and recs[0].tpot_s == pytest.approx(sum(gaps) / 20)
     assert recs[3].status == "rejected"
     s = summarize(recs, 10.0, Slos(1.0, 0.3, (0.1, 0.5)), ideal_hit_ratio=0.5)

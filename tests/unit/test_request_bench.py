@@ -47,8 +47,18 @@ def test_the_baseline_reuses_what_the_stack_reported(model_dir: Path):
 
 def test_table_shows_what_each_side_reused():
     side = {"ttft_ms": 50.0, "total_ms": 700.0, "reused_tokens": 48}
-    text = rl.render({"prompt_tokens": 49, "max_tokens": 16, "runs": 3, "dtype": "bfloat16",
-                      "prompts": "warm", "prompts_meaning": rl.PROMPT_MODES["warm"],
-                      "threads": 1, "stack": side, "in_process": side})
+    text = rl.render(
+        {
+            "prompt_tokens": 49,
+            "max_tokens": 16,
+            "runs": 3,
+            "dtype": "bfloat16",
+            "prompts": "warm",
+            "prompts_meaning": rl.PROMPT_MODES["warm"],
+            "threads": 1,
+            "stack": side,
+            "in_process": side,
+        }
+    )
     assert "prompts warm: the same prompt" in text and "1 torch thread;" in text
     assert text.splitlines()[-1].split() == ["in_process", "50.0", "700.0", "48"]

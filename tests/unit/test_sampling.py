@@ -3,8 +3,8 @@
 import torch
 
 from shared.engine.logits import RowContext
-from shared.engine.sampling import sample
 from shared.engine.params import SamplingParams
+from shared.engine.sampling import sample
 
 
 def logits(rows=1, seed=0):
@@ -41,7 +41,9 @@ def test_seed_reproduces_across_calls_and_batches():
     # the same seeded row gives the same token whatever else is in its batch
     other = SamplingParams(temperature=1.0)
     batch = torch.cat([logits(seed=3), x, logits(seed=4)])
-    assert sample(batch, [SampleRow(other, 5), SampleRow(p, 5), SampleRow(other, 5)]).tokens[1] == a[5]
+    assert (
+        sample(batch, [SampleRow(other, 5), SampleRow(p, 5), SampleRow(other, 5)]).tokens[1] == a[5]
+    )
 
 
 def test_top_k_restricts_support():
@@ -67,9 +69,11 @@ def test_sampled_frequencies_follow_the_distribution():
 
 def test_mixed_batch_rows_follow_their_own_params():
     x = logits(rows=3)
-    rows = [SampleRow(SamplingParams(temperature=0), 0),
-            SampleRow(SamplingParams(temperature=1.0, top_k=2, seed=1), 0),
-            SampleRow(SamplingParams(temperature=0), 0)]
+    rows = [
+        SampleRow(SamplingParams(temperature=0), 0),
+        SampleRow(SamplingParams(temperature=1.0, top_k=2, seed=1), 0),
+        SampleRow(SamplingParams(temperature=0), 0),
+    ]
     out = sample(x, rows).tokens
     assert out[0] == int(x[0].argmax()) and out[2] == int(x[2].argmax())
     assert out[1] in set(torch.topk(x[1], 2).indices.tolist())
@@ -97,10 +101,13 @@ def test_penalties_follow_openai_and_vllm():
     x = torch.zeros(1, 6)
     x[0, 2], x[0, 3] = 2.0, 1.9
     seen = [2, 2]  # the output so far: token 2 twice
+
     def pick(**kw):
-        row = RowContext(SamplingParams(temperature=0, **kw), step=2, token_ids=[5] + seen,
-                         num_prompt_tokens=1)
+        row = RowContext(
+            SamplingParams(temperature=0, **kw), step=2, token_ids=[5] + seen, num_prompt_tokens=1
+        )
         return sample(x.clone(), [row]).tokens[0]
+
     assert pick() == 2
     assert pick(presence_penalty=0.2) == 3  # 2.0 - 0.2 < 1.9
     assert pick(frequency_penalty=0.06) == 3  # 2.0 - 2 x 0.06 < 1.9

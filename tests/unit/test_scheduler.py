@@ -1,9 +1,9 @@
 import pytest
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.scheduler import PoolTooSmall, Scheduler, SchedulerConfig
-from shared.engine.sequence import Sequence, SeqStatus
 from shared.engine.params import SamplingParams
+from shared.engine.scheduler import PoolTooSmall, Scheduler, SchedulerConfig
+from shared.engine.sequence import SeqStatus, Sequence
 
 
 def make(num_blocks=64, block_size=4, chunk=8, max_seqs=8):

@@ -17,8 +17,16 @@ import pytest
 from aiohttp import web
 
 from services.bench import serve_bench as sb
-from services.bench.servers import (HalfmoonServer, Placement, Server, TransformersServer,
-                                    format_cpus, parse_cpus, placements, torch_launch)
+from services.bench.servers import (
+    HalfmoonServer,
+    Placement,
+    Server,
+    TransformersServer,
+    format_cpus,
+    parse_cpus,
+    placements,
+    torch_launch,
+)
 from shared.engine import cpu
 
 BLOCK = 16  # the gateway's default KV block size (services/gateway/args.py)
@@ -37,6 +45,7 @@ def maker(model_dir: Path) -> sb.PromptMaker:
 
 # --- defaults ---------------------------------------------------------------------------
 
+
 def test_defaults_are_fair():
     a = sb.parser().parse_args([])
     assert a.prompts == "fresh"  # not the cache-friendly fixed prompts
@@ -49,6 +58,7 @@ def test_defaults_are_fair():
 
 # --- prompts ----------------------------------------------------------------------------
 
+
 def test_prompts_reach_the_length_and_fixed_ones_repeat(maker: sb.PromptMaker):
     fixed = [maker.round(sb.prompt_tag("fixed", "s", 4, rnd), 4) for rnd in range(3)]
     assert fixed[0] == fixed[1] == fixed[2]  # the warm-up (round 0) too
@@ -60,6 +70,7 @@ def test_prompts_reach_the_length_and_fixed_ones_repeat(maker: sb.PromptMaker):
 
 def _server(seen: list[dict[str, Any]], out_tokens: int) -> web.Application:
     """An OpenAI-style endpoint that records each request and streams `out_tokens` chunks."""
+
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "m"}]})
 
@@ -89,8 +100,7 @@ async def _sent(maker: sb.PromptMaker, args: Any, levels: list[int]) -> list[dic
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         for c in levels:  # as measure() runs them, one level after another on one server
-            summary = await sb.run_rounds(f"http://127.0.0.1:{port}", maker, args, c,
-                                          "ignore_eos")
+            summary = await sb.run_rounds(f"http://127.0.0.1:{port}", maker, args, c, "ignore_eos")
             assert summary["failures"] == 0 and summary["requests"] == c * args.rounds
     finally:
         await runner.cleanup()
@@ -98,8 +108,9 @@ async def _sent(maker: sb.PromptMaker, args: Any, levels: list[int]) -> list[dic
 
 
 async def test_fresh_prompts_never_repeat_nor_share_a_block(maker: sb.PromptMaker):
-    args = args_for("--prompt-tokens", "64", "--output-tokens", "2", "--rounds", "2",
-                    "--warmup", "1")
+    args = args_for(
+        "--prompt-tokens", "64", "--output-tokens", "2", "--rounds", "2", "--warmup", "1"
+    )
     sent = await _sent(maker, args, [1, 4])
     assert len(sent) == (1 + 4) * 3  # the warm-up round is sent too
     texts = [json.dumps(b["messages"]) for b in sent]
@@ -110,15 +121,26 @@ async def test_fresh_prompts_never_repeat_nor_share_a_block(maker: sb.PromptMake
 
 
 async def test_fixed_prompts_repeat_every_round_warmup_included(maker: sb.PromptMaker):
-    args = args_for("--prompts", "fixed", "--prompt-tokens", "64", "--output-tokens", "2",
-                    "--rounds", "2", "--warmup", "1")
+    args = args_for(
+        "--prompts",
+        "fixed",
+        "--prompt-tokens",
+        "64",
+        "--output-tokens",
+        "2",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+    )
     sent = await _sent(maker, args, [4])
-    rounds = [[json.dumps(b["messages"]) for b in sent[i:i + 4]] for i in range(0, 12, 4)]
+    rounds = [[json.dumps(b["messages"]) for b in sent[i : i + 4]] for i in range(0, 12, 4)]
     assert sorted(rounds[0]) == sorted(rounds[1]) == sorted(rounds[2])
     assert len(set(rounds[0])) == 4
 
 
 # --- where each system runs -------------------------------------------------------------
+
 
 def test_cpu_sets_parse_and_print():
     assert format_cpus((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
@@ -131,14 +153,17 @@ def test_cpu_sets_parse_and_print():
         parse_cpus("3-1")
 
 
-@pytest.mark.parametrize("extra, cpus, halfmoon, transformers", [
-    ([], (0, 1), (2, 1), 2),  # 1 prefill + 1 decode: one thread each; transformers both
-    ([], (0, 1, 2, 3), (2, 2), 4),
-    ([], (0,), (2, 1), 2),  # never 0 threads: oversubscribed alike
-    (["--colocated", "1"], (0, 1), (1, 2), 2),
-    (["--prefill", "2", "--decode", "1"], (0, 1, 2, 3, 4, 5), (3, 2), 6),
-    (["--threads", "3"], (0, 1), (2, 3), 6),  # an explicit --threads holds, on both sides
-])
+@pytest.mark.parametrize(
+    "extra, cpus, halfmoon, transformers",
+    [
+        ([], (0, 1), (2, 1), 2),  # 1 prefill + 1 decode: one thread each; transformers both
+        ([], (0, 1, 2, 3), (2, 2), 4),
+        ([], (0,), (2, 1), 2),  # never 0 threads: oversubscribed alike
+        (["--colocated", "1"], (0, 1), (1, 2), 2),
+        (["--prefill", "2", "--decode", "1"], (0, 1, 2, 3, 4, 5), (3, 2), 6),
+        (["--threads", "3"], (0, 1), (2, 3), 6),  # an explicit --threads holds, on both sides
+    ],
+)
 def test_both_sides_get_the_same_cores_and_threads_in_total(extra, cpus, halfmoon, transformers):
     hm, tf = placements(cpus, extra)
     assert (hm.processes, hm.threads) == halfmoon
@@ -148,8 +173,9 @@ def test_both_sides_get_the_same_cores_and_threads_in_total(extra, cpus, halfmoo
 
 
 def test_commands_and_environments(model_dir: Path):
-    args = args_for("--systems", "halfmoon,transformers-cb,transformers", "--halfmoon-args",
-                    "--colocated 1")
+    args = args_for(
+        "--systems", "halfmoon,transformers-cb,transformers", "--halfmoon-args", "--colocated 1"
+    )
     servers = sb.servers_for(args.systems.split(","), model_dir, args)
     try:
         hm, cb, plain = servers
@@ -190,9 +216,15 @@ def test_the_thread_budget_reaches_torch(model_dir: Path, tmp_path: Path):
         assert server.command()[5] == "serve"
         script = tmp_path / "probe"
         script.write_text("import sys, torch; print(torch.get_num_threads(), sys.argv[1:])\n")
-        out = subprocess.run([*torch_launch(script, ncpu + 1), "serve", "x"],
-                             env=server.launch_env(), preexec_fn=server._preexec,
-                             capture_output=True, text=True, timeout=120, check=True)
+        out = subprocess.run(
+            [*torch_launch(script, ncpu + 1), "serve", "x"],
+            env=server.launch_env(),
+            preexec_fn=server._preexec,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         assert out.stdout.split(None, 1) == [str(ncpu + 1), "['serve', 'x']\n"]
     finally:
         server.stop()
@@ -211,6 +243,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 class Probe(Server):
     """A server process with a child of its own: what start() pins, observe() reads back."""
+
     name = "probe"
 
     def command(self) -> list[str]:
@@ -234,26 +267,56 @@ def test_the_whole_process_tree_is_pinned_and_stopped(model_dir: Path):
     finally:
         probe.stop()
     time.sleep(0.2)
-    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()
-                and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]]
+    assert not [
+        pid
+        for pid in pids
+        if Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+    ]
 
 
 # --- banner and table -------------------------------------------------------------------
+
 
 def _report(args: Any, servers: list[Server], observed: dict[str, list[dict]]) -> dict:
     setup = sb.setup_for(args, servers)
     for name, seen in observed.items():
         setup["systems"][name]["observed"] = seen
-    row = {"output_tok_s": 100.0, "ttft_p50_ms": 500.0, "ttft_p99_ms": 900.0,
-           "itl_p50_ms": 30.0, "itl_p99_ms": 60.0, "e2e_p50_ms": 2000.0, "failures": 0,
-           "prompt_tokens": 1000, "cached_tokens": 0}
-    systems = {s.name: {"4": dict(row, output_tok_s=200.0 if s.name == "halfmoon" else 100.0,
-                                  cached_tokens=900 if s.name == "halfmoon" else 0)}
-               for s in servers}
-    return {"workload": {"prompt_tokens": 256, "output_tokens": 64, "rounds": 1, "warmup": 1,
-                         "prompts": args.prompts, "prompts_label": sb.PROMPT_LABELS[args.prompts],
-                         "dtype": setup["dtype"]},
-            "concurrency": [4], "setup": setup, "systems": systems}
+    row = {
+        "output_tok_s": 100.0,
+        "ttft_p50_ms": 500.0,
+        "ttft_p99_ms": 900.0,
+        "itl_p50_ms": 30.0,
+        "itl_p99_ms": 60.0,
+        "e2e_p50_ms": 2000.0,
+        "failures": 0,
+        "prompt_tokens": 1000,
+        "cached_tokens": 0,
+    }
+    systems = {
+        s.name: {
+            "4": dict(
+                row,
+                output_tok_s=200.0 if s.name == "halfmoon" else 100.0,
+                cached_tokens=900 if s.name == "halfmoon" else 0,
+            )
+        }
+        for s in servers
+    }
+    return {
+        "workload": {
+            "prompt_tokens": 256,
+            "output_tokens": 64,
+            "rounds": 1,
+            "warmup": 1,
+            "prompts": args.prompts,
+            "prompts_label": sb.PROMPT_LABELS[args.prompts],
+            "dtype": setup["dtype"],
+        },
+        "concurrency": [4],
+        "setup": setup,
+        "systems": systems,
+    }
 
 
 def test_banner_says_what_ran_where(model_dir: Path):
@@ -262,10 +325,12 @@ def test_banner_says_what_ran_where(model_dir: Path):
     try:
         cpus = format_cpus(sorted(os.sched_getaffinity(0)))
         hm_threads = max(1, len(os.sched_getaffinity(0)) // 2)
-        seen = {"halfmoon": [{"pid": 1, "name": "services.cli", "nice": 0, "cpus": cpus,
-                              "os_threads": 3},
-                             {"pid": 2, "name": "services.decode", "nice": 10, "cpus": "0-63",
-                              "os_threads": 9}]}
+        seen = {
+            "halfmoon": [
+                {"pid": 1, "name": "services.cli", "nice": 0, "cpus": cpus, "os_threads": 3},
+                {"pid": 2, "name": "services.decode", "nice": 10, "cpus": "0-63", "os_threads": 9},
+            ]
+        }
         report = _report(args, servers, seen)
         text = sb.banner(report["setup"])
         assert f"cpus     {cpus}" in text and "pinned" in text
@@ -277,8 +342,10 @@ def test_banner_says_what_ran_where(model_dir: Path):
         assert "NOT all pinned: services.decode on 0-63" in text  # read back, not assumed
         setup = json.loads(json.dumps(report["setup"]))  # and all of it goes into the JSON
         assert setup["prompts_label"] == "fresh" and setup["cpus"] == cpus
-        assert setup["systems"]["transformers-serve-cb"]["placement"]["total_threads"] == \
-            2 * hm_threads
+        assert (
+            setup["systems"]["transformers-serve-cb"]["placement"]["total_threads"]
+            == 2 * hm_threads
+        )
     finally:
         for s in servers:
             s.stop()

@@ -19,29 +19,46 @@ BS = 10  # tokens per block in the synthetic traces
 
 def cost(prefill_per_token=0.01, decode=(0.1, 0.0, 0.0), block_bytes=0, overhead=0.0):
     """Round numbers: 10 ms per new token, fixed decode steps, free transfers by default."""
-    return CostModel(prefill_coef=[0.0, prefill_per_token, 0.0, 0.0], decode_coef=list(decode),
-                     transfer_latency_s=0.0, transfer_bytes_per_s=1.0, block_bytes=block_bytes,
-                     block_size=BS, overhead_s=overhead)
+    return CostModel(
+        prefill_coef=[0.0, prefill_per_token, 0.0, 0.0],
+        decode_coef=list(decode),
+        transfer_latency_s=0.0,
+        transfer_bytes_per_s=1.0,
+        block_bytes=block_bytes,
+        block_size=BS,
+        overhead_s=overhead,
+    )
 
 
 def cfg(**kw):
-    base = dict(num_prefill=1, num_decode=1, cache_blocks=None, cost=cost(), block_tokens=BS,
-                ttft_slo_s=1e9, tbt_slo_s=1e9, prewarm=False)
+    base = dict(
+        num_prefill=1,
+        num_decode=1,
+        cache_blocks=None,
+        cost=cost(),
+        block_tokens=BS,
+        ttft_slo_s=1e9,
+        tbt_slo_s=1e9,
+        prewarm=False,
+    )
     return SimConfig(**{**base, **kw})
 
 
 def req(i, t, blocks, output=3, tokens=None):
-    return SimRequest(i, t, tokens if tokens is not None else len(blocks) * BS, output,
-                      list(blocks))
+    return SimRequest(
+        i, t, tokens if tokens is not None else len(blocks) * BS, output, list(blocks)
+    )
 
 
 # ---- exact arithmetic -------------------------------------------------------------------------
 
 
 def test_fifo_queueing_and_reuse_at_prefill_start_are_exact():
-    reqs = [req(0, 0.0, range(1, 11)),                        # 100 tokens: 1.0 s
-            req(1, 0.5, range(11, 21)),                       # waits for r0: 1.0 -> 2.0
-            req(2, 0.5, [1, 2, 3, 4, 5, 21, 22, 23, 24, 25])]  # reuses r0's 5 blocks: 0.5 s
+    reqs = [
+        req(0, 0.0, range(1, 11)),  # 100 tokens: 1.0 s
+        req(1, 0.5, range(11, 21)),  # waits for r0: 1.0 -> 2.0
+        req(2, 0.5, [1, 2, 3, 4, 5, 21, 22, 23, 24, 25]),
+    ]  # reuses r0's 5 blocks: 0.5 s
     outs, _, _ = simulate(reqs, cfg(), "kvcentric")
     assert [o.ttft_s for o in outs] == pytest.approx([1.0, 1.5, 2.0])
     assert [o.prefill_start_s for o in outs] == pytest.approx([0.0, 1.0, 2.0])
@@ -99,8 +116,9 @@ def conversations(n_conv=4, turns=12, gap_s=3.0):
 def test_cache_aware_placement_beats_cache_blind_on_conversations():
     reqs = conversations()
     c = cfg(num_prefill=2, num_decode=2, cost=cost(prefill_per_token=2e-3))
-    res = {p: run_policy(reqs, c, p) for p in ("random", "least_loaded", "largest_prefix",
-                                               "kvcentric")}
+    res = {
+        p: run_policy(reqs, c, p) for p in ("random", "least_loaded", "largest_prefix", "kvcentric")
+    }
     for blind in ("random", "least_loaded"):
         assert res["kvcentric"].avg_ttft_s < 0.8 * res[blind].avg_ttft_s, blind
         assert res["kvcentric"].hit_ratio > res[blind].hit_ratio + 0.1, blind
@@ -112,8 +130,9 @@ def test_global_pull_beats_local_prefix_on_a_hot_prefix():
     # blocks (2 s). largest_prefix queues them all on p00; kvcentric pulls the prefix
     # (0.04 s) to the 3 idle instances, then queues on whichever is soonest.
     hot = list(range(1, 41))
-    reqs = [req(0, 0.0, hot)] + [req(i, 10.0, hot + [1000 * i + b for b in range(20)])
-                                 for i in range(1, 7)]
+    reqs = [req(0, 0.0, hot)] + [
+        req(i, 10.0, hot + [1000 * i + b for b in range(20)]) for i in range(1, 7)
+    ]
     c = cfg(num_prefill=4, num_decode=1, cost=cost(block_bytes=1e-3))
     outs = {p: simulate(reqs, c, p)[0][1:] for p in ("largest_prefix", "kvcentric")}
     assert [o.ttft_s for o in outs["largest_prefix"]] == pytest.approx([2, 4, 6, 8, 10, 12])
@@ -162,8 +181,15 @@ def synthetic_trace(n=400, seed=7):
     for i in range(n):
         base = rng.randrange(20)  # 20 "conversations" with shared, growing prefixes
         blocks = [0] + [base * 1000 + b for b in range(rng.randrange(1, 30))]
-        out.append(req(i, i * 0.05, blocks, output=rng.randrange(1, 6),
-                       tokens=len(blocks) * BS - rng.randrange(BS)))
+        out.append(
+            req(
+                i,
+                i * 0.05,
+                blocks,
+                output=rng.randrange(1, 6),
+                tokens=len(blocks) * BS - rng.randrange(BS),
+            )
+        )
     return out
 
 
@@ -178,8 +204,10 @@ def test_single_instance_unlimited_cache_hit_ratio_matches_the_trace():
     # Full trace (12,031 requests): 37.36%, the same as `halfmoon kv replay --capacity-blocks
     # inf` and DESIGN.md's 37.4%. Here the repository's 2% sample of it, exactly.
     trace = load_trace(str(SAMPLE_TRACE))
-    reqs = [SimRequest(i, r.timestamp_ms / 1e3, r.input_length, r.output_length, r.hash_ids)
-            for i, r in enumerate(trace)]
+    reqs = [
+        SimRequest(i, r.timestamp_ms / 1e3, r.input_length, r.output_length, r.hash_ids)
+        for i, r in enumerate(trace)
+    ]
     c = cfg(cost=CostModel(block_size=512), block_tokens=512, reject=False)
     res = run_policy(reqs, c, "kvcentric")
     assert res.hit_tokens == independent_hit_tokens(reqs, 512)
@@ -192,8 +220,9 @@ def test_single_instance_unlimited_cache_hit_ratio_matches_the_trace():
 def test_index_mirrors_every_pool_under_eviction():
     reqs = synthetic_trace(n=600)
     for name in ("kvcentric", "random"):
-        _, _, cluster = simulate(reqs, cfg(num_prefill=3, num_decode=2, cache_blocks=25,
-                                           prewarm=True), name)
+        _, _, cluster = simulate(
+            reqs, cfg(num_prefill=3, num_decode=2, cache_blocks=25, prewarm=True), name
+        )
         cluster.index.check_invariants()
         for inst in cluster.prefills.values():
             held = set(cluster.index.blocks_of(inst.instance_id, "dram"))
@@ -208,15 +237,39 @@ def test_cli_runs_all_policies_and_prints_json(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     with path.open("w") as f:
         for r in synthetic_trace(n=120):
-            f.write(json.dumps({"timestamp": int(r.arrival_s * 1000), "input_length":
-                                r.input_length, "output_length": r.output_length,
-                                "hash_ids": r.hash_ids}) + "\n")
-    assert cli.main(["--trace", str(path), "--prefill", "3", "--decode", "2",
-                     "--block-tokens", str(BS), "--json"]) == 0
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": int(r.arrival_s * 1000),
+                        "input_length": r.input_length,
+                        "output_length": r.output_length,
+                        "hash_ids": r.hash_ids,
+                    }
+                )
+                + "\n"
+            )
+    assert (
+        cli.main(
+            [
+                "--trace",
+                str(path),
+                "--prefill",
+                "3",
+                "--decode",
+                "2",
+                "--block-tokens",
+                str(BS),
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert [r["policy"] for r in out["results"]] == list(cli.ALL_POLICIES)
     assert all(r["requests"] == 120 for r in out["results"])
     assert out["kvcentric_over_least_loaded"] > 0
-    assert cli.main(["--trace", str(path), "--block-tokens", str(BS),
-                     "--policy", "kvcentric", LOCAL]) == 0
+    assert (
+        cli.main(["--trace", str(path), "--block-tokens", str(BS), "--policy", "kvcentric", LOCAL])
+        == 0
+    )
     assert "kvcentric_local" in capsys.readouterr().out

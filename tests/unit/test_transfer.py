@@ -87,7 +87,7 @@ async def test_receivers_fill_the_callers_buffer(plane):
         mine = bytearray(4 << 20)
         handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
         _, got = await plane.receiver(allocate=lambda n: memoryview(mine)[:n]).fetch(handle, 10)
-        assert got.obj is mine and mine[:len(payload)] == payload
+        assert got.obj is mine and mine[: len(payload)] == payload
     finally:
         await sender.close()
 
@@ -98,6 +98,7 @@ async def test_sender_gone_mid_transfer_fails_within_timeout():
     async def stalling(reader, writer):
         await reader.read(100)
         from shared.transfer.tcp import _HDR, MAGIC
+
         writer.write(_HDR.pack(MAGIC, 0, 2, 1 << 20, 0) + b"{}" + b"x" * 1000)
         await writer.drain()
         await asyncio.sleep(30)
@@ -105,12 +106,15 @@ async def test_sender_gone_mid_transfer_fails_within_timeout():
     server = await asyncio.start_server(stalling, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     from shared.messages import KVHandle
+
     receiver = TcpKVReceiver()
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     with pytest.raises(TransferFailed, match="timed out"):
-        await receiver.fetch(KVHandle(transfer_id="x", host="127.0.0.1", port=port,
-                                      nbytes=1 << 20, num_tokens=1), timeout_s=0.5)
+        await receiver.fetch(
+            KVHandle(transfer_id="x", host="127.0.0.1", port=port, nbytes=1 << 20, num_tokens=1),
+            timeout_s=0.5,
+        )
     # At its timeout: the stalled sender would hold it for 30 s. Past the timeout, 5 s of
     # room for a loaded machine's scheduling.
     assert loop.time() - t0 < 0.5 + 5.0

@@ -12,12 +12,19 @@ MIB = 64
 
 def results(times_ms: dict[str, tuple[float, float]]) -> dict[str, dict]:
     """mode -> (offer ms, fetch ms), the same in each of three rounds."""
-    return {m: tb._summary(MIB << 20, [o / 1e3] * 3, [f / 1e3] * 3)
-            for m, (o, f) in times_ms.items()}
+    return {
+        m: tb._summary(MIB << 20, [o / 1e3] * 3, [f / 1e3] * 3) for m, (o, f) in times_ms.items()
+    }
 
 
-TIMES = {"plain": (0, 50), "plain_reused": (0, 20), "tcp": (5, 45), "tcp_reused": (5, 20),
-         "shm": (35, 10), "shm_copy": (35, 40)}
+TIMES = {
+    "plain": (0, 50),
+    "plain_reused": (0, 20),
+    "tcp": (5, 45),
+    "tcp_reused": (5, 20),
+    "shm": (35, 10),
+    "shm_copy": (35, 40),
+}
 
 
 def test_end_to_end_is_offer_plus_fetch():
@@ -41,8 +48,14 @@ def test_every_ratio_counts_the_senders_copy():
 
 def test_table_has_no_offer_for_the_plain_copy():
     res = results(TIMES)
-    doc = {"mib": MIB, "rounds": 3, "frame_kib": 1024, "setup": {"loadavg_at_start": (0.5,)},
-           "results": res, "ratios": tb._ratios(res)}
+    doc = {
+        "mib": MIB,
+        "rounds": 3,
+        "frame_kib": 1024,
+        "setup": {"loadavg_at_start": (0.5,)},
+        "results": res,
+        "ratios": tb._ratios(res),
+    }
     lines = {line.split()[0]: line for line in tb.render_table(doc).splitlines()}
     assert "-" in lines["plain"].split() and "35.0" in lines["shm"]
     assert "end to end" in tb.render_table(doc)

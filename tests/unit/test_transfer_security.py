@@ -16,13 +16,19 @@ from pydantic import ValidationError
 
 from services.prefill.args import PrefillSettings
 from shared import tls
-from shared.transfer import TransferFailed, TransferState
-from shared.transfer import base, tcp
+from shared.transfer import TransferFailed, TransferState, base, tcp
 from shared.transfer.base import Capabilities, Refusals, new_transfer_id
 from shared.transfer.fake import FakeKVSender
 from shared.transfer.shm import SHM_DIR, SHM_MAGIC, ShmKVReceiver, ShmKVSender, host_id
-from shared.transfer.tcp import (_HDR, _REQ, MAGIC, STATUS_UNKNOWN, TcpKVReceiver, TcpKVSender,
-                                 connect)
+from shared.transfer.tcp import (
+    _HDR,
+    _REQ,
+    MAGIC,
+    STATUS_UNKNOWN,
+    TcpKVReceiver,
+    TcpKVSender,
+    connect,
+)
 
 REFUSED = _HDR.pack(MAGIC, STATUS_UNKNOWN, 0, 0, 0)
 HAS_SHM = os.path.isdir(SHM_DIR) and bool(host_id())
@@ -80,8 +86,9 @@ async def test_10000_random_ids_are_refused_and_cost_no_transfer(caplog):
 
         async def guess(i: int) -> bytes:
             async with gate:
-                return await ask(sender.port, magics[i % len(magics)],
-                                 secrets.token_hex(16).encode())
+                return await ask(
+                    sender.port, magics[i % len(magics)], secrets.token_hex(16).encode()
+                )
 
         with caplog.at_level(logging.WARNING, logger="shared.transfer.base"):
             replies = await asyncio.gather(*(guess(i) for i in range(10_000)))
@@ -118,9 +125,11 @@ async def test_a_valid_id_works_once_and_only_once(transport):
         # Two receivers at once with one id: the first to present it claims it.
         big = os.urandom(32 << 20)
         handle = sender.offer("handoff", b"{}", big, 1, ttl_s=60)
-        results = await asyncio.gather(receiver.fetch(handle, timeout_s=30),
-                                       TcpKVReceiver().fetch(handle, timeout_s=30),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            receiver.fetch(handle, timeout_s=30),
+            TcpKVReceiver().fetch(handle, timeout_s=30),
+            return_exceptions=True,
+        )
         assert sorted(type(r).__name__ for r in results) == ["TransferFailed", "tuple"]
         assert bytes(next(r for r in results if isinstance(r, tuple))[1]) == big
         assert await sender.wait(handle.transfer_id, 5) == TransferState.DONE
@@ -220,9 +229,9 @@ async def test_tls_lets_only_cluster_certificates_through(pki):
             "plain TCP": TcpKVReceiver(),
             "no certificate": TcpKVReceiver(tls=tls.client_context(pki.ca, prefix="kv_tls")),
             "another CA's certificate": TcpKVReceiver(
-                tls=_client(pki.ca, pki.rogue_cert, pki.rogue_key)),
-            "trusting another CA": TcpKVReceiver(
-                tls=_client(pki.rogue_ca, pki.cert, pki.key)),
+                tls=_client(pki.ca, pki.rogue_cert, pki.rogue_key)
+            ),
+            "trusting another CA": TcpKVReceiver(tls=_client(pki.rogue_ca, pki.cert, pki.key)),
             "the wrong name": TcpKVReceiver(tls=client, tls_hostname="prefill-9"),
         }
         for who, receiver in strangers.items():
@@ -249,8 +258,13 @@ def test_data_plane_tls_settings_are_all_or_nothing(pki, tmp_path):
 async def test_engines_build_their_data_plane_from_the_settings(pki):
     from services.worker.settings import make_receiver, make_sender
 
-    settings = PrefillSettings(kv_tls_cert=pki.cert, kv_tls_key=pki.key, kv_tls_ca=pki.ca,
-                               kv_tls_hostname="localhost", kv_transport="tcp")
+    settings = PrefillSettings(
+        kv_tls_cert=pki.cert,
+        kv_tls_key=pki.key,
+        kv_tls_ca=pki.ca,
+        kv_tls_hostname="localhost",
+        kv_transport="tcp",
+    )
     sender, receiver = make_sender(settings), make_receiver(settings)
     assert sender.tls is not None and receiver.tls is not None  # type: ignore[attr-defined]
     await sender.start()

@@ -15,8 +15,14 @@ import pytest
 from shared import tls
 from shared.messages import KVHandle
 from shared.transfer import TransferFailed, TransferState
-from shared.transfer.shm import (SHM_DIR, ShmKVReceiver, ShmKVSender, host_id, segments,
-                                 unlink_segment)
+from shared.transfer.shm import (
+    SHM_DIR,
+    ShmKVReceiver,
+    ShmKVSender,
+    host_id,
+    segments,
+    unlink_segment,
+)
 from shared.transfer.tcp import TcpKVReceiver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,12 +128,12 @@ async def test_receivers_fill_the_callers_buffer_when_given_an_allocator(sender,
 
     handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
     _, got = await plane.tcp(allocate=alloc).fetch(handle, timeout_s=10)
-    assert got.obj is mine and mine[:len(payload)] == payload
+    assert got.obj is mine and mine[: len(payload)] == payload
 
     mine[:] = bytes(len(mine))
     handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
     _, got = await plane.shm(copy=True, allocate=alloc).fetch(handle, timeout_s=10)
-    assert got.obj is mine and mine[:len(payload)] == payload
+    assert got.obj is mine and mine[: len(payload)] == payload
 
     handle = sender.offer("handoff", b"{}", payload, 1, ttl_s=10)
     receiver = plane.tcp(allocate=lambda n: bytearray(n + 1))
@@ -183,8 +189,7 @@ async def test_expiry_unlinks_the_segment(sender, plane):
 async def test_close_leaves_no_segment_behind(plane):
     sender = plane.sender()
     await sender.start()
-    handles = [sender.offer("handoff", b"{}", os.urandom(1 << 20), 1, ttl_s=60)
-               for _ in range(3)]
+    handles = [sender.offer("handoff", b"{}", os.urandom(1 << 20), 1, ttl_s=60) for _ in range(3)]
     assert len(my_segments()) == 3 and len(segments(os.getpid())) == 3
     await sender.close()
     assert my_segments() == []
@@ -216,8 +221,9 @@ class SenderChild:
     """A ShmKVSender in its own process, offering one transfer, that the test can stop or kill."""
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE,
-                                     cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, cwd=ROOT
+        )
         self.handle = KVHandle.model_validate_json(self.proc.stdout.readline())
         self.path = os.path.join(SHM_DIR, self.handle.shm_name)
         assert self.handle.transport == "shm" and os.path.exists(self.path)
@@ -287,9 +293,13 @@ async def test_fetch_from_a_dead_sender_fails_fast_and_removes_its_segment():
 
 
 def test_bench_quick_mode_prints_the_figures():
-    proc = subprocess.run([sys.executable, "-m", "services.bench.transfer_bench", "--mib", "4",
-                           "--rounds", "1"], capture_output=True, text=True, timeout=180,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.bench.transfer_bench", "--mib", "4", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["mib"] == 4 and doc["rounds"] == 1

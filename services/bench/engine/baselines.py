@@ -31,9 +31,15 @@ def _generate(lm: LoadedModel, batch: list[list[int]], new_tokens: int) -> tuple
     clock = _StepClock()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        lm.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
-                          logits_processor=LogitsProcessorList([clock]))
+        lm.model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            logits_processor=LogitsProcessorList([clock]),
+        )
     wall = time.perf_counter() - t0
     return wall, clock.stamps[-1] - clock.stamps[0]
 
@@ -44,19 +50,27 @@ def generate_batch1(lm: LoadedModel, prompts: list[list[int]], new_tokens: int) 
         w, d = _generate(lm, [p], new_tokens)
         wall, decode = wall + w, decode + d
     n = len(prompts)
-    return {"requests": n, "end_to_end_tok_s": n * new_tokens / wall,
-            "decode_tok_s": n * (new_tokens - 1) / decode}
+    return {
+        "requests": n,
+        "end_to_end_tok_s": n * new_tokens / wall,
+        "decode_tok_s": n * (new_tokens - 1) / decode,
+    }
 
 
-def generate_padded(lm: LoadedModel, prompts: list[list[int]], new_tokens: int, batch: int
-                    ) -> dict[str, Any]:
+def generate_padded(
+    lm: LoadedModel, prompts: list[list[int]], new_tokens: int, batch: int
+) -> dict[str, Any]:
     wall = decode = 0.0
     for i in range(0, len(prompts), batch):
-        w, d = _generate(lm, prompts[i:i + batch], new_tokens)
+        w, d = _generate(lm, prompts[i : i + batch], new_tokens)
         wall, decode = wall + w, decode + d
     n = len(prompts)
-    return {"requests": n, "batch": batch, "end_to_end_tok_s": n * new_tokens / wall,
-            "decode_tok_s": n * (new_tokens - 1) / decode}
+    return {
+        "requests": n,
+        "batch": batch,
+        "end_to_end_tok_s": n * new_tokens / wall,
+        "decode_tok_s": n * (new_tokens - 1) / decode,
+    }
 
 
 def peak_matmul_gflops(dtype: torch.dtype, device: str) -> float:

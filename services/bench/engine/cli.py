@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-from dataclasses import replace
 import json
 import resource
 import sys
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -49,13 +49,25 @@ def precisions(arg: str) -> list[str]:
 
 
 def engine_for(lm: LoadedModel, quantization: str, args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(lm, EngineConfig(kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-                                      max_num_batched_tokens=args.chunk_tokens, max_num_seqs=64,
-                                      quantization=quantization))  # type: ignore[arg-type]
+    return LLMEngine(
+        lm,
+        EngineConfig(
+            kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+            max_num_batched_tokens=args.chunk_tokens,
+            max_num_seqs=64,
+            quantization=quantization,
+        ),
+    )  # type: ignore[arg-type]
 
 
-def measure_precision(name: str, lm: LoadedModel, quant: str, args: argparse.Namespace,
-                      limits: machine.Limits, work: dict[str, Any]) -> dict[str, Any]:
+def measure_precision(
+    name: str,
+    lm: LoadedModel,
+    quant: str,
+    args: argparse.Namespace,
+    limits: machine.Limits,
+    work: dict[str, Any],
+) -> dict[str, Any]:
     engine = engine_for(lm, quant, args)
     shape = ModelShape.of(lm.model.config)
     kv_item = engine.kv.shape.dtype.itemsize
@@ -65,50 +77,83 @@ def measure_precision(name: str, lm: LoadedModel, quant: str, args: argparse.Nam
     workloads.run(engine, work["warmup"], 8, f"{name}-warm")
     # Shared machines drift: the bandwidth again, right before this precision's runs; the
     # bounds use the best seen (a bound must not be one a noisy moment made easy).
-    limits = replace(limits, bandwidth_bytes_s=max(limits.bandwidth_bytes_s,
-                                                   machine.read_bandwidth(weights)))
+    limits = replace(
+        limits, bandwidth_bytes_s=max(limits.bandwidth_bytes_s, machine.read_bandwidth(weights))
+    )
     single = workloads.single_stream(engine, work["single"], work["new_tokens"], f"{name}-s")
-    single["bound"] = decode_step_bound(shape, single["contexts"], weights, kv_item, lin_peak,
-                                        attn_peak, limits)
+    single["bound"] = decode_step_bound(
+        shape, single["contexts"], weights, kv_item, lin_peak, attn_peak, limits
+    )
     batch = workloads.run(engine, work["batch"], work["new_tokens"], f"{name}-b")
-    batch["bound"] = decode_step_bound(shape, batch["full_step_contexts"], weights, kv_item,
-                                       lin_peak, attn_peak, limits)
-    out = {"dtype": str(lm.dtype)[6:], "quantization": quant, "weight_bytes": weights,
-           "bandwidth_gb_s": limits.bandwidth_bytes_s / 1e9,
-           "single": single, "batch": batch, "engine": engine}
+    batch["bound"] = decode_step_bound(
+        shape, batch["full_step_contexts"], weights, kv_item, lin_peak, attn_peak, limits
+    )
+    out = {
+        "dtype": str(lm.dtype)[6:],
+        "quantization": quant,
+        "weight_bytes": weights,
+        "bandwidth_gb_s": limits.bandwidth_bytes_s / 1e9,
+        "single": single,
+        "batch": batch,
+        "engine": engine,
+    }
     return out
 
 
 def baselines(lm: LoadedModel, work: dict[str, Any]) -> dict[str, Any]:
     hf.generate_batch1(lm, work["warmup"][:1], 8)  # warm-up, as the engine had
-    return {"batch1": hf.generate_batch1(lm, work["single"], work["new_tokens"]),
-            "padded": hf.generate_padded(lm, work["batch"], work["new_tokens"],
-                                         batch=len(work["batch"]))}
+    return {
+        "batch1": hf.generate_batch1(lm, work["single"], work["new_tokens"]),
+        "padded": hf.generate_padded(
+            lm, work["batch"], work["new_tokens"], batch=len(work["batch"])
+        ),
+    }
 
 
-def default_extras(engine: LLMEngine, lm: LoadedModel, args: argparse.Namespace,
-                   limits: machine.Limits, vocab: int, hi: int) -> dict[str, Any]:
+def default_extras(
+    engine: LLMEngine,
+    lm: LoadedModel,
+    args: argparse.Namespace,
+    limits: machine.Limits,
+    vocab: int,
+    hi: int,
+) -> dict[str, Any]:
     shape = ModelShape.of(lm.model.config)
     tbt = {}
     for c in [int(x) for x in args.concurrency.split(",")]:
-        r = workloads.run(engine, workloads.prompts(c, 64, hi, 100 + c, vocab),
-                          16 if args.quick else 64, f"c{c}-")
+        r = workloads.run(
+            engine, workloads.prompts(c, 64, hi, 100 + c, vocab), 16 if args.quick else 64, f"c{c}-"
+        )
         tbt[str(c)] = {k: r[k] for k in ("tbt_p50_ms", "tbt_p99_ms", "decode_tok_s")}
     tokens = 512 if args.quick else 2048
     prefill_s = workloads.prefill(engine, vocab, tokens)
     flops = tokens * shape.linear_flops() + shape.attention_flops(tokens / 2) * tokens
     peak = limits.peak_flops["int8" if engine.config.quantization == "int8" else str(lm.dtype)[6:]]
-    return {"tbt": tbt, "prefix_reuse": workloads.prefix_reuse(engine, vocab),
-            "prefill": {"tokens": tokens, "seconds": prefill_s,
-                        "gflop_s": flops / prefill_s / 1e9, "of_peak": flops / prefill_s / peak}}
+    return {
+        "tbt": tbt,
+        "prefix_reuse": workloads.prefix_reuse(engine, vocab),
+        "prefill": {
+            "tokens": tokens,
+            "seconds": prefill_s,
+            "gflop_s": flops / prefill_s / 1e9,
+            "of_peak": flops / prefill_s / peak,
+        },
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="halfmoon bench engine", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="halfmoon bench engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="", help="model folder (default: the pulled default model)")
-    p.add_argument("--precisions", default="auto", help="comma list of fp32, bf16, int8 "
-                   "(auto: fp32, bf16 where the CPU computes it natively, int8)")
+    p.add_argument(
+        "--precisions",
+        default="auto",
+        help="comma list of fp32, bf16, int8 "
+        "(auto: fp32, bf16 where the CPU computes it natively, int8)",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda (cuda: fp32 and bf16 only)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
@@ -148,22 +193,46 @@ def run_all(names: list[str], model_dir: Any, args: argparse.Namespace) -> dict[
     first = model(PRECISIONS[names[0]][0])
     vocab = min(first.model.config.vocab_size, 40_000)
     n, new, hi = (8, 16, 256) if args.quick else (32, 128, 1024)
-    work = {"warmup": workloads.prompts(2, 64, 128, 99, vocab), "new_tokens": new,
-            "single": workloads.prompts(2 if args.quick else 4, 128, 512, 3, vocab),
-            "batch": workloads.prompts(n, 64, hi, 1, vocab)}
+    work = {
+        "warmup": workloads.prompts(2, 64, 128, 99, vocab),
+        "new_tokens": new,
+        "single": workloads.prompts(2 if args.quick else 4, 128, 512, 3, vocab),
+        "batch": workloads.prompts(n, 64, hi, 1, vocab),
+    }
     weights_hint = sum(p.numel() * p.element_size() for p in first.model.parameters())
-    dtypes = sorted({str(model(PRECISIONS[nm][0]).dtype)[6:] for nm in names} |
-                    ({"int8"} if "int8" in names else set()))
-    limits = machine.measure(weights_hint, dtypes) if args.device == "cpu" else \
-        machine.Limits(float("nan"), {d: float("nan") for d in dtypes}, torch.get_num_threads())
+    dtypes = sorted(
+        {str(model(PRECISIONS[nm][0]).dtype)[6:] for nm in names}
+        | ({"int8"} if "int8" in names else set())
+    )
+    limits = (
+        machine.measure(weights_hint, dtypes)
+        if args.device == "cpu"
+        else machine.Limits(
+            float("nan"), {d: float("nan") for d in dtypes}, torch.get_num_threads()
+        )
+    )
     info = cpu.detect()
     result: dict[str, Any] = {
-        "model": first.name, "device": args.device, "threads": torch.get_num_threads(),
-        "cpu": {"model": info.model, "level": info.level, "isa_cap": info.isa,
-                "torch_capability": torch.backends.cpu.get_cpu_capability()},
-        "kernels": kernels.status(), "auto_dtype": auto_dtype, "limits": limits.as_dict(),
-        "workload": {"single_prompts": len(work["single"]), "batch_requests": n,
-                     "prompt_tokens": f"64-{hi}", "new_tokens": new}, "precisions": {}}
+        "model": first.name,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "cpu": {
+            "model": info.model,
+            "level": info.level,
+            "isa_cap": info.isa,
+            "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        },
+        "kernels": kernels.status(),
+        "auto_dtype": auto_dtype,
+        "limits": limits.as_dict(),
+        "workload": {
+            "single_prompts": len(work["single"]),
+            "batch_requests": n,
+            "prompt_tokens": f"64-{hi}",
+            "new_tokens": new,
+        },
+        "precisions": {},
+    }
     engines: dict[str, LLMEngine] = {}
     for name in names:
         dtype, quant = PRECISIONS[name]
@@ -174,14 +243,18 @@ def run_all(names: list[str], model_dir: Any, args: argparse.Namespace) -> dict[
             r["transformers"] = baselines(lm, work)
         result["precisions"][name] = r
     # TBT, prefix reuse and prefill: at the precision `--dtype auto` serves with
-    default = "bf16" if auto_dtype == "bfloat16" and "bf16" in names else \
-        ("fp32" if "fp32" in names else names[0])
+    default = (
+        "bf16"
+        if auto_dtype == "bfloat16" and "bf16" in names
+        else ("fp32" if "fp32" in names else names[0])
+    )
     lm = model(PRECISIONS[default][0])
     result["default_precision"] = default
     result.update(default_extras(engines[default], lm, args, limits, vocab, hi))
     if "int8" in engines and "fp32" in engines:
-        result["int8_quality"] = quality.gate(engines["fp32"], engines["int8"], first.tokenizer,
-                                              8 if args.quick else 32)
+        result["int8_quality"] = quality.gate(
+            engines["fp32"], engines["int8"], first.tokenizer, 8 if args.quick else 32
+        )
     result["memory"] = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     engines.clear()
     gc.collect()

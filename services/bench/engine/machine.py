@@ -23,8 +23,11 @@ class Limits:
     threads: int
 
     def as_dict(self) -> dict[str, float]:
-        return {"read_bandwidth_gb_s": self.bandwidth_bytes_s / 1e9, "threads": self.threads,
-                **{f"peak_{k}_gflop_s": v / 1e9 for k, v in self.peak_flops.items()}}
+        return {
+            "read_bandwidth_gb_s": self.bandwidth_bytes_s / 1e9,
+            "threads": self.threads,
+            **{f"peak_{k}_gflop_s": v / 1e9 for k, v in self.peak_flops.items()},
+        }
 
 
 def read_bandwidth(nbytes: int, passes: int = 8) -> float:
@@ -60,5 +63,6 @@ def peak_matmul(dtype: str, n: int = 2048, passes: int = 5) -> float:
 
 
 def measure(weight_bytes: int, dtypes: list[str]) -> Limits:
-    return Limits(read_bandwidth(weight_bytes), {d: peak_matmul(d) for d in dtypes},
-                  torch.get_num_threads())
+    return Limits(
+        read_bandwidth(weight_bytes), {d: peak_matmul(d) for d in dtypes}, torch.get_num_threads()
+    )

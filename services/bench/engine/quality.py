@@ -18,10 +18,16 @@ from shared.engine.llm_engine import LLMEngine
 from shared.engine.params import SamplingParams
 
 TEXT = Path(__file__).parent / "quality_text.txt"
-PROMPTS = ["What is the capital of France?", "Write a haiku about the moon.",
-           "Explain in one sentence what a KV cache is.", "def fibonacci(n):",
-           "Give me a recipe for pancakes.", "Who wrote Pride and Prejudice?",
-           "Name the planets of the solar system in order.", "Why is the sky blue?"]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the moon.",
+    "Explain in one sentence what a KV cache is.",
+    "def fibonacci(n):",
+    "Give me a recipe for pancakes.",
+    "Who wrote Pride and Prejudice?",
+    "Name the planets of the solar system in order.",
+    "Why is the sky blue?",
+]
 PPL_RATIO_MAX = 1.02
 AGREEMENT_MIN = 0.90
 
@@ -39,23 +45,32 @@ def perplexity(engine: LLMEngine, ids: list[int]) -> float:
     return math.exp(-float(engine.prompt_logprobs(ids).token_logprobs.mean()))
 
 
-def gate(reference: LLMEngine, candidate: LLMEngine, tokenizer: Any, new_tokens: int = 32
-         ) -> dict[str, Any]:
+def gate(
+    reference: LLMEngine, candidate: LLMEngine, tokenizer: Any, new_tokens: int = 32
+) -> dict[str, Any]:
     agree = total = prefix = 0
     for i, text in enumerate(PROMPTS):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                               add_generation_prompt=True)["input_ids"]
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )["input_ids"]
         ref = greedy(reference, prompt, new_tokens, f"q-ref{i}")
         free = greedy(candidate, prompt, new_tokens, f"q-cand{i}")
         prefix += next((j for j, (a, b) in enumerate(zip(ref, free)) if a != b), len(ref))
         # teacher-forced: candidate's argmax at each of fp32's positions, in one pass
-        top = candidate.prompt_logprobs(prompt + ref, top_k=1).top_ids[len(prompt) - 1:, 0]
+        top = candidate.prompt_logprobs(prompt + ref, top_k=1).top_ids[len(prompt) - 1 :, 0]
         agree += sum(int(a == b) for a, b in zip(top.tolist(), ref))
         total += len(ref)
     ids = tokenizer(TEXT.read_text())["input_ids"]
     ppl_ref, ppl = perplexity(reference, ids), perplexity(candidate, ids)
     agreement = agree / total
-    return {"prompts": len(PROMPTS), "tokens": total, "agreement": agreement,
-            "identical_prefix": prefix / total, "text_tokens": len(ids),
-            "ppl_reference": ppl_ref, "ppl": ppl, "ppl_ratio": ppl / ppl_ref,
-            "passed": ppl / ppl_ref <= PPL_RATIO_MAX and agreement >= AGREEMENT_MIN}
+    return {
+        "prompts": len(PROMPTS),
+        "tokens": total,
+        "agreement": agreement,
+        "identical_prefix": prefix / total,
+        "text_tokens": len(ids),
+        "ppl_reference": ppl_ref,
+        "ppl": ppl,
+        "ppl_ratio": ppl / ppl_ref,
+        "passed": ppl / ppl_ref <= PPL_RATIO_MAX and agreement >= AGREEMENT_MIN,
+    }

@@ -44,23 +44,34 @@ def run(engine: LLMEngine, batch: list[list[int]], new_tokens: int, tag: str) ->
     total = sum(len(ts) for ts in stamps.values())
     steps = sorted(full_steps)
     mid = steps[len(steps) // 2] if steps else (float("nan"), [])
-    return {"requests": len(batch), "output_tokens": total, "wall_s": wall,
-            "end_to_end_tok_s": total / wall,
-            "decode_tok_s": decode_tokens / decode_s if decode_s else float("nan"),
-            "tbt_p50_ms": percentile(gaps, 50) * 1e3, "tbt_p99_ms": percentile(gaps, 99) * 1e3,
-            "full_step_p50_ms": mid[0] * 1e3, "full_step_contexts": mid[1]}
+    return {
+        "requests": len(batch),
+        "output_tokens": total,
+        "wall_s": wall,
+        "end_to_end_tok_s": total / wall,
+        "decode_tok_s": decode_tokens / decode_s if decode_s else float("nan"),
+        "tbt_p50_ms": percentile(gaps, 50) * 1e3,
+        "tbt_p99_ms": percentile(gaps, 99) * 1e3,
+        "full_step_p50_ms": mid[0] * 1e3,
+        "full_step_contexts": mid[1],
+    }
 
 
-def single_stream(engine: LLMEngine, batch: list[list[int]], new_tokens: int, tag: str
-                  ) -> dict[str, Any]:
+def single_stream(
+    engine: LLMEngine, batch: list[list[int]], new_tokens: int, tag: str
+) -> dict[str, Any]:
     """One request at a time; every decode step is a full (one-sequence) step."""
     runs = [run(engine, [p], new_tokens, f"{tag}{i}-") for i, p in enumerate(batch)]
     steps = sorted((r["full_step_p50_ms"], r["full_step_contexts"]) for r in runs)
     step_ms, contexts = steps[len(steps) // 2]
     decode_tok_s = sum(r["decode_tok_s"] for r in runs) / len(runs)
-    return {"requests": len(batch), "step_p50_ms": step_ms, "contexts": contexts,
-            "decode_tok_s": decode_tok_s, "tbt_p50_ms": percentile(
-                [r["tbt_p50_ms"] for r in runs], 50)}
+    return {
+        "requests": len(batch),
+        "step_p50_ms": step_ms,
+        "contexts": contexts,
+        "decode_tok_s": decode_tok_s,
+        "tbt_p50_ms": percentile([r["tbt_p50_ms"] for r in runs], 50),
+    }
 
 
 def prefix_reuse(engine: LLMEngine, vocab: int) -> dict[str, float]:
@@ -80,8 +91,11 @@ def prefix_reuse(engine: LLMEngine, vocab: int) -> dict[str, float]:
     cold = ttft("cold", shared + tail())  # also caches the shared part
     cold2 = ttft("cold2", [t + 1 for t in shared] + tail())  # nothing cached: a second cold
     warm = min(ttft(f"warm{i}", shared + tail()) for i in range(3))
-    return {"cold_ttft_ms": min(cold, cold2) * 1e3, "warm_ttft_ms": warm * 1e3,
-            "ratio": warm / min(cold, cold2)}
+    return {
+        "cold_ttft_ms": min(cold, cold2) * 1e3,
+        "warm_ttft_ms": warm * 1e3,
+        "ratio": warm / min(cold, cold2),
+    }
 
 
 def prefill(engine: LLMEngine, vocab: int, tokens: int = 2048) -> float:
@@ -89,8 +103,9 @@ def prefill(engine: LLMEngine, vocab: int, tokens: int = 2048) -> float:
     best = float("inf")
     for i in range(2):
         prompt = prompts(1, tokens, tokens, 11 + i, vocab)[0]
-        engine.add_request(f"prefill{i}", prompt,
-                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        engine.add_request(
+            f"prefill{i}", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        )
         t0 = time.perf_counter()
         while engine.has_work():
             engine.step()

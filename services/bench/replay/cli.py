@@ -21,7 +21,12 @@ from typing import Any, Sequence
 from services.bench.replay import report
 from services.bench.replay.cluster import ClusterConfig, local_cluster
 from services.bench.replay.metrics import Slos, records_json, summarize
-from services.bench.replay.prompts import PromptMaker, PromptPlan, ideal_hit_ratio, single_token_words
+from services.bench.replay.prompts import (
+    PromptMaker,
+    PromptPlan,
+    ideal_hit_ratio,
+    single_token_words,
+)
 from services.bench.replay.runner import RunOptions, replay
 from services.bench.replay.workload import SliceSpec, arrivals, select
 from services.kvmanager.traces import default_trace, load_trace
@@ -31,43 +36,67 @@ from shared.settings import DEFAULT_MODEL_NAME, halfmoon_home
 log = logging.getLogger("halfmoon.bench.replay")
 
 # Same cores for both sides: two engine processes each.
-LAYOUT = (ClusterConfig.parse("disaggregated=--prefill 1 --decode 1 --policy kvcentric"),
-          ClusterConfig.parse("colocated=--colocated 2 --policy kvcentric"))
+LAYOUT = (
+    ClusterConfig.parse("disaggregated=--prefill 1 --decode 1 --policy kvcentric"),
+    ClusterConfig.parse("colocated=--colocated 2 --policy kvcentric"),
+)
 # The paper's baseline balances load and ignores the cache (and, like every policy but
 # kvcentric, never pulls a prefix).
-POLICIES = (ClusterConfig.parse("kvcentric=--prefill 2 --decode 1 --policy kvcentric"),
-            ClusterConfig.parse("least_loaded=--prefill 2 --decode 1 --policy least_loaded"))
+POLICIES = (
+    ClusterConfig.parse("kvcentric=--prefill 2 --decode 1 --policy kvcentric"),
+    ClusterConfig.parse("least_loaded=--prefill 2 --decode 1 --policy least_loaded"),
+)
 PRESETS = {"layout": LAYOUT, "policies": POLICIES, "all": LAYOUT + POLICIES}
 # (what, summary path, numerator, denominator, target ratio): the acceptance lines.
-TARGETS = (("TBT p99, disaggregated / colocated", ("tbt", "p99_ms"), "disaggregated",
-            "colocated", 0.6),
-           ("mean TTFT, kvcentric / least_loaded", ("ttft", "mean_ms"), "kvcentric",
-            "least_loaded", 0.8))
+TARGETS = (
+    ("TBT p99, disaggregated / colocated", ("tbt", "p99_ms"), "disaggregated", "colocated", 0.6),
+    ("mean TTFT, kvcentric / least_loaded", ("ttft", "mean_ms"), "kvcentric", "least_loaded", 0.8),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="halfmoon bench replay", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", default=default_trace(),
-                   help="Mooncake trace, JSON Lines (default: env HALFMOON_TRACE, else the "
-                   "repository's 2%% sample of the conversation trace, which the default "
-                   "--sample-conversations keeps whole)")
+    p = argparse.ArgumentParser(
+        prog="halfmoon bench replay",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--trace",
+        default=default_trace(),
+        help="Mooncake trace, JSON Lines (default: env HALFMOON_TRACE, else the "
+        "repository's 2%% sample of the conversation trace, which the default "
+        "--sample-conversations keeps whole)",
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway (single-run mode)")
     p.add_argument("--compare", choices=sorted(PRESETS), help="start a cluster per preset config")
-    p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
-                   help="a cluster to start: `halfmoon up` flags, HALFMOON_X=Y env (repeatable)")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a cluster to start: `halfmoon up` flags, HALFMOON_X=Y env (repeatable)",
+    )
     p.add_argument("--model", default=DEFAULT_MODEL_NAME, help="model (tokenizer; clusters)")
     g = p.add_argument_group("slice")
     g.add_argument("--start", type=int, default=0, help="first trace line")
     g.add_argument("--limit", type=int, default=None, help="trace lines from --start")
-    g.add_argument("--sample-conversations", type=float, default=0.02,
-                   help="share of conversations kept (whole conversations, so reuse is kept)")
+    g.add_argument(
+        "--sample-conversations",
+        type=float,
+        default=0.02,
+        help="share of conversations kept (whole conversations, so reuse is kept)",
+    )
     g.add_argument("--max-requests", type=int, default=None, help="cap after sampling")
-    g.add_argument("--time-scale", type=float, default=0.1,
-                   help="arrival = trace timestamp x this (0.1: ten times faster)")
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.1,
+        help="arrival = trace timestamp x this (0.1: ten times faster)",
+    )
     g = p.add_argument_group("prompts")
-    g.add_argument("--block-tokens", type=int, default=16,
-                   help="tokens per trace block (the trace's are 512)")
+    g.add_argument(
+        "--block-tokens", type=int, default=16, help="tokens per trace block (the trace's are 512)"
+    )
     g.add_argument("--max-input-tokens", type=int, default=1024)
     g.add_argument("--max-output-tokens", type=int, default=32)
     g.add_argument("--min-output-tokens", type=int, default=4)
@@ -75,10 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("SLOs")
     g.add_argument("--ttft-slo-ms", type=float, default=10_000.0)
     g.add_argument("--tbt-slo-ms", type=float, default=300.0)
-    g.add_argument("--tbt-thresholds-ms", default="50,100,200,300,500,1000",
-                   help="effective capacity at each TBT threshold")
-    g.add_argument("--send-slos", action="store_true",
-                   help="put the SLOs on requests, so the conductor may reject early")
+    g.add_argument(
+        "--tbt-thresholds-ms",
+        default="50,100,200,300,500,1000",
+        help="effective capacity at each TBT threshold",
+    )
+    g.add_argument(
+        "--send-slos",
+        action="store_true",
+        help="put the SLOs on requests, so the conductor may reject early",
+    )
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--out", default="", help="report folder (default HALFMOON_HOME/bench/replay-*)")
     return p
@@ -88,27 +123,43 @@ def plan(args: argparse.Namespace, model_dir: Path) -> tuple[list[PromptPlan], l
     from transformers import AutoTokenizer
 
     trace = load_trace(args.trace)
-    spec = SliceSpec(args.start, args.limit, args.sample_conversations, args.max_requests,
-                     args.time_scale)
+    spec = SliceSpec(
+        args.start, args.limit, args.sample_conversations, args.max_requests, args.time_scale
+    )
     chosen = select(trace, spec)
     if not chosen:
         raise SystemExit("the slice is empty: widen --limit or --sample-conversations")
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    maker = PromptMaker(single_token_words(tok), args.block_tokens, args.max_input_tokens,
-                        args.max_output_tokens, args.min_output_tokens, args.seed)
+    maker = PromptMaker(
+        single_token_words(tok),
+        args.block_tokens,
+        args.max_input_tokens,
+        args.max_output_tokens,
+        args.min_output_tokens,
+        args.seed,
+    )
     plans = [maker.make(r) for r in chosen]
     return plans, arrivals(chosen, args.time_scale), ideal_hit_ratio(plans, args.block_tokens)
 
 
-async def run_one(name: str, url: str, plans: list[PromptPlan], arr: list[float],
-                  args: argparse.Namespace, slos: Slos, ideal: float) -> dict[str, Any]:
+async def run_one(
+    name: str,
+    url: str,
+    plans: list[PromptPlan],
+    arr: list[float],
+    args: argparse.Namespace,
+    slos: Slos,
+    ideal: float,
+) -> dict[str, Any]:
     opts = RunOptions(args.request_timeout_s, args.send_slos, args.ttft_slo_ms, args.tbt_slo_ms)
-    print(f"[{name}] replaying {len(plans)} requests over {arr[-1]:.0f}s against {url}",
-          flush=True)
+    print(f"[{name}] replaying {len(plans)} requests over {arr[-1]:.0f}s against {url}", flush=True)
     records, wall = await replay(url, plans, arr, opts)
     summary = summarize(records, wall, slos, ideal)
-    print(f"[{name}] done in {wall:.0f}s: {summary['completed']} completed, "
-          f"{summary['rejected']} rejected, {summary['failed']} failed", flush=True)
+    print(
+        f"[{name}] done in {wall:.0f}s: {summary['completed']} completed, "
+        f"{summary['rejected']} rejected, {summary['failed']} failed",
+        flush=True,
+    )
     return {"name": name, "summary": summary, "records": records_json(records)}
 
 
@@ -120,8 +171,12 @@ def comparisons(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             a, b = report.lookup(by_name[num], path), report.lookup(by_name[den], path)
             ratio = a / b if a is not None and b else None
             ok = ratio is not None and ratio <= target
-            text = (f"{what}: {a:.0f} / {b:.0f} ms = {ratio:.2f}x (target <= {target}x: "
-                    f"{'met' if ok else 'NOT met'})" if ratio is not None else f"{what}: n/a")
+            text = (
+                f"{what}: {a:.0f} / {b:.0f} ms = {ratio:.2f}x (target <= {target}x: "
+                f"{'met' if ok else 'NOT met'})"
+                if ratio is not None
+                else f"{what}: n/a"
+            )
             out.append({"what": what, "ratio": ratio, "target": target, "met": ok, "text": text})
     return out
 
@@ -130,8 +185,11 @@ async def main_async(args: argparse.Namespace) -> int:
     configs = [ClusterConfig.parse(c) for c in args.config] + list(PRESETS.get(args.compare, ()))
     model_dir = await asyncio.to_thread(ensure_model, args.model)
     plans, arr, ideal = plan(args, model_dir)
-    slos = Slos(args.ttft_slo_ms / 1e3, args.tbt_slo_ms / 1e3,
-                tuple(float(t) / 1e3 for t in args.tbt_thresholds_ms.split(",")))
+    slos = Slos(
+        args.ttft_slo_ms / 1e3,
+        args.tbt_slo_ms / 1e3,
+        tuple(float(t) / 1e3 for t in args.tbt_thresholds_ms.split(",")),
+    )
     out = Path(args.out or halfmoon_home() / "bench" / time.strftime("replay-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -142,11 +200,13 @@ async def main_async(args: argparse.Namespace) -> int:
         async with local_cluster(cfg, model_dir, out) as url:
             run = await run_one(cfg.name, url, plans, arr, args, slos, ideal)
         runs.append({**run, "config": cfg.describe()})
-    desc = (f"{len(plans)} requests of {Path(args.trace).name} (lines {args.start}+, "
-            f"{args.sample_conversations:.0%} of conversations, time x{args.time_scale}); "
-            f"{args.block_tokens} tokens per trace block, inputs <= {args.max_input_tokens}, "
-            f"outputs {args.min_output_tokens}-{args.max_output_tokens} tokens; SLOs TTFT "
-            f"{args.ttft_slo_ms:.0f} ms, TBT {args.tbt_slo_ms:.0f} ms")
+    desc = (
+        f"{len(plans)} requests of {Path(args.trace).name} (lines {args.start}+, "
+        f"{args.sample_conversations:.0%} of conversations, time x{args.time_scale}); "
+        f"{args.block_tokens} tokens per trace block, inputs <= {args.max_input_tokens}, "
+        f"outputs {args.min_output_tokens}-{args.max_output_tokens} tokens; SLOs TTFT "
+        f"{args.ttft_slo_ms:.0f} ms, TBT {args.tbt_slo_ms:.0f} ms"
+    )
     doc = {"description": desc, "args": vars(args), "runs": runs, "comparisons": comparisons(runs)}
     print("\n" + desc + "\n" + report.table(runs))
     for c in doc["comparisons"]:

@@ -27,11 +27,12 @@ class ClusterConfig:
     env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, spec: str) -> "ClusterConfig":
+    def parse(cls, spec: str) -> ClusterConfig:
         name, sep, rest = spec.partition("=")
         if not sep or not name.strip() or name.strip().startswith("-"):
-            raise ValueError(f"config {spec!r}: expected NAME=FLAGS, e.g. "
-                             "'colocated=--colocated 2'")
+            raise ValueError(
+                f"config {spec!r}: expected NAME=FLAGS, e.g. 'colocated=--colocated 2'"
+            )
         flags, env = [], {}
         for token in shlex.split(rest):
             if _ENV_TOKEN.match(token):
@@ -46,16 +47,18 @@ class ClusterConfig:
 
 
 @contextlib.asynccontextmanager
-async def local_cluster(config: ClusterConfig, model_dir: Path, log_dir: Path,
-                        ready_timeout_s: float = 300.0) -> AsyncIterator[str]:
+async def local_cluster(
+    config: ClusterConfig, model_dir: Path, log_dir: Path, ready_timeout_s: float = 300.0
+) -> AsyncIterator[str]:
     """Start `halfmoon up` with the config's flags in a scratch home (its own SQLite and
     NATS store); yield the gateway URL; stop it as Ctrl-C would; keep its log."""
     env = dict(config.env)
     if "HALFMOON_COST_MODEL" not in env and default_cost_model().exists():
         env["HALFMOON_COST_MODEL"] = str(default_cost_model())  # the one fitted here
     # No metrics ports unless asked for: a benchmark cluster must not collide with a running one.
-    metrics = [] if any(f.startswith("--metrics") for f in config.flags) else [
-        "--metrics-base-port", "0"]
+    metrics = (
+        [] if any(f.startswith("--metrics") for f in config.flags) else ["--metrics-base-port", "0"]
+    )
     server = HalfmoonServer(model_dir, "auto", [*metrics, *config.flags], env)
     try:
         await asyncio.to_thread(server.start, ready_timeout_s)

@@ -37,21 +37,41 @@ class ReplayedRequest:
     error: str = ""
 
     def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
-        return (self.status == "completed" and self.ttft_s is not None
-                and self.ttft_s <= ttft_slo_s and (self.tbt_s or 0.0) <= tbt_slo_s)
+        return (
+            self.status == "completed"
+            and self.ttft_s is not None
+            and self.ttft_s <= ttft_slo_s
+            and (self.tbt_s or 0.0) <= tbt_slo_s
+        )
 
 
-def record_from(index: int, arrival_s: float, send_lag_s: float, input_tokens: int,
-                output_tokens: int, res: Result) -> ReplayedRequest:
+def record_from(
+    index: int,
+    arrival_s: float,
+    send_lag_s: float,
+    input_tokens: int,
+    output_tokens: int,
+    res: Result,
+) -> ReplayedRequest:
     if res.ok:
         status = "completed"
     elif res.status in REJECTED_STATUSES:
         status = "rejected"
     else:
         status = "failed"
-    rec = ReplayedRequest(index, arrival_s, send_lag_s, input_tokens, output_tokens, status,
-                        res.status, res.prompt_tokens, res.cached_tokens, res.completion_tokens,
-                        error=res.error[:300])
+    rec = ReplayedRequest(
+        index,
+        arrival_s,
+        send_lag_s,
+        input_tokens,
+        output_tokens,
+        status,
+        res.status,
+        res.prompt_tokens,
+        res.cached_tokens,
+        res.completion_tokens,
+        error=res.error[:300],
+    )
     if res.ok:
         gaps = res.gaps_s
         rec.ttft_s, rec.e2e_s, rec.tbt_s, rec.itl_s = res.ttft_s, res.end_s, res.tbt_s, gaps
@@ -63,9 +83,13 @@ def dist(values: Sequence[float]) -> dict[str, float | None]:
     """p50/p90/p99/mean/max of seconds, reported in milliseconds (None when empty)."""
     if not values:
         return {"p50_ms": None, "p90_ms": None, "p99_ms": None, "mean_ms": None, "max_ms": None}
-    return {"p50_ms": percentile(values, 50) * 1e3, "p90_ms": percentile(values, 90) * 1e3,
-            "p99_ms": percentile(values, 99) * 1e3, "mean_ms": sum(values) / len(values) * 1e3,
-            "max_ms": max(values) * 1e3}
+    return {
+        "p50_ms": percentile(values, 50) * 1e3,
+        "p90_ms": percentile(values, 90) * 1e3,
+        "p99_ms": percentile(values, 99) * 1e3,
+        "mean_ms": sum(values) / len(values) * 1e3,
+        "max_ms": max(values) * 1e3,
+    }
 
 
 @dataclass(frozen=True)
@@ -75,17 +99,21 @@ class Slos:
     tbt_thresholds_s: tuple[float, ...]
 
 
-def summarize(records: Sequence[ReplayedRequest], duration_s: float, slos: Slos,
-              ideal_hit_ratio: float) -> dict[str, Any]:
+def summarize(
+    records: Sequence[ReplayedRequest], duration_s: float, slos: Slos, ideal_hit_ratio: float
+) -> dict[str, Any]:
     done = [r for r in records if r.status == "completed"]
     n = len(records)
     met = [r for r in done if r.meets(slos.ttft_s, slos.tbt_s)]
     prompt = sum(r.prompt_tokens for r in done)
     out_tokens = sum(r.completion_tokens for r in done)
-    capacity = {f"{t * 1e3:g}": _share([r for r in done if r.meets(slos.ttft_s, t)], n)
-                for t in slos.tbt_thresholds_s}
+    capacity = {
+        f"{t * 1e3:g}": _share([r for r in done if r.meets(slos.ttft_s, t)], n)
+        for t in slos.tbt_thresholds_s
+    }
     return {
-        "requests": n, "completed": len(done),
+        "requests": n,
+        "completed": len(done),
         "rejected": sum(r.status == "rejected" for r in records),
         "failed": sum(r.status == "failed" for r in records),
         "duration_s": duration_s,

@@ -51,8 +51,15 @@ class PromptPlan:
 
 
 class PromptMaker:
-    def __init__(self, words: Sequence[str], block_tokens: int = 16, max_input_tokens: int = 1024,
-                 max_output_tokens: int = 32, min_output_tokens: int = 4, seed: int = 0) -> None:
+    def __init__(
+        self,
+        words: Sequence[str],
+        block_tokens: int = 16,
+        max_input_tokens: int = 1024,
+        max_output_tokens: int = 32,
+        min_output_tokens: int = 4,
+        seed: int = 0,
+    ) -> None:
         if not 0 < block_tokens <= TRACE_BLOCK_TOKENS:
             raise ValueError(f"block_tokens must be in 1..{TRACE_BLOCK_TOKENS}")
         if not 0 < min_output_tokens <= max_output_tokens:
@@ -75,7 +82,7 @@ class PromptMaker:
     def make(self, req: TraceRequest) -> PromptPlan:
         n = min(self.scale(req.input_length), len(req.hash_ids) * self.block_tokens, self.max_input)
         n = max(n, 1)
-        blocks = req.hash_ids[:math.ceil(n / self.block_tokens)]
+        blocks = req.hash_ids[: math.ceil(n / self.block_tokens)]
         words = [w for h in blocks for w in self._block(h)][:n]
         out = min(self.max_output, max(self.min_output, self.scale(req.output_length)))
         return PromptPlan("".join(words), n, out, tuple(blocks))
@@ -92,7 +99,7 @@ def ideal_hit_ratio(plans: Sequence[PromptPlan], block_tokens: int) -> float:
         total += p.input_tokens
         full = p.input_tokens // block_tokens
         k = 0
-        while k < full and tuple(p.hash_ids[:k + 1]) in seen:
+        while k < full and tuple(p.hash_ids[: k + 1]) in seen:
             k += 1
         hit += k * block_tokens
         for i in range(1, len(p.hash_ids) + 1):

@@ -28,15 +28,21 @@ class RunOptions:
 
 
 def request_body(model: str, plan: PromptPlan, opts: RunOptions) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": plan.content}],
-            "max_tokens": plan.output_tokens, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": plan.content}],
+        "max_tokens": plan.output_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     if opts.send_slos:
         body.update(ttft_slo_ms=opts.ttft_slo_ms, tbt_slo_ms=opts.tbt_slo_ms)
     return body
 
 
-async def replay(url: str, plans: Sequence[PromptPlan], arrivals_s: Sequence[float],
-                 opts: RunOptions) -> tuple[list[ReplayedRequest], float]:
+async def replay(
+    url: str, plans: Sequence[PromptPlan], arrivals_s: Sequence[float], opts: RunOptions
+) -> tuple[list[ReplayedRequest], float]:
     """Returns every request's record (in slice order) and the run's wall time."""
     timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
     connector = aiohttp.TCPConnector(limit=0)  # open loop: no client-side queueing
@@ -50,8 +56,9 @@ async def replay(url: str, plans: Sequence[PromptPlan], arrivals_s: Sequence[flo
             res = await stream_chat(http, url, request_body(model, plans[i], opts))
             if res.error:
                 log.info("request %d: %s", i, res.error[:120])
-            return record_from(i, arrivals_s[i], lag, plans[i].input_tokens,
-                               plans[i].output_tokens, res)
+            return record_from(
+                i, arrivals_s[i], lag, plans[i].input_tokens, plans[i].output_tokens, res
+            )
 
         records = await asyncio.gather(*(one(i) for i in range(len(plans))))
         return list(records), time.perf_counter() - t0

@@ -39,8 +39,8 @@ def keeps(req: TraceRequest, fraction: float) -> bool:
 
 def select(trace: Sequence[TraceRequest], spec: SliceSpec) -> list[TraceRequest]:
     end = None if spec.limit is None else spec.start + spec.limit
-    chosen = [r for r in trace[spec.start:end] if keeps(r, spec.sample_conversations)]
-    return chosen[:spec.max_requests] if spec.max_requests is not None else chosen
+    chosen = [r for r in trace[spec.start : end] if keeps(r, spec.sample_conversations)]
+    return chosen[: spec.max_requests] if spec.max_requests is not None else chosen
 
 
 def arrivals(requests: Sequence[TraceRequest], time_scale: float) -> list[float]:
