@@ -1,8 +1,8 @@
 """`halfmoon bench engine`: the engine at each precision, against transformers and against
 this machine's limits, all measured in one run.
 
-For each precision (fp32; bf16 where the CPU computes it natively; int8 weights and
-activations over the run's dtype):
+For each precision (fp32; bf16 where the CPU computes it natively; int8: weight-only int8,
+activations in the run's dtype):
 - single stream: a few prompts, one at a time, 128 new tokens each: decode step time
   against its bound (weights + KV at the measured bandwidth, or FLOPs at peak) and
   against transformers `generate` at batch 1 on the same prompts;
