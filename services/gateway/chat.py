@@ -30,6 +30,7 @@ class ChatOptions:
     tool_format: HermesFormat | None  # None: tools off (none given, or tool_choice none)
     parallel_tool_calls: bool = True
     include_usage: bool = False
+    continuous_usage: bool = False  # usage so far in every chunk (vLLM's extension)
 
 
 @dataclass
@@ -124,12 +125,14 @@ async def stream_chat(resp: web.StreamResponse, fan: Fanout, opts: ChatOptions,
             break
         choice = choices[sub.index]
         delta, entries = choice.step(event)
+        usage = usage_of(fan.subs) if opts.continuous_usage else None
         if delta or entries:
             await resp.write(sse(chunk_body(request_id, model, created, delta, index=sub.index,
-                                            logprobs=entries)))
+                                            logprobs=entries, usage=usage)))
         if choice.finish_reason is not None:
             await resp.write(sse(chunk_body(request_id, model, created, {},
-                                            choice.finish_reason, index=sub.index)))
+                                            choice.finish_reason, index=sub.index,
+                                            usage=usage)))
     else:
         if opts.include_usage:
             await resp.write(sse(chunk_body(request_id, model, created, {},

@@ -31,6 +31,7 @@ class TextOptions:
     score_only: bool  # max_tokens 0: the prompt, nothing generated
     stop_ids: frozenset[int]
     include_usage: bool = False
+    continuous_usage: bool = False  # usage so far in every chunk (vLLM's extension)
 
 
 @dataclass
@@ -119,8 +120,10 @@ async def stream_text(resp: web.StreamResponse, fan: Fanout, opts: TextOptions,
         choice = choices[sub.index]
         text, lps = choice.step(event)
         if text or lps and lps["tokens"] or choice.finish_reason or len(choice.text) == 1:
+            usage = usage_of(fan.subs, counted=not opts.score_only) \
+                if opts.continuous_usage else None
             await resp.write(sse(text_body(request_id, model, created, [text_choice(
-                sub.index, text, lps, choice.finish_reason)], None, chunk=True)))
+                sub.index, text, lps, choice.finish_reason)], usage, chunk=True)))
     else:
         if opts.include_usage:
             usage = usage_of(fan.subs, counted=not opts.score_only)

@@ -95,7 +95,8 @@ class Gateway(Extras):
         opts = ChatOptions(self.prompts.model_name, int(arrival), self.texts,
                            chat.engine_logprobs(), self._stop_ids(sampling),
                            self.prompts.tool_format if chat.effective_tool_choice() != "none"
-                           else None, chat.parallel_tool_calls, chat.include_usage())
+                           else None, chat.parallel_tool_calls, chat.include_usage(),
+                           chat.continuous_usage())
         return await self._serve(request, Fanout(self, subs, chat.stream), rid,
                                  lambda resp, fan: stream_chat(resp, fan, opts, rid),
                                  lambda fan: collect_chat(fan, opts, rid))
@@ -117,7 +118,7 @@ class Gateway(Extras):
                       for p in req.prompts()] if req.echo else []
         opts = TextOptions(self.prompts.model_name, int(arrival), self.texts, req.logprobs,
                            req.echo, echo_texts, score_only, self._stop_ids(sampling),
-                           req.include_usage())
+                           req.include_usage(), req.continuous_usage())
         return await self._serve(request, Fanout(self, subs, req.stream), rid,
                                  lambda resp, fan: stream_text(resp, fan, opts, rid),
                                  lambda fan: collect_text(fan, opts, rid))

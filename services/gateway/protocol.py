@@ -69,6 +69,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 def _stop_schema(schema: dict[str, Any]) -> None:
@@ -196,6 +197,9 @@ class SamplingFields(Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
         """The bus's sampling parameters (the constraint is added by structured.py)."""
