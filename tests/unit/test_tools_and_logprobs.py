@@ -125,3 +125,11 @@ def test_token_strings_and_bytes_are_exact_for_byte_level_tokens(builder):
     assert body["token_logprobs"] == [None, -0.5]
     assert body["top_logprobs"] == [None, {"Paris": -0.5}]  # the chosen token, always
     assert body["text_offset"] == [0, 5]
+
+
+def test_a_template_that_refuses_the_messages_is_a_400(model_dir):
+    b = PromptBuilder(model_dir, "m", 8)
+    b.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(errors.InvalidRequest) as info:
+        b.build(parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+    assert info.value.code == "invalid_messages" and "roles must alternate" in info.value.message
