@@ -40,7 +40,7 @@ async def post(url: str, path: str, body: dict, headers: dict | None = None
                ) -> tuple[int, dict, dict]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         async with http.post(f"{url}{path}", json=body, headers=headers) as resp:
-            return resp.status, dict(resp.headers), await resp.json()
+            return resp.status, resp.headers.copy(), await resp.json()
 
 
 async def sse(url: str, path: str, body: dict) -> list[tuple[float, dict]]:
@@ -154,7 +154,8 @@ async def test_sampling_parameters_take_effect(stack, lm):
 async def test_x_request_id_is_used_echoed_and_never_reused(stack):
     status, headers, data = await post(stack.url, "/v1/chat/completions",
                                        chat("Hi", max_tokens=2), {"X-Request-Id": "trace-42"})
-    assert status == 200 and headers["X-Request-Id"] == "trace-42" and data["id"] == "trace-42"
+    assert status == 200, data
+    assert headers["X-Request-Id"] == "trace-42" and data["id"] == "trace-42"
 
     async def recorded():
         async with aiohttp.ClientSession() as http:
@@ -200,11 +201,15 @@ async def test_a_non_streaming_client_that_leaves_is_cancelled_everywhere(stack)
         task = asyncio.create_task(http.post(f"{stack.url}/v1/chat/completions", json=body,
                                              headers={"X-Request-Id": "leaver-1"}))
 
-        async def running():
+        async def decoding():  # placed, and the decode instance has it in its batch
             async with http.get(f"{stack.url}/admin/requests/leaver-1") as resp:
                 got = await resp.json() if resp.status == 200 else None
-            return got and got["request"]["first_token_time"] is not None
-        await until(running, what="leaver-1 is generating")
+            if not got or got["request"]["status"] != "running":
+                return False
+            async with http.get(f"{stack.url}/admin/state") as resp:
+                state = await resp.json()
+            return any(i["role"] == "decode" and i["running"] for i in state["instances"])
+        await until(decoding, what="leaver-1 is decoding")
         task.cancel()  # the client goes away mid-request
         left = time.time()
 
