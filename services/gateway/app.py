@@ -9,11 +9,11 @@ import uuid
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from shared import errors
-from shared.metrics import metrics_handler
 from services.gateway.auth import Auth
 from services.gateway.handlers import Gateway
 from services.gateway.openapi import build_spec
+from shared import errors
+from shared.metrics import metrics_handler
 
 log = logging.getLogger(__name__)
 
@@ -22,12 +22,18 @@ COMPLETIONS_PATH = "/v1/completions"
 # A client's X-Request-Id is used when it has this form: it names NATS subjects (no dots,
 # wildcards or spaces) and SQL keys (room left for the "-k", "-r1", "-t1" suffixes).
 CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,48}")
-_HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
-               413: "payload_too_large", 415: "unsupported_media_type"}
+_HTTP_CODES = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+}
 
 
-def error_response(exc: errors.HalfmoonError, request_id: str | None,
-                   extra_headers: dict[str, str] | None = None) -> web.Response:
+def error_response(
+    exc: errors.HalfmoonError, request_id: str | None, extra_headers: dict[str, str] | None = None
+) -> web.Response:
     headers = dict(extra_headers or {})
     if request_id:
         headers["X-Request-Id"] = request_id
@@ -71,8 +77,10 @@ def assign_request_id(request: web.Request) -> None:
         return
     request["request_id"] = new_request_id(request.path)
     if given is not None:
-        log.info("request %s: X-Request-Id not used (wanted 1-48 of A-Z a-z 0-9 _ -)",
-                 request["request_id"])
+        log.info(
+            "request %s: X-Request-Id not used (wanted 1-48 of A-Z a-z 0-9 _ -)",
+            request["request_id"],
+        )
 
 
 @web.middleware
@@ -95,8 +103,14 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
         err = errors.HalfmoonError(exc.reason, code=_HTTP_CODES.get(exc.status, "http_error"))
         err.status, err.type = exc.status, "invalid_request_error"
         rid = request.get("request_id")
-        log.info("request %s: %d %s: %s %s", rid or "-", err.status, err.code, request.method,
-                 request.path)
+        log.info(
+            "request %s: %d %s: %s %s",
+            rid or "-",
+            err.status,
+            err.code,
+            request.method,
+            request.path,
+        )
         # A 405 must say what is allowed (RFC 9110).
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         return error_response(err, rid, allow)
@@ -132,8 +146,14 @@ def openapi_handler(gateway: Gateway):  # type: ignore[no-untyped-def]
 
     async def openapi(request: web.Request) -> web.Response:
         if not spec:
-            spec.update(build_spec(request.app, gateway.prompts.model_name, gateway.settings,
-                                   getattr(gateway.prompts, "vocab_size", 49152)))
+            spec.update(
+                build_spec(
+                    request.app,
+                    gateway.prompts.model_name,
+                    gateway.settings,
+                    getattr(gateway.prompts, "vocab_size", 49152),
+                )
+            )
         return web.json_response(spec)
 
     return openapi

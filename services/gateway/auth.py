@@ -14,10 +14,10 @@ from typing import Literal
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared import errors
 from services.gateway.args import GatewaySettings
 from services.gateway.keys import ApiKey, KeyStore, hash_key, parse_key_specs
 from services.gateway.ratelimit import KeyLimiter
+from shared import errors
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +62,14 @@ class Auth:
         self.limiter = limiter
 
     @classmethod
-    def from_settings(cls, settings: GatewaySettings, engine: AsyncEngine | None) -> "Auth":
+    def from_settings(cls, settings: GatewaySettings, engine: AsyncEngine | None) -> Auth:
         static = parse_key_specs(settings.api_keys)
         admin = settings.admin_secret()
         if admin:
             static[hash_key(admin)] = ApiKey(id="env-admin", tenant="admin", admin=True)
-        return cls(KeyStore(engine, static, settings.key_cache_s),
-                   KeyLimiter(settings.default_rate_limit))
+        return cls(
+            KeyStore(engine, static, settings.key_cache_s), KeyLimiter(settings.default_rate_limit)
+        )
 
     async def authenticate(self, request: web.Request) -> ApiKey | None:
         """The caller's key for this route (None on public routes), or a 401/403/429."""
@@ -77,8 +78,10 @@ class Auth:
             return None
         token = bearer_token(request)
         if token is None:
-            raise InvalidApiKey("You didn't provide an API key. Send it in the Authorization "
-                                "header as 'Bearer YOUR_KEY'.")
+            raise InvalidApiKey(
+                "You didn't provide an API key. Send it in the Authorization "
+                "header as 'Bearer YOUR_KEY'."
+            )
         key = await self._lookup(token)
         if key is None:
             raise InvalidApiKey("Incorrect API key provided.")
@@ -88,9 +91,11 @@ class Auth:
         if not key.admin:
             wait = await self.limiter.hit(key.id, key.rate_limit)
             if wait is not None:
-                raise errors.Rejected(f"Rate limit reached for key {key.id}; retry in "
-                                      f"{max(1, round(wait))}s.", code="rate_limit_exceeded",
-                                      retry_after_s=wait)
+                raise errors.Rejected(
+                    f"Rate limit reached for key {key.id}; retry in {max(1, round(wait))}s.",
+                    code="rate_limit_exceeded",
+                    retry_after_s=wait,
+                )
         return key
 
     async def _lookup(self, token: str) -> ApiKey | None:

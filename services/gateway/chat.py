@@ -12,12 +12,12 @@ from typing import Any
 
 from aiohttp import web
 
-from shared import errors
-from shared.messages import FinishReason, TokenEvent
 from services.gateway.bodies import chat_body, chat_choice, chunk_body, sse
 from services.gateway.logprobs import TokenTexts, chat_entries
 from services.gateway.runs import Fanout, usage_of
 from services.gateway.tools import HermesFormat, StreamingCalls
+from shared import errors
+from shared.messages import FinishReason, TokenEvent
 
 
 @dataclass
@@ -50,8 +50,9 @@ class ChatChoice:
 
     def step(self, event: TokenEvent) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
         """This event's delta and logprob entries (None when not asked for)."""
-        text, new_calls = (self.calls.feed(event.text) if self.calls is not None
-                           else (event.text, []))
+        text, new_calls = (
+            self.calls.feed(event.text) if self.calls is not None else (event.text, [])
+        )
         if event.finish_reason is not None and self.calls is not None:
             more, last = self.calls.finish()
             text, new_calls = text + more, new_calls + last
@@ -77,8 +78,11 @@ class ChatChoice:
         if self.opts.logprobs is None:
             return None
         lps = list(event.logprobs or [])
-        if (event.finish_reason == FinishReason.STOP and lps
-                and lps[-1].token_id in self.opts.stop_ids):
+        if (
+            event.finish_reason == FinishReason.STOP
+            and lps
+            and lps[-1].token_id in self.opts.stop_ids
+        ):
             lps.pop()  # the end-of-turn token is not part of the answer
         entries = chat_entries(self.opts.texts, lps, self.opts.logprobs)
         self.logprobs += entries
@@ -92,8 +96,13 @@ class ChatChoice:
     def body(self) -> dict[str, Any]:
         text = "".join(self.content)
         content = (text or None) if self.tool_calls else text
-        return chat_choice(self.index, content, self.tool_calls or None, self.finish_reason,
-                           self.logprobs if self.opts.logprobs is not None else None)
+        return chat_choice(
+            self.index,
+            content,
+            self.tool_calls or None,
+            self.finish_reason,
+            self.logprobs if self.opts.logprobs is not None else None,
+        )
 
 
 def _raise_worker_error(event: TokenEvent) -> None:
@@ -111,30 +120,56 @@ async def collect_chat(fan: Fanout, opts: ChatOptions, request_id: str) -> dict[
     return chat_body(request_id, opts.model, opts.created, ordered, usage_of(fan.subs))
 
 
-async def stream_chat(resp: web.StreamResponse, fan: Fanout, opts: ChatOptions,
-                      request_id: str) -> None:
+async def stream_chat(
+    resp: web.StreamResponse, fan: Fanout, opts: ChatOptions, request_id: str
+) -> None:
     """Chunks until every choice has finished, then usage (if asked) and [DONE]. A
     worker's error ends the stream with an error event."""
     choices = {s.index: ChatChoice(s.index, opts) for s in fan.subs}
     model, created = opts.model, opts.created
     async for sub, event in fan.events():
         if event.error is not None:
-            err = errors.from_code(event.error.code, event.error.message,
-                                   status=event.error.status)
+            err = errors.from_code(event.error.code, event.error.message, status=event.error.status)
             await resp.write(sse(err.body()))
             break
         choice = choices[sub.index]
         delta, entries = choice.step(event)
         usage = usage_of(fan.subs) if opts.continuous_usage else None
         if delta or entries:
-            await resp.write(sse(chunk_body(request_id, model, created, delta, index=sub.index,
-                                            logprobs=entries, usage=usage)))
+            await resp.write(
+                sse(
+                    chunk_body(
+                        request_id,
+                        model,
+                        created,
+                        delta,
+                        index=sub.index,
+                        logprobs=entries,
+                        usage=usage,
+                    )
+                )
+            )
         if choice.finish_reason is not None:
-            await resp.write(sse(chunk_body(request_id, model, created, {},
-                                            choice.finish_reason, index=sub.index,
-                                            usage=usage)))
+            await resp.write(
+                sse(
+                    chunk_body(
+                        request_id,
+                        model,
+                        created,
+                        {},
+                        choice.finish_reason,
+                        index=sub.index,
+                        usage=usage,
+                    )
+                )
+            )
     else:
         if opts.include_usage:
-            await resp.write(sse(chunk_body(request_id, model, created, {},
-                                            usage=usage_of(fan.subs), with_choice=False)))
+            await resp.write(
+                sse(
+                    chunk_body(
+                        request_id, model, created, {}, usage=usage_of(fan.subs), with_choice=False
+                    )
+                )
+            )
     await resp.write(sse("[DONE]"))

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from shared import errors
 from services.gateway.protocol import SamplingFields, parse_body
+from shared import errors
 
 # OpenAI's default for /v1/completions (chat's is what the context leaves).
 DEFAULT_MAX_TOKENS = 16
@@ -31,22 +31,24 @@ def _prompt_schema(schema: dict[str, Any]) -> None:
 
 class CompletionRequest(SamplingFields):
     # A string, a batch of strings, token ids, or a batch of token id lists.
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        json_schema_extra=_prompt_schema)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra=_prompt_schema)
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt only
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "CompletionRequest":
+    def _consistent(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise errors.InvalidRequest("best_of other than n is not supported (no ranking of "
-                                        "samples)", param="best_of",
-                                        code="unsupported_parameter")
+            raise errors.InvalidRequest(
+                "best_of other than n is not supported (no ranking of samples)",
+                param="best_of",
+                code="unsupported_parameter",
+            )
         if self.max_tokens == 0 and not self.echo:
-            raise errors.InvalidRequest("max_tokens: 0 needs echo: true (it only scores the "
-                                        "prompt)", param="max_tokens")
+            raise errors.InvalidRequest(
+                "max_tokens: 0 needs echo: true (it only scores the prompt)", param="max_tokens"
+            )
         prompts = self.prompts()
         if not prompts or any(not p for p in prompts):
             raise errors.InvalidRequest("prompt: no prompt may be empty", param="prompt")

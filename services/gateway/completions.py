@@ -13,11 +13,11 @@ from typing import Any
 
 from aiohttp import web
 
-from shared import errors
-from shared.messages import FinishReason, TokenEvent
 from services.gateway.bodies import sse, text_body, text_choice
 from services.gateway.logprobs import CompletionLogprobs, TokenTexts
 from services.gateway.runs import Fanout, Sub, usage_of
+from shared import errors
+from shared.messages import FinishReason, TokenEvent
 
 
 @dataclass
@@ -59,8 +59,11 @@ class TextChoice:
             parts.append(event.text)
             if self.lps is not None:
                 lps = list(event.logprobs or [])
-                if (event.finish_reason == FinishReason.STOP and lps
-                        and lps[-1].token_id in self.opts.stop_ids):
+                if (
+                    event.finish_reason == FinishReason.STOP
+                    and lps
+                    and lps[-1].token_id in self.opts.stop_ids
+                ):
                     lps.pop()  # the end token is not part of the text
                 self.lps.add(lps)
         if event.finish_reason is not None:
@@ -88,8 +91,10 @@ class TextChoice:
     def body(self) -> dict[str, Any]:
         lps = None
         if self.lps is not None:
-            lps = {k: self.all_lps.get(k, []) for k in
-                   ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+            lps = {
+                k: self.all_lps.get(k, [])
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+            }
         return text_choice(self.sub.index, "".join(self.text), lps, self.finish_reason)
 
 
@@ -105,12 +110,18 @@ async def collect_text(fan: Fanout, opts: TextOptions, request_id: str) -> dict[
             raise _error(event)
         choices[sub.index].step(event)
     ordered = [choices[i].body() for i in sorted(choices)]
-    return text_body(request_id, opts.model, opts.created, ordered,
-                     usage_of(fan.subs, counted=not opts.score_only))
+    return text_body(
+        request_id,
+        opts.model,
+        opts.created,
+        ordered,
+        usage_of(fan.subs, counted=not opts.score_only),
+    )
 
 
-async def stream_text(resp: web.StreamResponse, fan: Fanout, opts: TextOptions,
-                      request_id: str) -> None:
+async def stream_text(
+    resp: web.StreamResponse, fan: Fanout, opts: TextOptions, request_id: str
+) -> None:
     choices = {s.index: TextChoice(s, opts) for s in fan.subs}
     model, created = opts.model, opts.created
     async for sub, event in fan.events():
@@ -120,10 +131,21 @@ async def stream_text(resp: web.StreamResponse, fan: Fanout, opts: TextOptions,
         choice = choices[sub.index]
         text, lps = choice.step(event)
         if text or lps and lps["tokens"] or choice.finish_reason or len(choice.text) == 1:
-            usage = usage_of(fan.subs, counted=not opts.score_only) \
-                if opts.continuous_usage else None
-            await resp.write(sse(text_body(request_id, model, created, [text_choice(
-                sub.index, text, lps, choice.finish_reason)], usage, chunk=True)))
+            usage = (
+                usage_of(fan.subs, counted=not opts.score_only) if opts.continuous_usage else None
+            )
+            await resp.write(
+                sse(
+                    text_body(
+                        request_id,
+                        model,
+                        created,
+                        [text_choice(sub.index, text, lps, choice.finish_reason)],
+                        usage,
+                        chunk=True,
+                    )
+                )
+            )
     else:
         if opts.include_usage:
             usage = usage_of(fan.subs, counted=not opts.score_only)

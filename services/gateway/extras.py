@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import Field, model_validator
 
+from services.gateway.bodies import model_card, models_body
+from services.gateway.protocol import ChatMessage, Strict, Tool, parse_body
 from shared import errors
 from shared.db.schema import DecisionRecord, RequestRecord
 from shared.db.session import sessionmaker
 from shared.db.stats import kv_hit_rates
-from services.gateway.bodies import model_card, models_body
-from services.gateway.protocol import ChatMessage, Strict, Tool, parse_body
 
 if TYPE_CHECKING:
     from services.gateway.handlers import Gateway
@@ -33,7 +33,7 @@ class TokenizeRequest(Strict):
     return_token_strs: bool = False
 
     @model_validator(mode="after")
-    def _one(self) -> "TokenizeRequest":
+    def _one(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise errors.InvalidRequest("give either prompt or messages", param="prompt")
         return self
@@ -60,24 +60,26 @@ def _row(row: Any) -> dict[str, Any] | None:
 class Extras:
     """Mixed into Gateway (handlers.py)."""
 
-    async def models(self: "Gateway", request: web.Request) -> web.Response:
-        return web.json_response(models_body(self.prompts.model_name, self.started_at,
-                                             self.prompts.max_model_len))
+    async def models(self: Gateway, request: web.Request) -> web.Response:
+        return web.json_response(
+            models_body(self.prompts.model_name, self.started_at, self.prompts.max_model_len)
+        )
 
-    async def model(self: "Gateway", request: web.Request) -> web.Response:
+    async def model(self: Gateway, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         self.prompts.check_model(name)
         return web.json_response(model_card(name, self.started_at, self.prompts.max_model_len))
 
-    async def health(self: "Gateway", request: web.Request) -> web.Response:
+    async def health(self: Gateway, request: web.Request) -> web.Response:
         ok = self.nc.is_connected
-        return web.json_response({"status": "ok" if ok else "degraded", "nats": ok},
-                                 status=200 if ok else 503)
+        return web.json_response(
+            {"status": "ok" if ok else "degraded", "nats": ok}, status=200 if ok else 503
+        )
 
-    async def version(self: "Gateway", request: web.Request) -> web.Response:
+    async def version(self: Gateway, request: web.Request) -> web.Response:
         return web.json_response({"version": version()})
 
-    async def tokenize(self: "Gateway", request: web.Request) -> web.Response:
+    async def tokenize(self: Gateway, request: web.Request) -> web.Response:
         from services.gateway.handlers import read_json
         from services.gateway.protocol import ChatCompletionRequest
 
@@ -87,21 +89,30 @@ class Extras:
             p.check_model(req.model)
         if req.prompt is not None:
             p._check_chars(len(req.prompt), "prompt")
-            ids = [int(t) for t in p.tokenizer(
-                req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]]
+            ids = [
+                int(t)
+                for t in p.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)[
+                    "input_ids"
+                ]
+            ]
         else:
             chat = ChatCompletionRequest.model_validate(
-                {"model": p.model_name, "messages": req.messages, "tools": req.tools})
+                {"model": p.model_name, "messages": req.messages, "tools": req.tools}
+            )
             messages, tools = p.render_messages(chat)
             p._check_chars(sum(len(str(m.get("content") or "")) for m in messages), "messages")
             ids = p.tokenize(messages, tools, req.add_generation_prompt)
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": p.max_model_len,
-                                "tokens": ids, "token_strs": None}
+        body: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": p.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
         if req.return_token_strs:
             body["token_strs"] = [self.texts.of(t)[0] for t in ids]
         return web.json_response(body)
 
-    async def detokenize(self: "Gateway", request: web.Request) -> web.Response:
+    async def detokenize(self: Gateway, request: web.Request) -> web.Response:
         from services.gateway.handlers import read_json
 
         req: DetokenizeRequest = parse_body(DetokenizeRequest, await read_json(request))
@@ -110,18 +121,28 @@ class Extras:
             p.check_model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < p.vocab_size), None)
         if bad is not None:
-            raise errors.InvalidRequest(f"token id {bad} is not in this model's vocabulary "
-                                        f"(0..{p.vocab_size - 1})", param="tokens")
+            raise errors.InvalidRequest(
+                f"token id {bad} is not in this model's vocabulary (0..{p.vocab_size - 1})",
+                param="tokens",
+            )
         return web.json_response({"prompt": p.tokenizer.decode(req.tokens)})
 
-    async def admin_state(self: "Gateway", request: web.Request) -> web.Response:
+    async def admin_state(self: Gateway, request: web.Request) -> web.Response:
         now = time.time()
-        instances = [dict(info.model_dump(mode="json"), heartbeat_age_s=round(now - info.sent_at, 3))
-                     for info in self.liveness.infos()]
-        return web.json_response({"gateway": self.instance_id, "uptime_s": now - self.started_at,
-                                  "in_flight": self.in_flight, "instances": instances})
+        instances = [
+            dict(info.model_dump(mode="json"), heartbeat_age_s=round(now - info.sent_at, 3))
+            for info in self.liveness.infos()
+        ]
+        return web.json_response(
+            {
+                "gateway": self.instance_id,
+                "uptime_s": now - self.started_at,
+                "in_flight": self.in_flight,
+                "instances": instances,
+            }
+        )
 
-    async def admin_request(self: "Gateway", request: web.Request) -> web.Response:
+    async def admin_request(self: Gateway, request: web.Request) -> web.Response:
         """One request's record and the conductor's decision for it (why it went where)."""
         rid = request.match_info["request_id"]
         async with sessionmaker(self.records.engine)() as s:
@@ -131,6 +152,6 @@ class Extras:
             raise errors.HalfmoonError(f"no request {rid}", code="not_found").with_status(404)
         return web.json_response({"request": _row(rec), "decision": _row(dec)})
 
-    async def admin_kv(self: "Gateway", request: web.Request) -> web.Response:
+    async def admin_kv(self: Gateway, request: web.Request) -> web.Response:
         """Token-weighted KV hit rates per prefill instance and for the cluster, by window."""
         return web.json_response(await kv_hit_rates(self.records.engine))

@@ -26,7 +26,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from shared.db.schema import ApiKeyRecord
 from shared.db.session import sessionmaker
 
-
 KEY_PREFIX = "hm-"
 MAX_TENANT_LEN = 200
 
@@ -77,7 +76,7 @@ def hash_key(secret: str) -> str:
 
 
 def parse_rate_limit(text: str) -> list[limits.RateLimitItem]:
-    """"" -> no limit; otherwise `limits` syntax, several joined by ';' (ValueError if bad)."""
+    """ "" -> no limit; otherwise `limits` syntax, several joined by ';' (ValueError if bad)."""
     text = text.strip()
     return limits.parse_many(text) if text else []
 
@@ -85,8 +84,10 @@ def parse_rate_limit(text: str) -> list[limits.RateLimitItem]:
 def check_tenant(tenant: str) -> str:
     tenant = tenant.strip()
     if not tenant or len(tenant) > MAX_TENANT_LEN or any(c in tenant for c in ":,\n"):
-        raise ValueError(f"tenant must be 1-{MAX_TENANT_LEN} characters without ':', ',' "
-                         f"or newlines, got {tenant!r}")
+        raise ValueError(
+            f"tenant must be 1-{MAX_TENANT_LEN} characters without ':', ',' "
+            f"or newlines, got {tenant!r}"
+        )
     return tenant
 
 
@@ -112,15 +113,24 @@ def parse_key_specs(text: str) -> dict[str, ApiKey]:
 
 
 # -- SQL ------------------------------------------------------------------------------
-async def create_key(engine: AsyncEngine, tenant: str, *, name: str = "", admin: bool = False,
-                     rate_limit: str = "") -> tuple[str, ApiKeyRecord]:
+async def create_key(
+    engine: AsyncEngine, tenant: str, *, name: str = "", admin: bool = False, rate_limit: str = ""
+) -> tuple[str, ApiKeyRecord]:
     """Store a new key; returns (the secret, shown this once, and its row)."""
     tenant = check_tenant(tenant)
     parse_rate_limit(rate_limit)
     secret = new_secret()
-    row = ApiKeyRecord(id=f"key_{uuid.uuid4().hex[:16]}", key_hash=hash_key(secret),
-                       prefix=secret[:10], name=name, tenant=tenant, admin=admin,
-                       rate_limit=rate_limit.strip(), created=time.time(), revoked=None)
+    row = ApiKeyRecord(
+        id=f"key_{uuid.uuid4().hex[:16]}",
+        key_hash=hash_key(secret),
+        prefix=secret[:10],
+        name=name,
+        tenant=tenant,
+        admin=admin,
+        rate_limit=rate_limit.strip(),
+        created=time.time(),
+        revoked=None,
+    )
     async with sessionmaker(engine)() as s:
         s.add(row)
         await s.commit()
@@ -138,17 +148,24 @@ async def list_keys(engine: AsyncEngine, include_revoked: bool = False) -> list[
 async def revoke_key(engine: AsyncEngine, key_id: str) -> bool:
     """True if a live key with that id was revoked."""
     async with sessionmaker(engine)() as s:
-        result = await s.execute(update(ApiKeyRecord)
-                                 .where(ApiKeyRecord.id == key_id, ApiKeyRecord.revoked.is_(None))
-                                 .values(revoked=time.time()))
+        result = await s.execute(
+            update(ApiKeyRecord)
+            .where(ApiKeyRecord.id == key_id, ApiKeyRecord.revoked.is_(None))
+            .values(revoked=time.time())
+        )
         await s.commit()
     return bool(result.rowcount)
 
 
 async def find_key(engine: AsyncEngine, digest: str) -> ApiKey | None:
     async with sessionmaker(engine)() as s:
-        row = (await s.execute(select(ApiKeyRecord).where(
-            ApiKeyRecord.key_hash == digest, ApiKeyRecord.revoked.is_(None)))).scalar_one_or_none()
+        row = (
+            await s.execute(
+                select(ApiKeyRecord).where(
+                    ApiKeyRecord.key_hash == digest, ApiKeyRecord.revoked.is_(None)
+                )
+            )
+        ).scalar_one_or_none()
     if row is None:
         return None
     return ApiKey(id=row.id, tenant=row.tenant, admin=row.admin, rate_limit=row.rate_limit)
@@ -162,8 +179,13 @@ class KeyStore:
     does not hit SQL each time; the cache is bounded (oldest entries go first).
     """
 
-    def __init__(self, engine: AsyncEngine | None, static: dict[str, ApiKey],
-                 cache_ttl_s: float = 5.0, cache_size: int = 4096) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine | None,
+        static: dict[str, ApiKey],
+        cache_ttl_s: float = 5.0,
+        cache_size: int = 4096,
+    ) -> None:
         self.engine = engine
         self.static = static
         self.ttl = cache_ttl_s

@@ -18,8 +18,11 @@ from shared.messages import TokenLogprob
 @functools.lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's bytes_to_unicode, inverted: the printable stand-in for each byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -91,7 +94,7 @@ class CompletionLogprobs:
     def add(self, lps: list[TokenLogprob]) -> None:
         for lp in lps:
             # The chosen token's logprob always, plus the top k (OpenAI: up to k+1 entries).
-            top = {self.texts.of(t)[0]: v for t, v in lp.top[:self.top_k]}
+            top = {self.texts.of(t)[0]: v for t, v in lp.top[: self.top_k]}
             top.setdefault(self.texts.of(lp.token_id)[0], lp.logprob)
             self._token(lp.token_id, lp.logprob, top)
 
@@ -105,7 +108,11 @@ class CompletionLogprobs:
 
     def take(self) -> dict[str, Any]:
         """What accumulated since the last take (a stream's chunk), then start afresh."""
-        body = {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
-                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+        body = {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
         self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
         return body

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
 from pydantic.json_schema import models_json_schema
@@ -60,12 +60,28 @@ class Operation:
 # Before OpenAPI 3.2 a text/event-stream schema describes one event: here a chunk, an
 # error that ended the stream early, or the closing [DONE].
 def _sse(chunk: str) -> dict[str, Any]:
-    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
-        {"const": "[DONE]"},
-        {"type": "string", "contentMediaType": "application/json",
-         "contentSchema": {"anyOf": [{"$ref": REF.format(model=chunk)},
-                                     {"$ref": REF.format(model="ErrorResponse")}]}}]}},
-        "description": "with stream=true: `data: {chunk}` events, then `data: [DONE]`"}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "anyOf": [
+                                {"$ref": REF.format(model=chunk)},
+                                {"$ref": REF.format(model="ErrorResponse")},
+                            ]
+                        },
+                    },
+                ]
+            }
+        },
+        "description": "with stream=true: `data: {chunk}` events, then `data: [DONE]`",
+    }
 
 
 CHAT_OK = {**_json("ChatCompletion"), "text/event-stream": {"schema": _sse("ChatCompletionChunk")}}
@@ -76,43 +92,64 @@ MODEL_PARAM = [{"name": "model", "in": "path", "required": True, "schema": {"typ
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/chat/completions"): Operation(
         "Create a chat completion (OpenAI-compatible; stream=true for server-sent events)",
-        CHAT_OK, GENERATION_ERRORS, request="ChatCompletionRequest",
+        CHAT_OK,
+        GENERATION_ERRORS,
+        request="ChatCompletionRequest",
         description="usage.prompt_tokens_details.cached_tokens counts the prompt tokens "
-                    "served from the prefix cache of the caller's tenant. tool_choice also "
-                    "takes {\"type\": \"function\", \"function\": {\"name\": ...}} naming "
-                    "one of `tools` (left out of the schema, which cannot say 'one of "
-                    "tools'); guided_json and structured_outputs.json also take the schema "
-                    "as JSON text."),
+        "served from the prefix cache of the caller's tenant. tool_choice also "
+        'takes {"type": "function", "function": {"name": ...}} naming '
+        "one of `tools` (left out of the schema, which cannot say 'one of "
+        "tools'); guided_json and structured_outputs.json also take the schema "
+        "as JSON text.",
+    ),
     ("POST", "/v1/completions"): Operation(
         "Create a text completion (OpenAI's legacy API; stream=true for server-sent events)",
-        TEXT_OK, GENERATION_ERRORS, request="CompletionRequest",
+        TEXT_OK,
+        GENERATION_ERRORS,
+        request="CompletionRequest",
         description="prompt: a string, a batch of strings, token ids, or a batch of token id "
-                    "lists; choices are indexed prompt x n + sample. echo with logprobs "
-                    "scores every prompt token (the first has none)."),
+        "lists; choices are indexed prompt x n + sample. echo with logprobs "
+        "scores every prompt token (the first has none).",
+    ),
     ("GET", "/v1/models"): Operation("List the served model", _json("ModelList")),
-    ("GET", "/v1/models/{model}"): Operation("The served model's card (404 for any other)",
-                                             _json("ModelCard"), (404,),
-                                             parameters=MODEL_PARAM),
+    ("GET", "/v1/models/{model}"): Operation(
+        "The served model's card (404 for any other)",
+        _json("ModelCard"),
+        (404,),
+        parameters=MODEL_PARAM,
+    ),
     ("POST", "/tokenize"): Operation(
         "Tokenize text, or chat messages through the chat template (vLLM's shape)",
-        _json("TokenizeResponse"), (400, 404, 413), request="TokenizeRequest"),
-    ("POST", "/detokenize"): Operation("Token ids back to text (vLLM's shape)",
-                                       _json("DetokenizeResponse"), (400, 404, 413),
-                                       request="DetokenizeRequest"),
+        _json("TokenizeResponse"),
+        (400, 404, 413),
+        request="TokenizeRequest",
+    ),
+    ("POST", "/detokenize"): Operation(
+        "Token ids back to text (vLLM's shape)",
+        _json("DetokenizeResponse"),
+        (400, 404, 413),
+        request="DetokenizeRequest",
+    ),
     ("GET", "/version"): Operation("The server's version", _json("Version")),
-    ("GET", "/health"): Operation("Liveness: ok when the bus is connected", _json("Health"),
-                                  (503,)),
+    ("GET", "/health"): Operation(
+        "Liveness: ok when the bus is connected", _json("Health"), (503,)
+    ),
     ("GET", "/openapi.json"): Operation("This description", _json({"type": "object"})),
-    ("GET", "/admin/state"): Operation("Live cluster state from heartbeats",
-                                       _json("AdminState")),
+    ("GET", "/admin/state"): Operation("Live cluster state from heartbeats", _json("AdminState")),
     ("GET", "/admin/requests/{request_id}"): Operation(
-        "One request's record and the conductor's decision for it", _json("AdminRequest"),
-        (404, 503), parameters=[{"name": "request_id", "in": "path", "required": True,
-                                 "schema": {"type": "string"}}]),
-    ("GET", "/admin/kv"): Operation("KV-cache hit rates per instance and window",
-                                    _json({"type": "object"}), (503,)),
-    ("GET", "/metrics"): Operation("Prometheus metrics", {"text/plain": {"schema": {
-        "type": "string"}}}),
+        "One request's record and the conductor's decision for it",
+        _json("AdminRequest"),
+        (404, 503),
+        parameters=[
+            {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}
+        ],
+    ),
+    ("GET", "/admin/kv"): Operation(
+        "KV-cache hit rates per instance and window", _json({"type": "object"}), (503,)
+    ),
+    ("GET", "/metrics"): Operation(
+        "Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}
+    ),
 }
 
 
@@ -136,12 +173,14 @@ def _responses(op: Operation, area: Area, keys: bool) -> dict[str, Any]:
             codes.add(429)
     out: dict[str, Any] = {"200": {"description": "OK", "content": op.ok}}
     for code in sorted(codes):
-        body = _json("Health") if op.ok == _json("Health") and code == 503 else \
-            _json("ErrorResponse")
+        body = (
+            _json("Health") if op.ok == _json("Health") and code == 503 else _json("ErrorResponse")
+        )
         out[str(code)] = {"description": ERRORS[code], "content": body}
         if code == 429:
-            out[str(code)]["headers"] = {"Retry-After": {
-                "description": "seconds to wait", "schema": {"type": "integer"}}}
+            out[str(code)]["headers"] = {
+                "Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}
+            }
     return out
 
 
@@ -151,8 +190,11 @@ def _operation(method: str, path: str, keys: bool) -> dict[str, Any]:
         log.warning("route %s %s has no OpenAPI description", method, path)
         op = Operation("(not described)", {"application/json": {"schema": {}}})
     area = area_of(path)
-    out: dict[str, Any] = {"summary": op.summary, "operationId": _op_id(method, path),
-                           "responses": _responses(op, area, keys)}
+    out: dict[str, Any] = {
+        "summary": op.summary,
+        "operationId": _op_id(method, path),
+        "responses": _responses(op, area, keys),
+    }
     if op.description:
         out["description"] = op.description
     if op.parameters:
@@ -169,8 +211,9 @@ def _op_id(method: str, path: str) -> str:
     return method.lower() + "_" + "_".join(w.replace(".", "_") for w in words)
 
 
-def build_spec(app: web.Application, model_name: str, settings: GatewaySettings,
-               vocab_size: int = 49152) -> dict[str, Any]:
+def build_spec(
+    app: web.Application, model_name: str, settings: GatewaySettings, vocab_size: int = 49152
+) -> dict[str, Any]:
     keys = settings.keys_enabled()
     paths: dict[str, dict[str, Any]] = {}
     for route in app.router.routes():
@@ -180,15 +223,25 @@ def build_spec(app: web.Application, model_name: str, settings: GatewaySettings,
         paths.setdefault(path, {})[route.method.lower()] = _operation(route.method, path, keys)
     components: dict[str, Any] = {"schemas": _schemas(model_name, settings, vocab_size)}
     if keys:
-        components["securitySchemes"] = {"apiKey": {
-            "type": "http", "scheme": "bearer",
-            "description": "tenant keys for /v1/*, admin keys for /admin/*"}}
-    return {"openapi": "3.1.0",
-            "info": {"title": "Halfmoon gateway", "version": "1",
-                     "description": "OpenAI-compatible chat and text completions over a "
-                                    "prefill/decode-disaggregated cluster, plus its admin "
-                                    "JSON."},
-            "paths": paths, "components": components}
+        components["securitySchemes"] = {
+            "apiKey": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "tenant keys for /v1/*, admin keys for /admin/*",
+            }
+        }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Halfmoon gateway",
+            "version": "1",
+            "description": "OpenAI-compatible chat and text completions over a "
+            "prefill/decode-disaggregated cluster, plus its admin "
+            "JSON.",
+        },
+        "paths": paths,
+        "components": components,
+    }
 
 
 def described(method: str, path: str) -> bool:

@@ -184,5 +184,16 @@ class AdminRequest(BaseModel):
 
 
 RESPONSE_MODELS: list[type[BaseModel]] = [
-    ErrorResponse, ChatCompletion, ChatCompletionChunk, Completion, ModelCard, ModelList,
-    TokenizeResponse, DetokenizeResponse, Version, Health, AdminState, AdminRequest]
+    ErrorResponse,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    DetokenizeResponse,
+    Version,
+    Health,
+    AdminState,
+    AdminRequest,
+]

@@ -19,24 +19,47 @@ from services.gateway.args import GatewaySettings
 
 _NON_BLANK = {"type": "string", "pattern": "\\S"}
 NON_BLANK_MESSAGE = {
-    "type": "object", "required": ["content"],
+    "type": "object",
+    "required": ["content"],
     "description": "at least one message has some text",
-    "properties": {"content": {"anyOf": [_NON_BLANK, {
-        "type": "array", "contains": {"type": "object", "required": ["text"],
-                                      "properties": {"text": _NON_BLANK}}}]}}}
+    "properties": {
+        "content": {
+            "anyOf": [
+                _NON_BLANK,
+                {
+                    "type": "array",
+                    "contains": {
+                        "type": "object",
+                        "required": ["text"],
+                        "properties": {"text": _NON_BLANK},
+                    },
+                },
+            ]
+        }
+    },
+}
 # Lark grammars the description can check: a choice of string literals. The gateway takes
 # any grammar llguidance compiles (README, "Structured output").
 SIMPLE_GRAMMAR = r'^start: "[a-z0-9 ]*"( \| "[a-z0-9 ]*")*$'
-CONSTRAINT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs", "response_format")
+CONSTRAINT_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "response_format",
+)
 
 
 def _given(name: str) -> dict[str, Any]:
     """`name` is present and not null (null means absent)."""
     cond: dict[str, Any] = {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
     if name == "response_format":
-        cond["properties"][name] = {"type": "object", "required": ["type"], "properties": {
-            "type": {"enum": ["json_object", "json_schema"]}}}
+        cond["properties"][name] = {
+            "type": "object",
+            "required": ["type"],
+            "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+        }
     if name == "tool_choice":
         cond["properties"][name] = {"const": "required"}
     return cond
@@ -60,8 +83,9 @@ def _token_ids(items: dict[str, Any], vocab: int) -> None:
     items.update(minimum=0, maximum=vocab - 1)
 
 
-def _common(schema: dict[str, Any], settings: GatewaySettings, vocab: int,
-            fields: tuple[str, ...]) -> None:
+def _common(
+    schema: dict[str, Any], settings: GatewaySettings, vocab: int, fields: tuple[str, ...]
+) -> None:
     props = schema["properties"]
     for name in ("max_tokens", "max_completion_tokens"):
         if name in props and settings.max_output_tokens:
@@ -76,8 +100,10 @@ def _common(schema: dict[str, Any], settings: GatewaySettings, vocab: int,
     regex["format"] = "regex"
     props["guided_regex"].pop("format", None)
     _branch(props["guided_grammar"], "string")["pattern"] = SIMPLE_GRAMMAR
-    rules = [{"if": _given(f), "then": {"not": {"anyOf": [_given(g) for g in fields if g != f]}}}
-             for f in fields]
+    rules = [
+        {"if": _given(f), "then": {"not": {"anyOf": [_given(g) for g in fields if g != f]}}}
+        for f in fields
+    ]
     schema.setdefault("allOf", []).extend(rules)
 
 
@@ -106,22 +132,28 @@ def _below(n: int) -> str:
     return "|".join(parts)
 
 
-def refine(schemas: dict[str, Any], model_name: str, settings: GatewaySettings,
-           vocab: int) -> None:
+def refine(schemas: dict[str, Any], model_name: str, settings: GatewaySettings, vocab: int) -> None:
     chat = schemas["ChatCompletionRequest"]
     props = chat["properties"]
     props["model"]["enum"] = [model_name]  # any other name is a 404
     props["messages"]["contains"] = NON_BLANK_MESSAGE  # all-blank messages are a 400
     if settings.max_messages:
         props["messages"]["maxItems"] = settings.max_messages
-    props["tool_choice"]["anyOf"] = [b for b in props["tool_choice"]["anyOf"]
-                                     if "$ref" not in b]
+    props["tool_choice"]["anyOf"] = [b for b in props["tool_choice"]["anyOf"] if "$ref" not in b]
     _common(chat, settings, vocab, (*CONSTRAINT_FIELDS, "tool_choice"))
     chat["allOf"] += [
-        {"if": _given("top_logprobs"), "then": {"required": ["logprobs"],
-                                                 "properties": {"logprobs": {"const": True}}}},
-        {"if": _given("tool_choice"), "then": {"required": ["tools"], "properties": {
-            "tools": {"type": "array", "minItems": 1}}}}]
+        {
+            "if": _given("top_logprobs"),
+            "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        },
+        {
+            "if": _given("tool_choice"),
+            "then": {
+                "required": ["tools"],
+                "properties": {"tools": {"type": "array", "minItems": 1}},
+            },
+        },
+    ]
     text = schemas["CompletionRequest"]
     props = text["properties"]
     props["model"]["enum"] = [model_name]
@@ -136,15 +168,20 @@ def refine(schemas: dict[str, Any], model_name: str, settings: GatewaySettings,
             else:
                 b["maxItems"] = settings.max_prompts
     _common(text, settings, vocab, CONSTRAINT_FIELDS)
-    text["allOf"].append({"if": {"required": ["max_tokens"], "properties": {
-        "max_tokens": {"const": 0}}}, "then": {"required": ["echo"], "properties": {
-            "echo": {"const": True}}}})
+    text["allOf"].append(
+        {
+            "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+            "then": {"required": ["echo"], "properties": {"echo": {"const": True}}},
+        }
+    )
     _structured_outputs(schemas)
     for name in ("TokenizeRequest", "DetokenizeRequest"):
         _branch(schemas[name]["properties"]["model"], "string")["enum"] = [model_name]
     tok = schemas["TokenizeRequest"]
-    tok["oneOf"] = [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-                    {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]
+    tok["oneOf"] = [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ]
     for key in ("prompt", "messages"):  # the other one is absent, not null
         _only(tok["properties"][key], "string" if key == "prompt" else "array")
     _token_ids(schemas["DetokenizeRequest"]["properties"]["tokens"]["items"], vocab)

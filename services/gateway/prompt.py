@@ -8,16 +8,24 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from shared import errors
 from services.gateway.completion_protocol import DEFAULT_MAX_TOKENS, CompletionRequest
 from services.gateway.protocol import ChatCompletionRequest, MessageBase
 from services.gateway.tools import HermesFormat, format_for
+from shared import errors
 
 
 class PromptBuilder:
-    def __init__(self, model_dir: Path, model_name: str, default_max_tokens: int, *,
-                 max_messages: int = 0, max_prompt_tokens: int = 0,
-                 max_output_tokens: int = 0, tool_format: str = "") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        model_name: str,
+        default_max_tokens: int,
+        *,
+        max_messages: int = 0,
+        max_prompt_tokens: int = 0,
+        max_output_tokens: int = 0,
+        tool_format: str = "",
+    ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         config = json.loads((model_dir / "config.json").read_text())
         self.max_model_len = int(config.get("max_position_embeddings", 2048))
@@ -43,8 +51,10 @@ class PromptBuilder:
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise errors.ModelNotFound(f"The model '{model}' does not exist; this server "
-                                       f"serves '{self.model_name}'", param="model")
+            raise errors.ModelNotFound(
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+            )
 
     # -- chat ------------------------------------------------------------------------------
     def build(self, chat: ChatCompletionRequest) -> tuple[list[int], int]:
@@ -53,18 +63,23 @@ class PromptBuilder:
         if self.max_messages and len(chat.messages) > self.max_messages:
             raise errors.InvalidRequest(
                 f"messages has {len(chat.messages)} entries; this server takes at most "
-                f"{self.max_messages}.", param="messages", code="array_above_max_length")
+                f"{self.max_messages}.",
+                param="messages",
+                code="array_above_max_length",
+            )
         self._check_max_tokens(chat.requested_max_tokens())
         if not any(m.text().strip() or m.tool_calls for m in chat.messages):
             raise errors.InvalidRequest("messages are all empty", param="messages")
         messages, tools = self.render_messages(chat)
         self._check_chars(sum(len(str(m.get("content") or "")) for m in messages), "messages")
         ids = self.tokenize(messages, tools)
-        return ids, self._max_tokens(len(ids), chat.requested_max_tokens(), "messages",
-                                     self.default_max_tokens)
+        return ids, self._max_tokens(
+            len(ids), chat.requested_max_tokens(), "messages", self.default_max_tokens
+        )
 
-    def render_messages(self, chat: ChatCompletionRequest
-                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    def render_messages(
+        self, chat: ChatCompletionRequest
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The template's messages (and tools, when it renders them itself)."""
         show_tools = chat.effective_tool_choice() != "none" and bool(chat.tools)
         if self.template_renders_tools:
@@ -89,19 +104,26 @@ class PromptBuilder:
                 messages.insert(0, {"role": "system", "content": section})
         return messages, None
 
-    def tokenize(self, messages: list[dict[str, Any]],
-                 tools: list[dict[str, Any]] | None = None,
-                 add_generation_prompt: bool = True) -> list[int]:
+    def tokenize(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         try:
             encoded = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                tokenize=True)
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
         except Exception as exc:  # noqa: BLE001 - the template's own refusal (raise_exception)
             # A template that refuses these messages (roles out of order, say) is the
             # request's fault: a 400 that says why, not a 500 the client would retry.
-            raise errors.InvalidRequest(f"the chat template cannot render these messages: "
-                                        f"{type(exc).__name__}: {exc}"[:1000],
-                                        param="messages", code="invalid_messages") from None
+            raise errors.InvalidRequest(
+                f"the chat template cannot render these messages: {type(exc).__name__}: {exc}"[
+                    :1000
+                ],
+                param="messages",
+                code="invalid_messages",
+            ) from None
         ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return [int(t) for t in ids]
 
@@ -120,9 +142,11 @@ class PromptBuilder:
             else:
                 bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
                 if bad is not None:
-                    raise errors.InvalidRequest(f"{param}: token id {bad} is not in this "
-                                                f"model's vocabulary (0..{self.vocab_size - 1})",
-                                                param=param)
+                    raise errors.InvalidRequest(
+                        f"{param}: token id {bad} is not in this "
+                        f"model's vocabulary (0..{self.vocab_size - 1})",
+                        param=param,
+                    )
                 ids = list(p)
             if not ids:
                 raise errors.InvalidRequest(f"{param}: the prompt has no tokens", param=param)
@@ -137,31 +161,43 @@ class PromptBuilder:
         limit = self.token_limit
         if chars > limit * self.max_token_chars:
             raise errors.InvalidRequest(
-                f"{param}: far longer than the {limit}-token limit.", param=param,
-                code="context_length_exceeded")
+                f"{param}: far longer than the {limit}-token limit.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _max_tokens(self, num_prompt: int, asked: int | None, param: str, default: int) -> int:
         if self.max_prompt_tokens and num_prompt > self.max_prompt_tokens:
             raise errors.InvalidRequest(
                 f"{param}: {num_prompt} tokens; this server takes at most "
-                f"{self.max_prompt_tokens}.", param=param, code="context_length_exceeded")
+                f"{self.max_prompt_tokens}.",
+                param=param,
+                code="context_length_exceeded",
+            )
         room = self.max_model_len - num_prompt
         if room < 1:
             raise errors.InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens; the "
-                f"{param} takes {num_prompt}.", param=param, code="context_length_exceeded")
+                f"{param} takes {num_prompt}.",
+                param=param,
+                code="context_length_exceeded",
+            )
         if asked is not None and asked > room:
             raise errors.InvalidRequest(
                 f"max_tokens is {asked}, but the prompt leaves room for {room} of this model's "
-                f"{self.max_model_len}-token context.", param="max_tokens",
-                code="context_length_exceeded")
+                f"{self.max_model_len}-token context.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return asked if asked is not None else min(default, room)
 
     def _check_max_tokens(self, asked: int | None) -> None:
         if asked is not None and self.max_output_tokens and asked > self.max_output_tokens:
             raise errors.InvalidRequest(
                 f"max_tokens is {asked}; this server allows at most {self.max_output_tokens}.",
-                param="max_tokens", code="integer_above_max_value")
+                param="max_tokens",
+                code="integer_above_max_value",
+            )
 
 
 def _plain(m: MessageBase) -> dict[str, Any]:
@@ -175,9 +211,14 @@ def _hf_message(m: MessageBase) -> dict[str, Any]:
     """transformers' message shape for templates with a tool section."""
     out = _plain(m)
     if m.tool_calls:
-        out["tool_calls"] = [{"type": "function", "id": c.id, "function": {
-            "name": c.function.name, "arguments": _loads(c.function.arguments)}}
-            for c in m.tool_calls]
+        out["tool_calls"] = [
+            {
+                "type": "function",
+                "id": c.id,
+                "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)},
+            }
+            for c in m.tool_calls
+        ]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     return out

@@ -12,8 +12,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared import errors
 from shared.messages import SamplingParams
@@ -35,7 +34,11 @@ UNSUPPORTED = {
     "prompt_cache_key": "prompt_cache_key is not supported (the prefix cache needs no key)",
     "safety_identifier": "safety_identifier is not supported",
 }
-_ALLOWED_DEFAULTS = {"modalities": [["text"]], "store": [False], "service_tier": ["auto", "default"]}
+_ALLOWED_DEFAULTS = {
+    "modalities": [["text"]],
+    "store": [False],
+    "service_tier": ["auto", "default"],
+}
 
 
 def _drop_nulls(data: Any) -> Any:
@@ -49,8 +52,7 @@ def _integral(data: Any, names: tuple[str, ...]) -> Any:
     # JSON has one number type: 8.0 is the integer 8 (JSON Schema agrees), but strict mode
     # would refuse it. Strings stay refused.
     if isinstance(data, dict):
-        fixed = {k: int(v) for k in names
-                 if isinstance(v := data.get(k), float) and v.is_integer()}
+        fixed = {k: int(v) for k in names if isinstance(v := data.get(k), float) and v.is_integer()}
         if fixed:
             data = {**data, **fixed}
     return data
@@ -108,8 +110,9 @@ class JsonSchemaResponseFormat(Strict):
 
 
 FORMAT_TYPES = ("text", "json_object", "json_schema")
-ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat,
-                           Field(discriminator="type")]
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")
+]
 
 
 class StructuredOutputs(Strict):
@@ -123,9 +126,18 @@ class StructuredOutputs(Strict):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
-INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "n", "seed", "min_tokens",
-              "logprobs", "top_logprobs", "best_of")
-SEED_RANGE = 2 ** 63
+INT_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "top_k",
+    "n",
+    "seed",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "best_of",
+)
+SEED_RANGE = 2**63
 
 
 class SamplingFields(Strict):
@@ -169,8 +181,9 @@ class SamplingFields(Strict):
         if isinstance(data, dict):
             for name in data:
                 if name in UNSUPPORTED and data[name] not in _ALLOWED_DEFAULTS.get(name, []):
-                    raise errors.InvalidRequest(f"{name}: {UNSUPPORTED[name]}", param=name,
-                                                code="unsupported_parameter")
+                    raise errors.InvalidRequest(
+                        f"{name}: {UNSUPPORTED[name]}", param=name, code="unsupported_parameter"
+                    )
             data = {k: v for k, v in data.items() if k not in UNSUPPORTED}
         return data
 
@@ -204,14 +217,22 @@ class SamplingFields(Strict):
     def sampling(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
         """The bus's sampling parameters (the constraint is added by structured.py)."""
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-            min_p=self.min_p, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            stop=self.stops(), stop_token_ids=list(self.stop_token_ids or []), seed=self.seed,
-            ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stops(),
+            stop_token_ids=list(self.stop_token_ids or []),
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            logprobs=logprobs)
+            logprobs=logprobs,
+        )
 
 
 # -- chat --------------------------------------------------------------------------------
@@ -266,8 +287,9 @@ class ToolMessage(MessageBase):
     tool_call_id: str  # type: ignore[assignment]  # which call this answers
 
 
-ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage,
-                        Field(discriminator="role")]
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -302,17 +324,18 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ChatCompletionRequest":
+    def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise errors.InvalidRequest("top_logprobs needs logprobs: true",
-                                        param="top_logprobs")
+            raise errors.InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         names = [t.function.name for t in self.tools or []]
         choice = self.tool_choice
         if choice not in (None, "none") and not self.tools:
             raise errors.InvalidRequest("tool_choice needs tools", param="tool_choice")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise errors.InvalidRequest(f"tool_choice names {choice.function.name!r}, which "
-                                        "is not among the tools", param="tool_choice")
+            raise errors.InvalidRequest(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -341,13 +364,17 @@ def parse_body(model: type[SamplingFields], body: Any) -> Any:
         first = max(found, key=lambda e: (e["loc"][:1] == found[0]["loc"][:1], len(e["loc"])))
         param = ".".join(str(p) for p in _field_path(first["loc"])) or None
         if first["type"] == "extra_forbidden":
-            raise errors.InvalidRequest(f"Unrecognized request argument supplied: {param}",
-                                        param=param, code="unknown_parameter") from None
+            raise errors.InvalidRequest(
+                f"Unrecognized request argument supplied: {param}",
+                param=param,
+                code="unknown_parameter",
+            ) from None
         cause = first.get("ctx", {}).get("error")
         if isinstance(cause, errors.HalfmoonError):
             raise cause from None
-        raise errors.InvalidRequest(f"{param}: {first['msg']}" if param else first["msg"],
-                                    param=param) from None
+        raise errors.InvalidRequest(
+            f"{param}: {first['msg']}" if param else first["msg"], param=param
+        ) from None
 
 
 _TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|\w+\[.*\]|function-\w+.*)$")
@@ -361,7 +388,8 @@ def _field_path(loc: tuple[Any, ...]) -> list[Any]:
         tag = isinstance(part, str) and (
             bool(_TAG.match(part))
             or (i == 2 and loc[0] in ("messages",) and part in ROLES)
-            or (i == 1 and loc[0] == "response_format" and part in FORMAT_TYPES))
+            or (i == 1 and loc[0] == "response_format" and part in FORMAT_TYPES)
+        )
         if not tag:
             out.append(part)
     return out
@@ -381,8 +409,10 @@ def check_unicode(body: Any, path: str = "") -> None:
     except UnicodeEncodeError:
         pass
     where = _surrogate_path(body, path)
-    raise errors.InvalidRequest(f"{where or 'the body'}: text with a lone surrogate is not "
-                                "valid Unicode", param=where or None)
+    raise errors.InvalidRequest(
+        f"{where or 'the body'}: text with a lone surrogate is not valid Unicode",
+        param=where or None,
+    )
 
 
 def _surrogate_path(value: Any, path: str) -> str:
@@ -392,8 +422,13 @@ def _surrogate_path(value: Any, path: str) -> str:
         except UnicodeEncodeError:
             return path
         return ""
-    items = value.items() if isinstance(value, dict) else \
-        enumerate(value) if isinstance(value, list) else ()
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
     for key, item in items:
         sub = f"{path}.{key}" if path else str(key)
         if isinstance(key, str) and _surrogate_path(key, sub):

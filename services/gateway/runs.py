@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.streams import Follower, TokenStream
 from shared import errors
 from shared.db.schema import RequestStatus
 from shared.messages import FinishReason, GenerateRequest, TokenEvent, Usage
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.streams import Follower, TokenStream
 
 if TYPE_CHECKING:
     from services.gateway.handlers import Gateway
@@ -61,8 +61,11 @@ class RequestLife:
                 self.metrics.token_event(self.arrival, self.last_token_time, now)
             if self.first_token_time is None:
                 self.first_token_time, self.first_instance = now, event.instance_id
-            elif (self.decode_first_token_time is None and event.instance_id
-                  and event.instance_id != self.first_instance):
+            elif (
+                self.decode_first_token_time is None
+                and event.instance_id
+                and event.instance_id != self.first_instance
+            ):
                 self.decode_first_token_time = now
             self.last_token_time = now
             self.num_tokens += len(event.token_ids)
@@ -77,8 +80,12 @@ class RequestLife:
 
     def terminal_values(self) -> dict[str, Any]:
         now = time.time()
-        values: dict[str, Any] = {"finish_time": now, "e2e_ms": (now - self.arrival) * 1e3,
-                                  "finish_reason": self.finish_reason, "error": self.error}
+        values: dict[str, Any] = {
+            "finish_time": now,
+            "e2e_ms": (now - self.arrival) * 1e3,
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+        }
         if self.first_token_time is not None:
             values["first_token_time"] = self.first_token_time
             values["ttft_ms"] = (self.first_token_time - self.arrival) * 1e3
@@ -121,7 +128,7 @@ _DONE = object()
 
 
 class Fanout:
-    def __init__(self, gw: "Gateway", subs: list[Sub], stream: bool) -> None:
+    def __init__(self, gw: Gateway, subs: list[Sub], stream: bool) -> None:
         self.gw = gw
         self.subs = subs
         self.stream = stream
@@ -143,16 +150,26 @@ class Fanout:
         for s in self.subs:
             g = s.gen
             gw.records.request_accepted(
-                id=g.request_id, model=g.model, tenant=g.tenant,
-                status=RequestStatus.QUEUED.value, arrival_time=g.arrival_time,
-                prompt_tokens=len(g.prompt_token_ids), max_tokens=g.sampling.max_tokens,
-                stream=self.stream)
+                id=g.request_id,
+                model=g.model,
+                tenant=g.tenant,
+                status=RequestStatus.QUEUED.value,
+                arrival_time=g.arrival_time,
+                prompt_tokens=len(g.prompt_token_ids),
+                max_tokens=g.sampling.max_tokens,
+                stream=self.stream,
+            )
             s.stream = await TokenStream(gw.nc, g.request_id, gw.settings.gap_timeout_s).open()
-            s.follow = Follower(gw.nc, gw.settings, gw.liveness, s.stream, g,
-                                lambda again, s=s: gw._place(again, s.life),
-                                lambda p, d, rid=g.request_id: gw._placed_again(rid, p, d))
-        results = await asyncio.gather(*(self._place(s) for s in self.subs),
-                                       return_exceptions=True)
+            s.follow = Follower(
+                gw.nc,
+                gw.settings,
+                gw.liveness,
+                s.stream,
+                g,
+                lambda again, s=s: gw._place(again, s.life),
+                lambda p, d, rid=g.request_id: gw._placed_again(rid, p, d),
+            )
+        results = await asyncio.gather(*(self._place(s) for s in self.subs), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 for s in self.subs:
@@ -165,10 +182,13 @@ class Fanout:
         assert s.stream is not None and s.follow is not None
         placement = await self.gw._place(s.gen, s.life, s.stream.retarget)
         s.follow.placed(placement)
-        self.gw.records.request_update(s.gen.request_id, status=RequestStatus.RUNNING.value,
-                                       prefill_instance=placement.prefill_id,
-                                       # colocated: the prefill instance decodes too
-                                       decode_instance=placement.decode_id or placement.prefill_id)
+        self.gw.records.request_update(
+            s.gen.request_id,
+            status=RequestStatus.RUNNING.value,
+            prefill_instance=placement.prefill_id,
+            # colocated: the prefill instance decodes too
+            decode_instance=placement.decode_id or placement.prefill_id,
+        )
 
     async def events(self) -> AsyncIterator[tuple[Sub, TokenEvent]]:
         """Every choice's events as they come, each choice's in order, until all end. A
@@ -218,13 +238,17 @@ class Fanout:
         then each record's terminal row, and the request's metrics."""
         gw = self.gw
         for s in self.subs:
-            if s.follow is not None and s.follow.attempt is not None and \
-                    s.life.status != RequestStatus.COMPLETED:
+            if (
+                s.follow is not None
+                and s.follow.attempt is not None
+                and s.life.status != RequestStatus.COMPLETED
+            ):
                 await s.follow.cancel(s.life.error or "request ended")
             if s.stream is not None:
                 await s.stream.close()
-            gw.records.request_finished(s.gen.request_id, s.life.status.value,
-                                        **s.life.terminal_values())
+            gw.records.request_finished(
+                s.gen.request_id, s.life.status.value, **s.life.terminal_values()
+            )
         self._count()
 
     def _count(self) -> None:
@@ -232,11 +256,17 @@ class Fanout:
         if len(lives) == 1:
             self.gw.metrics.finished(lives[0], len(self.subs[0].gen.prompt_token_ids))
             return
-        status = next((lf.status for lf in lives if lf.status != RequestStatus.COMPLETED),
-                      RequestStatus.COMPLETED)
-        self.gw.metrics.finished_request(status, self.arrival, prompt_tokens(self.subs),
-                                         sum(lf.num_tokens for lf in lives),
-                                         cached_tokens(self.subs))
+        status = next(
+            (lf.status for lf in lives if lf.status != RequestStatus.COMPLETED),
+            RequestStatus.COMPLETED,
+        )
+        self.gw.metrics.finished_request(
+            status,
+            self.arrival,
+            prompt_tokens(self.subs),
+            sum(lf.num_tokens for lf in lives),
+            cached_tokens(self.subs),
+        )
 
 
 def prompt_tokens(subs: list[Sub]) -> int:
@@ -259,7 +289,11 @@ def cached_tokens(subs: list[Sub]) -> int:
 def usage_of(subs: list[Sub], counted: bool = True) -> Usage:
     """The response's usage: prompts once, every choice's completion tokens (none when
     `counted` is False: echo with max_tokens 0 generates nothing the client gets)."""
-    done = sum(s.life.usage.completion_tokens if s.life.usage else s.life.num_tokens
-               for s in subs) if counted else 0
-    return Usage(prompt_tokens=prompt_tokens(subs), completion_tokens=done,
-                 cached_tokens=cached_tokens(subs))
+    done = (
+        sum(s.life.usage.completion_tokens if s.life.usage else s.life.num_tokens for s in subs)
+        if counted
+        else 0
+    )
+    return Usage(
+        prompt_tokens=prompt_tokens(subs), completion_tokens=done, cached_tokens=cached_tokens(subs)
+    )

@@ -27,16 +27,25 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from shared import bus, errors, subjects
-from shared.messages import (Ack, CancelRequest, DecodeJob, GenerateRequest, InstanceInfo,
-                             Placement, Role, TokenEvent)
 from services.gateway.args import GatewaySettings
+from shared import bus, errors, subjects
+from shared.messages import (
+    Ack,
+    CancelRequest,
+    DecodeJob,
+    GenerateRequest,
+    InstanceInfo,
+    Placement,
+    Role,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25  # how often a waiting stream checks its instances while nothing arrives
 # Worker error codes that say "not here, not now" rather than "this request is bad".
-RETRYABLE = frozenset({"unavailable", "no_responders", "timeout", "instance_lost",
-                       "kv_transfer_failed"})
+RETRYABLE = frozenset(
+    {"unavailable", "no_responders", "timeout", "instance_lost", "kv_transfer_failed"}
+)
 
 
 class StreamLost(errors.Unavailable):
@@ -59,7 +68,7 @@ class TokenStream:
     def next_index(self) -> int:
         return self._next
 
-    async def open(self) -> "TokenStream":
+    async def open(self) -> TokenStream:
         # Subscribe before the request is dispatched so the first token cannot be missed.
         self._sub = await self.nc.subscribe(subjects.tokens(self.request_id), cb=self._on_msg)
         return self
@@ -90,8 +99,12 @@ class TokenStream:
             self._pending[event.index] = event
             self._arrived.set()
 
-    async def events(self, first_timeout_s: float, next_timeout_s: float,
-                     check: Callable[[int], str | None] | None = None) -> AsyncIterator[TokenEvent]:
+    async def events(
+        self,
+        first_timeout_s: float,
+        next_timeout_s: float,
+        check: Callable[[int], str | None] | None = None,
+    ) -> AsyncIterator[TokenEvent]:
         """Yield events in index order until a final one. A silence past the timeout raises
         Timeout; a lost event, or `check(next_index)` naming a reason, raises StreamLost."""
         while True:
@@ -102,8 +115,9 @@ class TokenStream:
             if event.finish_reason is not None:
                 return
 
-    async def _wait_next(self, timeout_s: float,
-                         check: Callable[[int], str | None] | None) -> TokenEvent:
+    async def _wait_next(
+        self, timeout_s: float, check: Callable[[int], str | None] | None
+    ) -> TokenEvent:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         gap_since: float | None = None
@@ -169,12 +183,18 @@ class Liveness:
 
     def pick(self, role: Role, avoid: set[str]) -> str | None:
         """The least loaded live instance of `role`, one not in `avoid` if there is one."""
-        live = [s for s in self._seen.values() if s.info.role == role
-                and s.info.status == "ready" and self._latest - s.at <= self.expiry_s]
+        live = [
+            s
+            for s in self._seen.values()
+            if s.info.role == role
+            and s.info.status == "ready"
+            and self._latest - s.at <= self.expiry_s
+        ]
         if not live:
             return None
-        best = min(live, key=lambda s: (s.info.instance_id in avoid,
-                                        s.info.queue_depth + s.info.running))
+        best = min(
+            live, key=lambda s: (s.info.instance_id in avoid, s.info.queue_depth + s.info.running)
+        )
         return best.info.instance_id
 
 
@@ -199,10 +219,16 @@ class Attempt:
 class Follower:
     """Follows one request's events across instance failures (see the module doc)."""
 
-    def __init__(self, nc: NATS, settings: GatewaySettings, liveness: Liveness,
-                 stream: TokenStream, gen: GenerateRequest,
-                 place: Callable[[GenerateRequest], Awaitable[Placement]],
-                 on_placed: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        settings: GatewaySettings,
+        liveness: Liveness,
+        stream: TokenStream,
+        gen: GenerateRequest,
+        place: Callable[[GenerateRequest], Awaitable[Placement]],
+        on_placed: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.nc = nc
         self.settings = settings
         self.liveness = liveness
@@ -216,13 +242,15 @@ class Follower:
         self.text_parts: list[str] = []
 
     def placed(self, placement: Placement) -> None:
-        self.attempt = self._attempt(placement.request_id, placement.prefill_id,
-                                     placement.decode_id)
+        self.attempt = self._attempt(
+            placement.request_id, placement.prefill_id, placement.decode_id
+        )
 
     def _attempt(self, request_id: str, prefill_id: str, decode_id: str) -> Attempt:
         ids = [i for i in (prefill_id, decode_id) if i]
-        return Attempt(request_id, prefill_id, decode_id,
-                       {i: self.liveness.incarnation(i) for i in ids})
+        return Attempt(
+            request_id, prefill_id, decode_id, {i: self.liveness.incarnation(i) for i in ids}
+        )
 
     def check(self, next_index: int) -> str | None:
         a = self.attempt
@@ -240,12 +268,16 @@ class Follower:
         s = self.settings
         while True:
             try:
-                async with contextlib.aclosing(self.stream.events(
-                        s.first_token_timeout_s, s.token_timeout_s, self.check)) as events:
+                async with contextlib.aclosing(
+                    self.stream.events(s.first_token_timeout_s, s.token_timeout_s, self.check)
+                ) as events:
                     async for event in events:
                         err = event.error
-                        if (err is not None and err.code in RETRYABLE
-                                and self.replacements < s.max_replacements):
+                        if (
+                            err is not None
+                            and err.code in RETRYABLE
+                            and self.replacements < s.max_replacements
+                        ):
                             raise StreamLost(f"{event.instance_id or 'worker'}: {err.message}")
                         self.token_ids += event.token_ids
                         if event.text:
@@ -256,8 +288,13 @@ class Follower:
                 if self.replacements >= s.max_replacements:
                     raise
                 self.replacements += 1
-                log.warning("request %s: %s; placing it again (%d of %d)", self.gen.request_id,
-                            exc.message, self.replacements, s.max_replacements)
+                log.warning(
+                    "request %s: %s; placing it again (%d of %d)",
+                    self.gen.request_id,
+                    exc.message,
+                    self.replacements,
+                    s.max_replacements,
+                )
                 await self._replace(exc.message)
 
     async def _replace(self, why: str) -> None:
@@ -280,8 +317,14 @@ class Follower:
     async def _continue_on_decode(self, gen: GenerateRequest) -> str:
         """Hand prompt + tokens so far to a live decode instance; returns its id."""
         assert self.attempt is not None
-        job = DecodeJob(request=gen, prefill_id="", kv=None, output_token_ids=list(self.token_ids),
-                        emitted_text="".join(self.text_parts), events_sent=self.stream.next_index)
+        job = DecodeJob(
+            request=gen,
+            prefill_id="",
+            kv=None,
+            output_token_ids=list(self.token_ids),
+            emitted_text="".join(self.text_parts),
+            events_sent=self.stream.next_index,
+        )
         avoid = {self.attempt.decode_id}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.replace_wait_s
@@ -290,15 +333,17 @@ class Follower:
             decode_id = self.liveness.pick(Role.DECODE, avoid)
             if decode_id is not None:
                 try:
-                    await bus.request(self.nc, subjects.decode_submit(decode_id), job, Ack,
-                                      timeout_s=5.0)
+                    await bus.request(
+                        self.nc, subjects.decode_submit(decode_id), job, Ack, timeout_s=5.0
+                    )
                     return decode_id
                 except errors.HalfmoonError as exc:
                     last = f"decode {decode_id}: {exc.message}"
                     avoid.add(decode_id)
             if loop.time() >= deadline:
-                raise errors.Unavailable(f"request could not continue elsewhere ({last})",
-                                         code="instance_lost")
+                raise errors.Unavailable(
+                    f"request could not continue elsewhere ({last})", code="instance_lost"
+                )
             await asyncio.sleep(POLL_S)
 
     async def cancel(self, reason: str) -> None:
@@ -310,7 +355,8 @@ class Follower:
 async def publish_cancel(nc: NATS, request_id: str, reason: str) -> None:
     """Tell every instance to drop `request_id` (best effort: workers also time out)."""
     try:
-        await nc.publish(subjects.CANCEL,
-                         CancelRequest(request_id=request_id, reason=reason).encode())
+        await nc.publish(
+            subjects.CANCEL, CancelRequest(request_id=request_id, reason=reason).encode()
+        )
     except Exception as exc:  # noqa: BLE001
         log.warning("request %s: cancel not sent: %s", request_id, exc)

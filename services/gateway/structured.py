@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from services.gateway.protocol import JsonObjectFormat, JsonSchemaResponseFormat, SamplingFields
 from shared import errors
 from shared.messages import Constraint
-from services.gateway.protocol import JsonObjectFormat, JsonSchemaResponseFormat, SamplingFields
 
 
 def _json_spec(value: dict[str, Any] | str, param: str) -> str:
@@ -22,8 +22,9 @@ def _json_spec(value: dict[str, Any] | str, param: str) -> str:
         try:
             parsed = json.loads(value)
         except ValueError:
-            raise errors.InvalidRequest(f"{param}: not a JSON schema (invalid JSON)",
-                                        param=param) from None
+            raise errors.InvalidRequest(
+                f"{param}: not a JSON schema (invalid JSON)", param=param
+            ) from None
         if not isinstance(parsed, (dict, bool)):
             raise errors.InvalidRequest(f"{param}: a JSON schema is an object", param=param)
         return value
@@ -37,26 +38,42 @@ def requested(req: SamplingFields) -> list[tuple[str, Constraint]]:
     if isinstance(rf, JsonObjectFormat):
         out.append(("response_format", Constraint(kind="json_object")))
     elif isinstance(rf, JsonSchemaResponseFormat):
-        out.append(("response_format", Constraint(kind="json_schema",
-                                                  spec=json.dumps(rf.json_schema.schema_))))
+        out.append(
+            (
+                "response_format",
+                Constraint(kind="json_schema", spec=json.dumps(rf.json_schema.schema_)),
+            )
+        )
     if req.guided_json is not None:
-        out.append(("guided_json", Constraint(kind="json_schema",
-                                              spec=_json_spec(req.guided_json, "guided_json"))))
+        out.append(
+            (
+                "guided_json",
+                Constraint(kind="json_schema", spec=_json_spec(req.guided_json, "guided_json")),
+            )
+        )
     if req.guided_regex is not None:
         out.append(("guided_regex", Constraint(kind="regex", spec=req.guided_regex)))
     if req.guided_choice is not None:
-        out.append(("guided_choice", Constraint(kind="choice",
-                                                spec=json.dumps(req.guided_choice))))
+        out.append(("guided_choice", Constraint(kind="choice", spec=json.dumps(req.guided_choice))))
     if req.guided_grammar is not None:
         out.append(("guided_grammar", Constraint(kind="lark", spec=req.guided_grammar)))
     so = req.structured_outputs
     if so is not None:
-        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex),
-                                     ("choice", so.choice), ("grammar", so.grammar))
-                 if v is not None]
+        given = [
+            (k, v)
+            for k, v in (
+                ("json", so.json_),
+                ("regex", so.regex),
+                ("choice", so.choice),
+                ("grammar", so.grammar),
+            )
+            if v is not None
+        ]
         if len(given) != 1:
-            raise errors.InvalidRequest("structured_outputs takes exactly one of json, regex, "
-                                        "choice, grammar", param="structured_outputs")
+            raise errors.InvalidRequest(
+                "structured_outputs takes exactly one of json, regex, choice, grammar",
+                param="structured_outputs",
+            )
         key, value = given[0]
         param = f"structured_outputs.{key}"
         if key == "json":
@@ -72,8 +89,9 @@ def requested(req: SamplingFields) -> list[tuple[str, Constraint]]:
 def one_constraint(found: list[tuple[str, Constraint]]) -> tuple[str, Constraint] | None:
     if len(found) > 1:
         names = ", ".join(p for p, _ in found)
-        raise errors.InvalidRequest(f"one structured-output constraint per request; this one "
-                                    f"has {names}", param=found[1][0])
+        raise errors.InvalidRequest(
+            f"one structured-output constraint per request; this one has {names}", param=found[1][0]
+        )
     return found[0] if found else None
 
 
@@ -93,8 +111,10 @@ class ConstraintChecker:
         from shared.engine.params import Constraint as EngineConstraint
 
         try:
-            constraints.validate(self.tokenizer, self.vocab_size,
-                                 EngineConstraint(constraint.kind, constraint.spec))
+            constraints.validate(
+                self.tokenizer, self.vocab_size, EngineConstraint(constraint.kind, constraint.spec)
+            )
         except ValueError as exc:
-            raise errors.InvalidRequest(f"{param}: {exc}", param=param,
-                                        code="invalid_grammar") from None
+            raise errors.InvalidRequest(
+                f"{param}: {exc}", param=param, code="invalid_grammar"
+            ) from None

@@ -49,8 +49,11 @@ class ParsedCall:
     id: str = field(default_factory=call_id)
 
     def body(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 class HermesFormat:
@@ -61,24 +64,33 @@ class HermesFormat:
     open, close = "<tool_call>", "</tool_call>"
 
     def system_text(self, tools: list[Tool]) -> str:
-        lines = "\n".join(json.dumps(t.model_dump(mode="json", by_alias=True,
-                                                  exclude_none=True)) for t in tools)
-        return ("# Tools\n\nYou may call one or more functions to assist with the user query."
-                "\n\nYou are provided with function signatures within <tools></tools> XML "
-                f"tags:\n<tools>\n{lines}\n</tools>\n\nFor each function call, return a json "
-                "object with function name and arguments within <tool_call></tool_call> XML "
-                "tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-                "<args-json-object>}\n</tool_call>")
+        lines = "\n".join(
+            json.dumps(t.model_dump(mode="json", by_alias=True, exclude_none=True)) for t in tools
+        )
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query."
+            "\n\nYou are provided with function signatures within <tools></tools> XML "
+            f"tags:\n<tools>\n{lines}\n</tools>\n\nFor each function call, return a json "
+            "object with function name and arguments within <tool_call></tool_call> XML "
+            'tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call>"
+        )
 
     def render_calls(self, message: MessageBase) -> str:
-        blocks = [f"{self.open}\n" + json.dumps(
-            {"name": c.function.name, "arguments": _arguments(c.function.arguments)})
-            + f"\n{self.close}" for c in message.tool_calls or []]
+        blocks = [
+            f"{self.open}\n"
+            + json.dumps({"name": c.function.name, "arguments": _arguments(c.function.arguments)})
+            + f"\n{self.close}"
+            for c in message.tool_calls or []
+        ]
         return "\n".join(([message.text()] if message.text() else []) + blocks)
 
     def render_reply(self, name: str, content: str) -> str:
-        return "<tool_response>\n" + json.dumps({"name": name, "content": content}) + \
-            "\n</tool_response>"
+        return (
+            "<tool_response>\n"
+            + json.dumps({"name": name, "content": content})
+            + "\n</tool_response>"
+        )
 
     def grammar(self, tools: list[Tool], choice: str | NamedToolChoice, parallel: bool) -> str:
         """Lark (llguidance's dialect): one call, or one or more, of the allowed tools, each
@@ -87,16 +99,23 @@ class HermesFormat:
             tools = [t for t in tools if t.function.name == choice.function.name]
         rules = []
         for i, t in enumerate(tools):
-            schema = {"type": "object", "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False,
+            schema = {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "arguments": t.function.parameters or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
                 # Compact, one-line JSON as the format shows it: a small model given free
                 # whitespace wanders in it until max_tokens.
-                "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
-                               "key_separator": ": "}}
-            rules.append(f'call_{i}: "{self.open}\\n" %json {json.dumps(schema)} '
-                         f'"\\n{self.close}"')
+                "x-guidance": {
+                    "whitespace_flexible": False,
+                    "item_separator": ", ",
+                    "key_separator": ": ",
+                },
+            }
+            rules.append(f'call_{i}: "{self.open}\\n" %json {json.dumps(schema)} "\\n{self.close}"')
         alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return "\n".join([start, f"call: {alternatives}", *rules])
@@ -152,8 +171,8 @@ class StreamingCalls:
             start = self.buffer.find(open_)
             if start < 0:
                 keep = 0 if final else _partial_suffix(self.buffer, open_)
-                content.append(self.buffer[:len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep:]
+                content.append(self.buffer[: len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep :]
                 break
             content.append(self.buffer[:start])
             end = self.buffer.find(close, start)
@@ -161,7 +180,7 @@ class StreamingCalls:
                 self.buffer = self.buffer[start:]
                 break
             block_end = len(self.buffer) if end < 0 else end + len(close)
-            call = _call(self.buffer[start + len(open_):end if end >= 0 else None].strip())
+            call = _call(self.buffer[start + len(open_) : end if end >= 0 else None].strip())
             if call is None or (self.calls and not self.parallel):
                 content.append(self.buffer[start:block_end] if call is None else "")
             else:

@@ -40,19 +40,31 @@ CASES = {
     "n zero": (with_(n=0), 400, "invalid_request"),
     "unknown parameter": (with_(frobnicate=1), 400, "unknown_parameter"),
     "unsupported parameter": (with_(audio={"voice": "alloy"}), 400, "unsupported_parameter"),
-    "lone surrogate": (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", '
-                       b'"content": "\\ud800"}]}', 400, "invalid_request"),
+    "lone surrogate": (
+        b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        "invalid_request",
+    ),
     "top_logprobs without logprobs": (with_(top_logprobs=2), 400, "invalid_request"),
     "top_logprobs above 20": (with_(logprobs=True, top_logprobs=21), 400, "invalid_request"),
     "logit_bias not a token id": (with_(logit_bias={"x": 1}), 400, "invalid_request"),
-    "logit_bias outside the vocabulary": (with_(logit_bias={"999999": 1}), 400,
-                                          "invalid_request"),
+    "logit_bias outside the vocabulary": (with_(logit_bias={"999999": 1}), 400, "invalid_request"),
     "invalid regex": (with_(guided_regex="(?=a)b"), 400, "invalid_grammar"),
     "invalid grammar": (with_(guided_grammar="start: ("), 400, "invalid_grammar"),
     "two constraints": (with_(guided_regex="a+", guided_choice=["a"]), 400, "invalid_request"),
     "tool_choice without tools": (with_(tool_choice="required"), 400, "invalid_request"),
-    "image content": (with_(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "invalid_request"),
+    "image content": (
+        with_(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x"}}],
+                }
+            ]
+        ),
+        400,
+        "invalid_request",
+    ),
     "stream wrong type": (with_(stream="yes"), 400, "invalid_request"),
     "unknown model": (with_(model="gpt-9"), 404, "model_not_found"),
     "prompt longer than context": (
@@ -78,8 +90,9 @@ COMPLETION_CASES = {
 async def test_bad_completion_request(stack, case):
     extra, code = COMPLETION_CASES[case]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-        async with http.post(f"{stack.url}/v1/completions",
-                             json={"model": MODEL, "max_tokens": 4, **extra}) as resp:
+        async with http.post(
+            f"{stack.url}/v1/completions", json={"model": MODEL, "max_tokens": 4, **extra}
+        ) as resp:
             assert resp.status == 400, await resp.text()
             err = (await resp.json())["error"]
     assert err["code"] == code and err["type"] == "invalid_request_error"

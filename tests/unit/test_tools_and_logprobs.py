@@ -17,10 +17,18 @@ from shared import errors
 from shared.messages import Constraint, TokenLogprob
 
 pytestmark = pytest.mark.model
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -32,26 +40,52 @@ def builder(model_dir: Path) -> PromptBuilder:
 def test_the_default_models_template_gets_the_fallback_and_renders_a_round_trip(builder):
     assert not builder.template_renders_tools
     assert isinstance(builder.tool_format, HermesFormat)
-    chat = parse_request({"model": "m", "tools": [WEATHER], "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]})
+    chat = parse_request(
+        {
+            "model": "m",
+            "tools": [WEATHER],
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+            ],
+        }
+    )
     messages, tools = builder.render_messages(chat)
     assert tools is None
     system = messages[0]["content"]
     assert system.startswith("Be brief.\n\n# Tools") and '"name": "get_weather"' in system
     assert "<tool_call></tool_call>" in system
     assert json.loads(messages[2]["content"].split("\n")[1]) == {
-        "name": "get_weather", "arguments": {"city": "Paris"}}
-    assert messages[3] == {"role": "user", "content": '<tool_response>\n{"name": '
-                           '"get_weather", "content": "sunny, 21 C"}\n</tool_response>'}
+        "name": "get_weather",
+        "arguments": {"city": "Paris"},
+    }
+    assert messages[3] == {
+        "role": "user",
+        "content": '<tool_response>\n{"name": '
+        '"get_weather", "content": "sunny, 21 C"}\n</tool_response>',
+    }
     text = builder.tokenizer.decode(builder.tokenize(messages, tools))
     assert "<tool_response>" in text and text.endswith("<|im_start|>assistant\n")
-    none = parse_request({"model": "m", "tools": [WEATHER], "tool_choice": "none",
-                          "messages": [{"role": "user", "content": "hi"}]})
+    none = parse_request(
+        {
+            "model": "m",
+            "tools": [WEATHER],
+            "tool_choice": "none",
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    )
     assert "# Tools" not in str(builder.render_messages(none)[0])
 
 
@@ -62,7 +96,7 @@ def test_calls_are_parsed_from_a_stream_in_any_pieces():
         calls = StreamingCalls(fmt)
         content, found = [], []
         for i in range(0, len(text), size):
-            c, new = calls.feed(text[i:i + size])
+            c, new = calls.feed(text[i : i + size])
             content.append(c)
             found += new
         c, new = calls.finish()
@@ -87,18 +121,25 @@ def test_what_is_not_a_call_stays_text():
 def test_the_forcing_grammar_compiles_and_accepts_only_calls(builder):
     fmt = format_for("llama")
     checker = ConstraintChecker(builder.tokenizer, builder.vocab_size)
-    tools = [Tool.model_validate(WEATHER), Tool.model_validate(
-        {"type": "function", "function": {"name": "noop"}})]
-    for choice, parallel in (("required", True), ("required", False),
-                             (NamedToolChoice.model_validate(
-                                 {"type": "function", "function": {"name": "noop"}}), False)):
+    tools = [
+        Tool.model_validate(WEATHER),
+        Tool.model_validate({"type": "function", "function": {"name": "noop"}}),
+    ]
+    for choice, parallel in (
+        ("required", True),
+        ("required", False),
+        (NamedToolChoice.model_validate({"type": "function", "function": {"name": "noop"}}), False),
+    ):
         grammar = fmt.grammar(tools, choice, parallel)
         checker.check("tool_choice", Constraint(kind="lark", spec=grammar))
     from shared.engine.constraints import matcher
     from shared.engine.params import Constraint as EngineConstraint
 
-    m = matcher(builder.tokenizer, builder.vocab_size,
-                EngineConstraint("lark", fmt.grammar(tools, "required", False)))
+    m = matcher(
+        builder.tokenizer,
+        builder.vocab_size,
+        EngineConstraint("lark", fmt.grammar(tools, "required", False)),
+    )
     assert m.consume_tokens(builder.tokenizer(CALL)["input_ids"]) and m.is_accepting()
     with pytest.raises(errors.InvalidRequest) as info:
         checker.check("guided_regex", Constraint(kind="regex", spec="(?=a)b"))
