@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from services.gateway.protocol import SamplingFields, parse_body
+from services.gateway.protocol import Integral, SamplingFields, parse_body
 from shared import errors
 
 # OpenAI's default for /v1/completions (chat's is what the context leaves).
@@ -31,7 +31,9 @@ def _prompt_schema(schema: dict[str, Any]) -> None:
 
 class CompletionRequest(SamplingFields):
     # A string, a batch of strings, token ids, or a batch of token id lists.
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra=_prompt_schema)
+    prompt: str | list[str] | list[Integral] | list[list[Integral]] = Field(
+        json_schema_extra=_prompt_schema
+    )
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt only
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -11,7 +11,7 @@ from aiohttp import web
 from pydantic import Field, model_validator
 
 from services.gateway.bodies import model_card, models_body
-from services.gateway.protocol import ChatMessage, Strict, Tool, parse_body
+from services.gateway.protocol import ChatMessage, Integral, Strict, Tool, parse_body
 from shared import errors
 from shared.db.schema import DecisionRecord, RequestRecord
 from shared.db.session import sessionmaker
@@ -41,7 +41,7 @@ class TokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[Integral] = Field(max_length=1 << 20)
 
 
 def version() -> str:

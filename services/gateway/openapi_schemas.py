@@ -90,7 +90,7 @@ def _common(
     for name in ("max_tokens", "max_completion_tokens"):
         if name in props and settings.max_output_tokens:
             _branch(props[name], "integer")["maximum"] = settings.max_output_tokens
-    props["n"]["maximum"] = settings.max_choices
+    _branch(props["n"], "integer")["maximum"] = settings.max_choices
     _token_ids(_branch(props["stop_token_ids"], "array")["items"], vocab)
     bias = _branch(props["logit_bias"], "object")
     bias["propertyNames"] = {"pattern": f"^0*({_below(vocab)})$"}
@@ -108,13 +108,15 @@ def _common(
 
 
 def _structured_outputs(schemas: dict[str, Any]) -> None:
+    """Exactly one constraint given (null, as everywhere, means absent)."""
     so = schemas["StructuredOutputs"]
-    so.update(minProperties=1, maxProperties=1)
     props = so["properties"]
-    for prop in props.values():  # exactly one, and never null
-        prop["anyOf"] = [b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"]
+    for prop in props.values():
         prop.pop("default", None)
-    props["json"]["anyOf"] = [b for b in props["json"]["anyOf"] if b.get("type") == "object"]
+    so["oneOf"] = [_given(name) for name in props]
+    props["json"]["anyOf"] = [
+        b for b in props["json"]["anyOf"] if b.get("type") in ("object", "null")
+    ]
     props["regex"].pop("format", None)
     props["regex"]["anyOf"][0]["format"] = "regex"
     props["grammar"]["anyOf"][0]["pattern"] = SIMPLE_GRAMMAR

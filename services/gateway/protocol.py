@@ -12,7 +12,15 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from shared import errors
 from shared.messages import SamplingParams
@@ -58,10 +66,37 @@ def _integral(data: Any, names: tuple[str, ...]) -> Any:
     return data
 
 
+def _whole(v: Any) -> Any:
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# An integer inside a list (token ids): 8.0 is 8 there too, as for INT_FIELDS.
+Integral = Annotated[int, BeforeValidator(_whole)]
+_META = ("title", "description", "default", "examples", "deprecated")
+
+
+def _nullable_optionals(schema: dict[str, Any]) -> None:
+    """Say in the JSON schema what `_drop_nulls` does: every field that may be left out
+    may also be null (its default then applies)."""
+    required = set(schema.get("required", []))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or _allows_null(prop):
+            continue
+        inner = {k: v for k, v in prop.items() if k not in _META}
+        meta = {k: v for k, v in prop.items() if k in _META}
+        prop.clear()  # in place: the schema dict pydantic hands over is the one it keeps
+        prop.update(anyOf=[inner, {"type": "null"}], **meta)
+
+
+def _allows_null(prop: dict[str, Any]) -> bool:
+    branches = prop.get("anyOf", prop.get("oneOf", [prop]))
+    return any(b.get("type") == "null" for b in branches)
+
+
 class Strict(BaseModel):
     """Strict types ("5" is not a number), unknown fields refused, null as absent."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_nullable_optionals)
 
     @model_validator(mode="before")
     @classmethod
@@ -154,7 +189,7 @@ class SamplingFields(Strict):
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = Field(None, json_schema_extra=_stop_schema)
-    stop_token_ids: list[int] | None = Field(None, max_length=64)  # extension
+    stop_token_ids: list[Integral] | None = Field(None, max_length=64)  # extension
     seed: int | None = Field(None, ge=-SEED_RANGE, lt=SEED_RANGE)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
