@@ -65,7 +65,11 @@ class DecodeInstance(EngineInstance):
         req = job.request
         if self.known(req.request_id):
             return
-        self.streams[req.request_id] = Stream(req, job.events_sent, job.cached_tokens)
+        # With KV handed over, prefill computed the prompt and its cache hits are the usage's;
+        # without (a recompute here), this engine's own are.
+        computed_elsewhere = job.kv is not None
+        cached = job.cached_tokens if computed_elsewhere else None
+        self.streams[req.request_id] = Stream(req, job.events_sent, cached)
         self.queue.append(job)
         self.wake()
 

@@ -67,7 +67,10 @@ class Stream:
 
     request: GenerateRequest
     next_index: int
-    cached_tokens: int = 0
+    # Prompt tokens the instance that computed the prompt found in its prefix cache. None:
+    # this instance computes it, and its own engine says. (Decode's own prefix match on a
+    # handed-off prompt saves a copy, not compute: it is not what usage reports.)
+    cached_tokens: int | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # scored before prefill, sent first
 
 
@@ -260,7 +263,9 @@ class EngineInstance:
             usage = Usage(
                 prompt_tokens=out.num_prompt_tokens,
                 completion_tokens=out.num_output_tokens,
-                cached_tokens=max(stream.cached_tokens, out.num_cached_tokens),
+                cached_tokens=(
+                    out.num_cached_tokens if stream.cached_tokens is None else stream.cached_tokens
+                ),
             )
             self.streams.pop(out.request_id)
             self.finished.add(out.request_id)
