@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from services.bench.servers import HalfmoonServer
+from services.bench.servers import HalfmoonServer, parse_cpus, placements
 from services.conductor.costmodel import default_path as default_cost_model
 
 _ENV_TOKEN = re.compile(r"^HALFMOON_[A-Z0-9_]+=")
@@ -59,7 +59,10 @@ async def local_cluster(
     metrics = (
         [] if any(f.startswith("--metrics") for f in config.flags) else ["--metrics-base-port", "0"]
     )
-    server = HalfmoonServer(model_dir, "auto", [*metrics, *config.flags], env)
+    flags = [*metrics, *config.flags]
+    # On every core this process may use, with `up`'s own thread split (or the flags').
+    placement = placements(parse_cpus(""), flags)[0]
+    server = HalfmoonServer(model_dir, "auto", placement, flags, env=env)
     try:
         await asyncio.to_thread(server.start, ready_timeout_s)
         yield server.url
