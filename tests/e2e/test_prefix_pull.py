@@ -96,6 +96,19 @@ async def heartbeats_after(url: str, t: float, ids: set[str]) -> dict[str, dict]
     return await until(fresh, what=f"heartbeats of {sorted(ids)}", step_s=0.2)
 
 
+async def idle_now(url: str, instance_id: str) -> None:
+    """Until a heartbeat sent from now on says `instance_id` has no prompt to compute. The
+    conductor places by what heartbeats say, and the last one sent during a prefill may
+    still say busy after it ended."""
+    t = time.time()
+
+    async def idle() -> bool:
+        state = await heartbeats_after(url, t, {instance_id})
+        return not state[instance_id]["queue_prompts"]
+
+    await until(idle, what=f"an idle heartbeat from {instance_id}")
+
+
 async def wait_busy(url: str, instance_id: str, timeout_s: float = 30.0) -> None:
     """Until `instance_id`'s heartbeat reports a prompt still to compute."""
     deadline = time.monotonic() + timeout_s
@@ -125,6 +138,7 @@ async def test_second_turn_on_other_instance_pulls_the_prefix(two_prefill_stack,
     first = await chat(stack.url, turn1)
     holder = await placed_on(stack.database_url, first["id"])
     assert await indexed(stack, model_dir, turn1) == holder
+    await idle_now(stack.url, holder)  # else a stale heartbeat may still show turn 1 running
     # A long prompt that shares turn 1's opening goes to the holder (its own cache is
     # cheapest there) and keeps it busy: turn 2 is then fastest on the idle instance,
     # with the prefix pulled from the holder.
