@@ -29,6 +29,7 @@ from services.conductor import snapshot
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import POLICIES, Candidate, Decision, Policy, RandomPolicy
 from services.conductor.registry import Registry
+from services.sim.model import llama3_70b_8xa800
 from shared.messages import GenerateRequest, InstanceInfo, Role, SamplingParams
 
 GOLDEN = Path(__file__).parent / "data" / "decisions.jsonl"
@@ -43,15 +44,7 @@ def cost_model(rng: random.Random) -> CostModel:
     if kind == 0:
         return CostModel()
     if kind == 1:  # the simulator's large-model preset, 512-token blocks
-        return CostModel(
-            prefill_coef=[0.02, 1.0e-4, 1.0e-9, 2.0e-9],
-            decode_coef=[0.025, 2.0e-4, 4.0e-8],
-            transfer_latency_s=0.001,
-            transfer_bytes_per_s=25e9,
-            overhead_s=0.0,
-            block_bytes=512 * 327_680,
-            block_size=512,
-        )
+        return llama3_70b_8xa800()
     if kind == 2:  # round numbers: many exact ties
         return CostModel(
             prefill_coef=[0.0, 1e-3, 0.0, 0.0],
