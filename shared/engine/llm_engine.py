@@ -205,13 +205,7 @@ class LLMEngine:
         """Continue a request prefilled elsewhere; False if the pool has no room yet."""
         self._check_fits(len(prompt_token_ids), params)
         check_compatible(kv.meta, self.kv, self.lm.name, self.config.quantization)
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids) + list(output_token_ids),
-            len(prompt_token_ids),
-            params,
-            salt,
-        )
+        seq = _continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
         with self._book:
             if seq.request_id in self.requests:
                 raise ValueError(f"duplicate request id {seq.request_id}")
@@ -234,13 +228,7 @@ class LLMEngine:
         that held it died): prompt + tokens so far are computed again here, as a preempted
         sequence is, and the stream goes on after the text already emitted."""
         self._check_fits(len(prompt_token_ids), params)
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids) + list(output_token_ids),
-            len(prompt_token_ids),
-            params,
-            salt,
-        )
+        seq = _continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
         with self._book:
             self._register(seq, output_token_ids, emitted_text)
             self._load_from_disk(seq)
@@ -261,13 +249,7 @@ class LLMEngine:
         blocks of the prompt this pool already caches (a sibling sample's) are shared,
         not fetched again into new ones."""
         self._check_fits(len(prompt_token_ids), params)
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids) + list(output_token_ids),
-            len(prompt_token_ids),
-            params,
-            salt,
-        )
+        seq = _continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
         if not 0 < num_kv_tokens <= seq.num_tokens:
             raise ValueError(f"KV of {num_kv_tokens} tokens for a sequence of {seq.num_tokens}")
         with self._book:
@@ -675,3 +657,15 @@ class LLMEngine:
             preemptions=self.num_preemptions,
             evicted_blocks=self.blocks.num_evictions,
         )
+
+
+def _continuation(
+    request_id: str,
+    prompt_token_ids: list[int],
+    output_token_ids: list[int],
+    params: SamplingParams,
+    salt: str,
+) -> Sequence:
+    """A request that goes on from tokens produced elsewhere: prompt + output so far."""
+    tokens = list(prompt_token_ids) + list(output_token_ids)
+    return Sequence(request_id, tokens, len(prompt_token_ids), params, salt)
