@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sized
 
 import pytest
 
@@ -40,14 +41,21 @@ BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x dim x bloc
 
 
 class RecordingReceiver(TcpKVReceiver):
-    """The real receiver, noting which transfers decode started and when."""
+    """The real receiver, noting which transfers decode started, and as each one started,
+    how many handoffs still waited in decode's queue and how many were still unfinished."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fetched: list[str] = []
+        self.waiting_at_fetch: list[int] = []
+        self.unfinished_at_fetch: list[int] = []
+        self.queue: Sized = ()
+        self.streams: Sized = ()
 
     async def fetch(self, handle, timeout_s, purpose=HANDOFF):  # type: ignore[no-untyped-def,override]
         self.fetched.append(handle.transfer_id)
+        self.waiting_at_fetch.append(len(self.queue))
+        self.unfinished_at_fetch.append(len(self.streams))
         return await super().fetch(handle, timeout_s, purpose)
 
 
@@ -60,10 +68,11 @@ async def wait_until(cond, timeout_s: float = 60.0) -> None:  # type: ignore[no-
 
 
 async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_free(nc, tiny):
-    ref = reference(tiny)
+    # Six different prompts, so no request shares another's blocks and the pool's room is
+    # exact: 40 tokens + 8 are 3 blocks each, and 7 blocks hold two requests at a time.
+    prompts = {f"q{i}": [200 + i, *PROMPT[1:]] for i in range(6)}
     sender, receiver = TcpKVSender(), RecordingReceiver()
     await sender.start()
-    # 40-token prompts + 8 tokens: 3 blocks each; 7 blocks hold two requests at a time.
     dec = DecodeInstance(
         DecodeSettings(
             instance_id="decode-small", kv_cache_gb=7 * BLOCK_BYTES / 2**30, transfer_timeout_s=30.0
@@ -80,39 +89,52 @@ async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_fr
         TcpKVReceiver(),
     )
     assert dec.engine.blocks.num_blocks == 7
-    events = {f"q{i}": Events() for i in range(6)}
+    events = {rid: Events() for rid in prompts}
     for rid, ev in events.items():
         await nc.subscribe(subjects.tokens(rid), cb=ev.on_msg)
-    queued_unfetched = []
-    async with running(dec), running(pre):
+    async with running(pre):
         await nc.subscribe(subjects.decode_submit("decode-small"), cb=dec.on_submit)
         await nc.subscribe(subjects.prefill_submit("prefill-big"), cb=pre.on_submit)
         for rid in events:
             await bus.request(
                 nc,
                 subjects.prefill_submit("prefill-big"),
-                PrefillJob(request=gen(rid), decode_id="decode-small"),
+                PrefillJob(request=gen(rid, prompts[rid]), decode_id="decode-small"),
                 Ack,
                 5.0,
             )
-        # The pool fills: the rest wait in the queue, their KV still on the prefill side.
-        await wait_until(lambda: len(dec.queue) >= 1 and len(receiver.fetched) >= 2)
-        while dec.queue or any(not ev.finished.is_set() for ev in events.values()):
-            held = dec.engine.blocks.num_blocks - dec.engine.blocks.num_free_blocks
-            assert held <= 7
-            for job in list(dec.queue):
-                assert job.kv is not None and job.kv.transfer_id not in receiver.fetched
-                queued_unfetched.append(job.request.request_id)
-            await asyncio.sleep(0.005)
-            if all(ev.finished.is_set() for ev in events.values()):
-                break
-        await asyncio.wait_for(asyncio.gather(*(ev.finished.wait() for ev in events.values())), 60)
+        # Decode is not stepping yet, so all six handoffs queue up, nothing fetched. (Were it
+        # stepping, the tiny model would finish each before prefill sent the next, and the
+        # pool would never fill.)
+        await wait_until(lambda: len(dec.queue) == 6)
+        assert receiver.fetched == []
+        receiver.queue, receiver.streams = dec.queue, dec.streams
+
+        async def watch_until_all_finish() -> None:
+            while any(not ev.finished.is_set() for ev in events.values()):
+                held = dec.engine.blocks.num_blocks - dec.engine.blocks.num_free_blocks
+                assert held <= 7
+                for job in list(dec.queue):
+                    assert job.kv is not None and job.kv.transfer_id not in receiver.fetched
+                await asyncio.sleep(0.005)
+
+        async with running(dec):
+            # The pool holds two: the rest wait in the queue, their KV still on prefill.
+            await asyncio.wait_for(watch_until_all_finish(), 60)
     await sender.close()
-    assert queued_unfetched, "some handoffs must have waited in the queue"
+    # Two fit at first (the first fetch may start before the second is reserved), the other
+    # four waiting unfetched; each later one started as blocks freed.
+    assert receiver.waiting_at_fetch[0] in (4, 5) and receiver.waiting_at_fetch[1] == 4
+    assert receiver.waiting_at_fetch == sorted(receiver.waiting_at_fetch, reverse=True)
+    # The k-th fetch (from 0) waited until k - 1 requests had finished and freed blocks.
+    for k, unfinished in enumerate(receiver.unfinished_at_fetch):
+        assert unfinished <= 6 - max(0, k - 1), receiver.unfinished_at_fetch
     assert len(receiver.fetched) == 6  # each fetched once, when it had room
     for rid, ev in events.items():
         tokens = [t for e in ev.got for t in e.token_ids]
-        assert tokens == ref, rid  # the first from prefill, the rest from decode
+        assert tokens == reference(tiny, prompts[rid]), (
+            rid
+        )  # the first from prefill, the rest from decode
         assert ev.got[-1].usage is not None and ev.got[-1].usage.completion_tokens == TOKENS
     assert not dec.queue and not dec.engine.reserved and dec.info().kv_blocks_leased == 0
 

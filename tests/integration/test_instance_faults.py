@@ -62,19 +62,19 @@ def params() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
 
 
-def gen(rid: str) -> GenerateRequest:
+def gen(rid: str, prompt: list[int] = PROMPT) -> GenerateRequest:
     return GenerateRequest(
         request_id=rid,
         model="tiny",
-        prompt_token_ids=PROMPT,
+        prompt_token_ids=prompt,
         sampling=params(),
         arrival_time=time.time(),
     )
 
 
-def reference(tiny) -> list[int]:
+def reference(tiny, prompt: list[int] = PROMPT) -> list[int]:
     engine = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20))
-    engine.add_request("ref", PROMPT, EngineParams.of(params()))
+    engine.add_request("ref", prompt, EngineParams.of(params()))
     out: list[int] = []
     while engine.has_work():
         out += [t for o in engine.step() for t in o.new_token_ids]
