@@ -28,6 +28,7 @@ class _Linear(ctypes.Structure):
         ("bias", P),
         ("out_features", ctypes.c_int),
         ("in_features", ctypes.c_int),
+        ("gemm", ctypes.c_int),
     ]
 
 
@@ -71,14 +72,15 @@ def _linear(lin: Linear) -> _Linear:
     assert lin.gemv is not None
     scales = lin.scales.data_ptr() if isinstance(lin, Int8Linear) else None
     bias = lin.bias_f32.data_ptr() if lin.bias_f32 is not None else None
-    return _Linear(lin.gemv.data_ptr(), scales, bias, lin.out_features, lin.in_features)
+    gemm = int(isinstance(lin, DenseLinear) and lin.gemm)
+    return _Linear(lin.gemv.data_ptr(), scales, bias, lin.out_features, lin.in_features, gemm)
 
 
 class NativeDecodeStep:
     def __init__(self, model: PagedLlama, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self._fn = kernels.lib().decode_layers
         self._keep = (cos, sin)  # the tables must outlive every call
-        # As many rows as every linear takes through its GEMV (the same for all of them).
+        # As many rows as every linear takes through its native kernel (the same for all).
         self.max_rows = min(lin.gemv_rows for layer in model.layers for lin in layer.linears)
         layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):

@@ -51,6 +51,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "silu_mul": (None, [P, P, I, I, I, I]),
     "rope_kv_write": (None, [P, P, P, P, I, I, I, I, P, P, P, P, I, I, I]),
     "gemv_bf16": (I, [P, P, P, P, I, I, I, I]),
+    "gemm_bf16": (I, [P, P, P, P, I, I, I, I]),
+    "gemm_bf16_available": (I, []),
     "gemv_f32": (I, [P, P, P, P, I, I, I, I]),
     "gemv_i8": (I, [P, I, P, P, P, P, I, I, I, I]),
     "read_bandwidth_sum": (ctypes.c_double, [P, L, I]),

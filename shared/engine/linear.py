@@ -4,6 +4,8 @@
   streams the weights once from a layout packed for it; more rows through torch: oneDNN
   with weights prepacked once for bf16 (the plain call repacks them every time, up to
   half of the matmul at decode sizes), MKL for fp32.
+- bf16 where the CPU has AVX512_BF16: the native GEMM (csrc/gemm_bf16.c) instead of both
+  the GEMV and oneDNN, at every row count it beats them (see _GEMM_MAX_ROWS).
 - Int8 (`--quantization int8`): weights per output channel, symmetric int8; activations
   keep the run's dtype. A quarter of fp32's bytes per decode step (see Int8Linear).
 """
@@ -36,6 +38,14 @@ _MAX_ROWS_OTHER = {
 }
 
 
+# Rows up to which the bf16 GEMM beats oneDNN. Without AMX it did at every size measured,
+# decode and prefill (AMD EPYC, 2 cores: 1-64 rows at 1.3-2.9x, 512 rows at 0.96-1.3x).
+# With AMX, oneDNN's tiles caught up with the GEMV at 5-8 rows, so the GEMM stops there.
+_UNBOUNDED = 1 << 20
+_GEMM_MAX_ROWS = {"amx": 8, "no_amx": _UNBOUNDED}
+GEMM_PANEL = 32  # output columns per panel in csrc/gemm_bf16.c
+
+
 def gemv_max_rows(kind: str, act_dtype: torch.dtype) -> int:
     table = _MAX_ROWS_AVX512 if "avx512f" in cpu.detect().flags else _MAX_ROWS_OTHER
     return table.get((kind, act_dtype), 0)
@@ -53,6 +63,28 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
     )
 
 
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 → the GEMM's layout: panels of 32 output columns, K in pairs."""
+    n, k = w.shape
+    return w.reshape(n // GEMM_PANEL, GEMM_PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemm_fits(w: torch.Tensor) -> bool:
+    n, k = w.shape
+    return (
+        w.dtype == torch.bfloat16
+        and w.device.type == "cpu"
+        and n % GEMM_PANEL == 0
+        and k % 2 == 0
+        and kernels.available()
+        and bool(kernels.lib().gemm_bf16_available())
+    )
+
+
+def gemm_max_rows() -> int:
+    return _GEMM_MAX_ROWS["amx" if "amx_bf16" in cpu.detect().flags else "no_amx"]
+
+
 def gemv_fits(w: torch.Tensor) -> bool:
     n, k = w.shape
     return w.device.type == "cpu" and n % GEMV_BLOCK == 0 and k % 64 == 0 and kernels.available()
@@ -67,13 +99,29 @@ class DenseLinear:
         self.bias_f32 = None if bias is None else self.bias.float().contiguous()
         self.out_features, self.in_features = weight.shape
         self.nbytes = weight.numel() * weight.element_size()
-        self.gemv = pack_rows(self.weight) if gemv and gemv_fits(self.weight) else None
-        self.gemv_rows = gemv_max_rows("dense", weight.dtype) if self.gemv is not None else 0
+        # `gemv`: the weights packed for the native kernel, which takes up to `gemv_rows`
+        # rows: the GEMM's panels (`gemm`) where the CPU has them, else the GEMV's blocks.
+        self.gemm = gemv and gemm_fits(self.weight)
+        self.gemv: torch.Tensor | None = None
+        self.gemv_rows = 0
+        if self.gemm:
+            self.gemv, self.gemv_rows = pack_panels(self.weight), gemm_max_rows()
+        elif gemv and gemv_fits(self.weight):
+            self.gemv = pack_rows(self.weight)
+            self.gemv_rows = gemv_max_rows("dense", weight.dtype)
         if self.gemv is not None:
             native = kernels.lib()
-            self._gemv_fn = native.gemv_bf16 if weight.dtype == torch.bfloat16 else native.gemv_f32
+            self._gemv_fn = (
+                native.gemm_bf16
+                if self.gemm
+                else native.gemv_bf16
+                if weight.dtype == torch.bfloat16
+                else native.gemv_f32
+            )
             self._gemv_args = (self.gemv.data_ptr(), _ptr(self.bias_f32))
-        self.packed = _onednn_pack(self.weight)
+        # oneDNN's copy only where the native kernel leaves rows to it (a third copy of
+        # the weights otherwise).
+        self.packed = _onednn_pack(self.weight) if self.gemv_rows < _UNBOUNDED else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -146,8 +194,12 @@ class Int8Linear:
         self.gemv_rows = gemv_max_rows("int8", weight.dtype) if self.gemv is not None else 0
         self.nbytes = qweight.numel() + self.scales.numel() * 4
         self.dequantized = (qweight.float() * self.scales[:, None]).to(weight.dtype)
+        # More rows: the dequantized weights through the dense path (the bf16 GEMM where
+        # there is one; never its GEMV, which this class's own replaces).
         self.dense = DenseLinear(
-            self.dequantized, None if bias is None else bias.to(weight.dtype), gemv=False
+            self.dequantized,
+            None if bias is None else bias.to(weight.dtype),
+            gemv=gemm_fits(self.dequantized),
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,19 @@
 """The paged forward on a random-weight Llama: native kernel and torch fallback agree, and
 both match transformers' own forward (fp32). No model download needed."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.engine import kernels
+from shared.engine.batch import build_batch
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
+from shared.engine.scheduler import ScheduledSeq
+from shared.engine.sequence import Sequence
 
 
 # hidden 96: the fused ops with torch's matmuls; hidden 128 (a multiple of 64): the GEMV
@@ -57,3 +62,40 @@ def test_native_and_fallback_match_transformers(tiny):
     assert greedy_run(tiny, native=False, prompts=prompts) == refs
     if kernels.available():
         assert greedy_run(tiny, native=True, prompts=prompts) == refs
+
+
+def _bf16_decode_logits(lm, native_linears, prompts):
+    """Each prompt prefilled, then one decode step of all of them as one batch: that
+    step's logits [len(prompts), vocab], and the full sequences. Without native linears,
+    every matmul is torch's."""
+    engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=4 << 20))
+    if not native_linears:
+        for lin in [engine.model.lm_head, *(x for la in engine.model.layers for x in la.linears)]:
+            lin.gemv_rows = 0
+    seqs = []
+    for i, ids in enumerate(prompts):
+        seq = Sequence(f"s{i}", list(ids), len(ids), SamplingParams(temperature=0))
+        assert engine.blocks.allocate(seq, len(ids))
+        batch, _ = build_batch([ScheduledSeq(seq, len(ids))], 16, "cpu")
+        seq.token_ids.append(int(engine.model.forward(batch)[0].argmax()))
+        seq.num_computed_tokens = len(ids)
+        assert engine.blocks.allocate(seq, 1)
+        seqs.append(seq)
+    batch, _ = build_batch([ScheduledSeq(s, 1) for s in seqs], 16, "cpu")
+    return engine.model.forward(batch), [s.token_ids for s in seqs]
+
+
+def test_bf16_decode_batch_is_as_close_to_transformers_as_torch_is(tiny):
+    """bf16 rounds differently per kernel, so no exact match: a decode step of 20 rows
+    through the native linears (the bf16 GEMM where the CPU has it) must be about as close
+    to transformers' bf16 forward as with torch's own matmuls."""
+    model = copy.deepcopy(tiny.model).to(torch.bfloat16)
+    lm = LoadedModel("tiny", model, None, torch.bfloat16, "cpu", 512, frozenset())
+    prompts = [list(range(1 + i, 8 + 7 * i)) for i in range(20)]
+    errors = {}
+    for native in (False, True):
+        logits, seqs = _bf16_decode_logits(lm, native, prompts)
+        with torch.inference_mode():
+            ref = torch.stack([model(torch.tensor([s])).logits[0, -1].float() for s in seqs])
+        errors[native] = ((logits - ref).abs().mean() / ref.abs().mean()).item()
+    assert errors[True] <= 2 * errors[False] + 1e-3, errors

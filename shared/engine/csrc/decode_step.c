@@ -7,8 +7,9 @@
  * paged_attention.c in the order model.py's native path runs them, on scratch buffers
  * allocated once per call, so the arithmetic (rounding included) is exactly that path's.
  *
- * Only for steps where every row is a one-token decode and the rows fit the GEMV (the
- * caller checks): prefill chunks need SDPA, more rows need the library GEMMs.
+ * Only for steps where every row is a one-token decode and the rows fit the native
+ * kernels (the caller checks): prefill chunks need SDPA, more rows need the library GEMMs.
+ * With the bf16 GEMM (gemm_bf16.c) that is any decode step.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +24,8 @@ void rope_kv_write(void *qkv, const float *cos, const float *sin, const int64_t 
                    const int64_t *blocks, const int64_t *offsets, void *k_cache, void *v_cache,
                    int block_size, int bf16, int num_threads);
 int gemv_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
+              int M, int N, int K, int nt);
+int gemm_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
               int M, int N, int K, int nt);
 int gemv_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
              int nt);
@@ -39,12 +42,14 @@ int paged_decode_attention_f32(const void *q, long q_stride, int act_bf16, const
                                int num_kv_heads, int head_dim, int block_size, float scale,
                                void *out, int num_threads);
 
-/* One linear layer as the GEMV sees it: packed weights, int8 scales (NULL: dense), bias. */
+/* One linear layer as the native kernels see it: packed weights, int8 scales (NULL:
+ * dense), bias, and whether the weights are in the bf16 GEMM's panels (else the GEMV's). */
 typedef struct {
     const void *weight;
     const float *scales;
     const float *bias;
     int out_features, in_features;
+    int gemm;
 } Linear;
 
 typedef struct {
@@ -68,6 +73,9 @@ static int linear(const Model *m, const Linear *lin, const void *x, void *y, int
     if (lin->scales)
         return gemv_i8(x, m->act_bf16, (const int8_t *)lin->weight, lin->scales, lin->bias, y,
                        rows, lin->out_features, lin->in_features, nt);
+    if (lin->gemm)
+        return gemm_bf16((const uint16_t *)x, (const uint16_t *)lin->weight, lin->bias,
+                         (uint16_t *)y, rows, lin->out_features, lin->in_features, nt);
     if (m->act_bf16)
         return gemv_bf16((const uint16_t *)x, (const uint16_t *)lin->weight, lin->bias,
                          (uint16_t *)y, rows, lin->out_features, lin->in_features, nt);
