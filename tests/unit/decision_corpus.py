@@ -155,11 +155,25 @@ def digest(rows: list[Any]) -> str:
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:20]
 
 
-def record(d: Decision) -> list[Any]:
+def contenders(d: Decision, matches: dict[str, int]) -> list[Candidate]:
+    """The candidates kvcentric reports (and the SQL record keeps): every instance with a
+    cached prefix of its own, and of the rest (which all reuse the same blocks, so differ
+    only by queue) those at the lowest predicted TTFT; the baselines report every instance.
+    Applied to the full list the earlier implementation made, this is the list the pruned
+    decision makes."""
+    if d.policy != "kvcentric":
+        return d.candidates
+    rest = [c for c in d.candidates if not matches.get(c.instance_id, 0)]
+    low = min((c.ttft_s for c in rest), default=math.inf)
+    return [c for c in d.candidates if matches.get(c.instance_id, 0) or c.ttft_s == low]
+
+
+def record(d: Decision, matches: dict[str, int]) -> list[Any]:
     """Everything a decision says (the SQL record's fields and the dispatched pull): the
     policy, the chosen candidate's parts, its TTFT, decode, TBT, the rejection, the decode
-    blocks, and the number and a digest of all candidates."""
+    blocks, and the number and a digest of the candidates it reports (contenders)."""
     p = d.prefill
+    reported = contenders(d, matches)
     return [
         d.policy,
         None if p is None else [*candidate_row(p), p.overhead_s],
@@ -168,8 +182,8 @@ def record(d: Decision) -> list[Any]:
         d.tbt_s if math.isfinite(d.tbt_s) else str(d.tbt_s),
         d.rejected,
         d.decode_blocks,
-        len(d.candidates),
-        digest([candidate_row(c) for c in d.candidates]),
+        len(reported),
+        digest([candidate_row(c) for c in reported]),
     ]
 
 
@@ -200,7 +214,7 @@ def scenario(seed: int, policy_name: str, large: bool) -> Iterator[list[Any]]:
         d = decide(reg, policy, cost, req, matches, now, threshold, margin, colocated)
         if d.prefill is not None and not d.rejected:
             account(reg, d, len(req.prompt_token_ids))
-        yield [seed, i, *record(d)]
+        yield [seed, i, *record(d, matches)]
 
 
 def decide(

@@ -4,7 +4,7 @@ tests/unit/data/decisions.jsonl holds the decisions the earlier implementation m
 seeded corpus of cluster states and requests (tests/unit/decision_corpus.py: five
 policies, 1 to 1,024 prefill instances, ties, pulls, rejections, colocated layouts, silent
 and draining instances, dispatch accounting between decisions). Every field must be
-equal, floats bit for bit, the whole candidate list (the SQL record's) included.
+equal, floats bit for bit, the candidates it reports (the SQL record's) included.
 """
 
 import json
