@@ -19,7 +19,7 @@ request's KV, and rejects before any compute what misses its SLOs.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.conductor.costmodel import CostModel
 
@@ -132,14 +132,15 @@ def has_room(d: InstanceView, blocks: int) -> bool:
 
 def select_decode(snap: Snapshot, req: RequestView) -> tuple[str, float]:
     """The decode instance with the lowest predicted time between tokens once it joins,
-    among those with room for the request's KV; ("", inf) when none has room."""
+    among those with room for the request's KV (ties: the smaller id); ("", inf) when
+    none has room. One pass, no sort: this runs over every decode instance per request."""
     need = kv_blocks_needed(snap, req)
     best_id, best_tbt = "", float("inf")
-    for d in sorted(snap.decodes, key=lambda x: x.instance_id):
-        if not has_room(d, need):
+    for d in snap.decodes:
+        if d.kv_blocks_free is not None and d.kv_blocks_free < need:  # has_room, inlined
             continue
         tbt = joined_tbt(snap, req, d)
-        if tbt < best_tbt:
+        if tbt < best_tbt or (tbt == best_tbt and best_id and d.instance_id < best_id):
             best_id, best_tbt = d.instance_id, tbt
     return best_id, best_tbt
 
@@ -273,13 +274,36 @@ class KVCentricPolicy(Policy):
         if not snap.prefills:
             return Decision(self.name, rejected="no prefill instance")
         holder = best_holder(req)
-        best = holder[1]
-        cands = []
-        for p in snap.prefills:
-            own = req.prefix_blocks.get(p.instance_id, 0)
-            cands.append(candidate(snap, req, p, pulls(snap, own, best), holder))
+        cands = self.contenders(snap, req, holder)
         chosen = min(cands, key=lambda c: (c.ttft_s, c.instance_id))
         return finish(self.name, snap, req, chosen, cands)
+
+    @staticmethod
+    def contenders(snap: Snapshot, req: RequestView, holder: tuple[str, int]) -> list[Candidate]:
+        """The candidates that can win, in snapshot order: every instance with a cached
+        prefix of its own, and the best of the rest (lowest TTFT, ties: the smaller id).
+        The rest all reuse the same blocks (the best holder's, pulled, or none), so their
+        transfer and prefill are one prediction and only their queues differ: the cost
+        model runs for the holders and once for the rest, not once per instance."""
+        own_blocks = req.prefix_blocks
+        rest = candidate(snap, req, InstanceView(""), pulls(snap, 0, holder[1]), holder)
+        fixed, prefill = rest.overhead_s + rest.transfer_s, rest.prefill_s
+        held: list[tuple[int, InstanceView]] = []
+        best: tuple[float, str, int, InstanceView] | None = None
+        for i, p in enumerate(snap.prefills):
+            if own_blocks.get(p.instance_id):
+                held.append((i, p))
+                continue
+            ttft = fixed + p.queue_s + prefill  # summed as Candidate.ttft_s sums it
+            if best is None or ttft < best[0] or (ttft == best[0] and p.instance_id < best[1]):
+                best = (ttft, p.instance_id, i, p)
+        cands = [
+            (i, candidate(snap, req, p, pulls(snap, own_blocks[p.instance_id], holder[1]), holder))
+            for i, p in held
+        ]
+        if best is not None:
+            cands.append((best[2], replace(rest, instance_id=best[1], queue_s=best[3].queue_s)))
+        return [c for _, c in sorted(cands, key=lambda ic: ic[0])]
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -1,10 +1,21 @@
-"""Live instances from their heartbeats (pure bookkeeping: time comes in as `now`)."""
+"""Live instances from their heartbeats (pure bookkeeping: time comes in as `now`).
+
+Built for clusters of hundreds of instances, where a decision must not cost a pass of
+Python work per instance: a heartbeat updates its instance's state in place, the list of
+live instances per role is kept until something could change it (a new, returning or
+re-statused instance, or the oldest heartbeat in it growing too old), and each state keeps
+what the snapshot derives from it (snapshot.py) until a heartbeat or a dispatch changes it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.messages import InstanceInfo, Role
+
+if TYPE_CHECKING:
+    from services.conductor.policy import InstanceView
 
 
 @dataclass
@@ -17,22 +28,44 @@ class InstanceState:
     pending_s: float = 0.0  # predicted work of those dispatches
     pending_tokens: int = 0  # and their prompt tokens (decode context)
     pending_blocks: int = 0  # and the KV blocks they will take (decode room)
+    # What snapshot.py derives from the fields above, until they change: the reported
+    # queue's predicted work (priced once per heartbeat, with the cost model of that
+    # moment), and the policy's views of the instance (until a heartbeat or dispatch).
+    queue_work_s: float | None = None
+    prefill_view: InstanceView | None = field(default=None, repr=False, compare=False)
+    decode_view: InstanceView | None = field(default=None, repr=False, compare=False)
 
     @property
     def load(self) -> int:
         return self.info.queue_depth + self.info.running + self.dispatched_since_beat
+
+    def beat(self, info: InstanceInfo, now: float) -> None:
+        """A fresh heartbeat: its report replaces the old one and everything sent since."""
+        self.info, self.last_seen = info, now
+        self.dispatched_since_beat, self.pending_s = 0, 0.0
+        self.pending_tokens = self.pending_blocks = 0
+        self.queue_work_s = self.prefill_view = self.decode_view = None
 
 
 class Registry:
     def __init__(self, expiry_s: float) -> None:
         self.expiry_s = expiry_s
         self._instances: dict[str, InstanceState] = {}
+        # role -> (live instances in first-seen order, when that was worked out, the
+        # oldest heartbeat among them then)
+        self._alive: dict[Role, tuple[list[InstanceState], float, float]] = {}
 
     def seen(self, info: InstanceInfo, now: float) -> bool:
         """Record a heartbeat; True if the instance is new (or back from the dead)."""
         state = self._instances.get(info.instance_id)
         is_new = state is None or now - state.last_seen > self.expiry_s
-        self._instances[info.instance_id] = InstanceState(info, now)
+        if state is None or state.info.role != info.role:
+            self._instances[info.instance_id] = InstanceState(info, now)
+            self._alive.clear()
+            return is_new
+        if is_new or state.info.status != info.status:
+            self._alive.clear()  # it joins or leaves the live lists
+        state.beat(info, now)
         return is_new
 
     def dispatched(
@@ -50,15 +83,29 @@ class Registry:
             state.pending_s += predicted_s
             state.pending_tokens += tokens
             state.pending_blocks += blocks
+            state.prefill_view = state.decode_view = None
 
     def alive(self, role: Role, now: float) -> list[InstanceState]:
-        return [
+        """Ready instances of `role` heard from within the expiry, in first-seen order.
+        The list is the registry's own: callers read it and never change it."""
+        cached = self._alive.get(role)
+        if cached is not None:
+            live, built_at, oldest = cached
+            # Heartbeats only move last_seen forward (and any change of membership clears
+            # the cache), so while the oldest heartbeat of the list is live, all of it is.
+            # The same comparison as below, so the answer is the same to the last bit.
+            if built_at <= now and now - oldest <= self.expiry_s:
+                return live
+        live = [
             s
             for s in self._instances.values()
             if s.info.role == role
             and s.info.status == "ready"
             and now - s.last_seen <= self.expiry_s
         ]
+        oldest = min((s.last_seen for s in live), default=now)
+        self._alive[role] = (live, now, oldest)
+        return live
 
     def expire(self, now: float) -> list[InstanceState]:
         """Forget instances silent for 10x the expiry; returns those newly considered dead."""
@@ -66,6 +113,7 @@ class Registry:
         for s in dead:
             if now - s.last_seen > 10 * self.expiry_s:
                 del self._instances[s.info.instance_id]
+                self._alive.clear()
         return dead
 
     def all(self) -> list[InstanceState]:

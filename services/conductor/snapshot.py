@@ -10,14 +10,21 @@ from shared.messages import GenerateRequest
 
 def prefill_view(state: InstanceState, cost: CostModel) -> InstanceView:
     """Queue time: the predicted prefill of each prompt the instance reported still to
-    compute, plus what this conductor sent it since that report (not in it yet)."""
-    queue_s = sum(cost.prefill_s(n) for n in state.info.queue_prompts)
-    return InstanceView(
+    compute, plus what this conductor sent it since that report (not in it yet).
+
+    Kept in the state until its next heartbeat or dispatch (registry.py), and the queue's
+    work priced once per heartbeat, with the cost model of that moment: a decision on a
+    large cluster must not run the cost model over every queued prompt of every
+    instance."""
+    if state.queue_work_s is None:
+        state.queue_work_s = sum(cost.prefill_s(n) for n in state.info.queue_prompts)
+    view = state.prefill_view = InstanceView(
         state.info.instance_id,
-        queue_s=queue_s + state.pending_s,
+        queue_s=state.queue_work_s + state.pending_s,
         running=state.info.running,
         load=state.load,
     )
+    return view
 
 
 def decode_view(state: InstanceState) -> InstanceView:
@@ -33,13 +40,14 @@ def decode_view(state: InstanceState) -> InstanceView:
         if info.kv_blocks_total
         else None
     )
-    return InstanceView(
+    view = state.decode_view = InstanceView(
         info.instance_id,
         running=running,
         load=state.load,
         mean_context=context / running if running else 0.0,
         kv_blocks_free=room,
     )
+    return view
 
 
 def build(
@@ -50,9 +58,10 @@ def build(
     slo_margin: float = 1.0,
     colocated: bool = False,
 ) -> Snapshot:
+    # a view kept from an earlier decision, else a fresh one (kept for the next)
     return Snapshot(
-        [prefill_view(p, cost) for p in prefills],
-        [decode_view(d) for d in decodes],
+        [p.prefill_view or prefill_view(p, cost) for p in prefills],
+        [d.decode_view or decode_view(d) for d in decodes],
         cost,
         threshold,
         slo_margin,

@@ -157,15 +157,15 @@ def digest(rows: list[Any]) -> str:
 
 def contenders(d: Decision, matches: dict[str, int]) -> list[Candidate]:
     """The candidates kvcentric reports (and the SQL record keeps): every instance with a
-    cached prefix of its own, and of the rest (which all reuse the same blocks, so differ
-    only by queue) those at the lowest predicted TTFT; the baselines report every instance.
-    Applied to the full list the earlier implementation made, this is the list the pruned
-    decision makes."""
+    cached prefix of its own, and the best of the rest (lowest TTFT, ties: the smaller
+    id); they all reuse the same blocks, so only their queues differ, and no other can
+    win. The baselines report every instance. Applied to the full list the earlier
+    implementation made, this is the list the pruned decision makes."""
     if d.policy != "kvcentric":
         return d.candidates
     rest = [c for c in d.candidates if not matches.get(c.instance_id, 0)]
-    low = min((c.ttft_s for c in rest), default=math.inf)
-    return [c for c in d.candidates if matches.get(c.instance_id, 0) or c.ttft_s == low]
+    best = min(rest, key=lambda c: (c.ttft_s, c.instance_id), default=None)
+    return [c for c in d.candidates if matches.get(c.instance_id, 0) or c is best]
 
 
 def record(d: Decision, matches: dict[str, int]) -> list[Any]:
