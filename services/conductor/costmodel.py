@@ -44,11 +44,13 @@ class CostModel:
     def prefill_s(self, new_tokens: float, cached_tokens: float = 0.0) -> float:
         a, b, c, d = self.prefill_coef  # inlined prefill_features: this runs per candidate
         n = new_tokens
-        return max(0.0, a + b * n + c * n * n + d * n * cached_tokens)
+        t = a + b * n + c * n * n + d * n * cached_tokens
+        return t if t > 0.0 else 0.0  # max(0.0, t), without the call
 
     def decode_step_s(self, batch: float, context: float) -> float:
         a, b, c = self.decode_coef  # inlined decode_features: this runs per decode instance
-        return max(0.0, a * 1.0 + b * batch + c * (batch * context))
+        t = a * 1.0 + b * batch + c * (batch * context)
+        return t if t > 0.0 else 0.0
 
     def transfer_s(self, num_blocks: int) -> float:
         if num_blocks <= 0:

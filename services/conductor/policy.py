@@ -19,7 +19,7 @@ request's KV, and rejects before any compute what misses its SLOs.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from services.conductor.costmodel import CostModel
 
@@ -115,6 +115,15 @@ def candidate(
     )
 
 
+def with_queue(c: Candidate, inst: InstanceView) -> Candidate:
+    """`c`'s prediction for another instance with the same own prefix: only its queue
+    differs."""
+    return Candidate(
+        inst.instance_id, c.prefix_blocks, c.pull_from, c.transfer_s, inst.queue_s, c.prefill_s,
+        c.overhead_s,
+    )  # fmt: skip
+
+
 def joined_tbt(snap: Snapshot, req: RequestView, d: InstanceView) -> float:
     """Predicted time between tokens on `d` once this request joins its batch."""
     ctx = (d.mean_context * d.running + req.prompt_tokens) / (d.running + 1)
@@ -203,7 +212,17 @@ class Policy:
         if not snap.prefills:
             return Decision(self.name, rejected="no prefill instance")
         best = best_holder(req)
-        cands = [candidate(snap, req, p, False, best) for p in snap.prefills]
+        # Instances with the same own prefix share one prediction; only queues differ.
+        shared: dict[int, Candidate] = {}
+        cands = []
+        for p in snap.prefills:
+            own = req.prefix_blocks.get(p.instance_id, 0)
+            c = shared.get(own)
+            if c is None:
+                c = shared[own] = candidate(snap, req, p, False, best)
+                cands.append(c)
+            else:
+                cands.append(with_queue(c, p))
         return finish(self.name, snap, req, self.choose(snap, req, cands), cands)
 
     def choose(self, snap: Snapshot, req: RequestView, cands: list[Candidate]) -> Candidate:
@@ -280,30 +299,30 @@ class KVCentricPolicy(Policy):
 
     @staticmethod
     def contenders(snap: Snapshot, req: RequestView, holder: tuple[str, int]) -> list[Candidate]:
-        """The candidates that can win, in snapshot order: every instance with a cached
-        prefix of its own, and the best of the rest (lowest TTFT, ties: the smaller id).
-        The rest all reuse the same blocks (the best holder's, pulled, or none), so their
-        transfer and prefill are one prediction and only their queues differ: the cost
-        model runs for the holders and once for the rest, not once per instance."""
+        """The candidates that can win, in snapshot order: for each length of cached
+        prefix an instance holds of its own (none included), the best instance holding
+        that much (lowest TTFT, ties: the smaller id). Instances with the same own prefix
+        reuse the same blocks (their own, or the best holder's pulled), so their transfer
+        and prefill are one prediction and only their queues differ: the cost model runs
+        once per prefix length, not once per instance."""
         own_blocks = req.prefix_blocks
-        rest = candidate(snap, req, InstanceView(""), pulls(snap, 0, holder[1]), holder)
-        fixed, prefill = rest.overhead_s + rest.transfer_s, rest.prefill_s
-        held: list[tuple[int, InstanceView]] = []
-        best: tuple[float, str, int, InstanceView] | None = None
+        # own prefix length -> (that prediction, its transfer + overhead, best so far:
+        # (TTFT, id, snapshot position, view))
+        groups: dict[int, tuple[Candidate, float, tuple[float, str, int, InstanceView]]] = {}
         for i, p in enumerate(snap.prefills):
-            if own_blocks.get(p.instance_id):
-                held.append((i, p))
+            own = own_blocks.get(p.instance_id, 0)
+            group = groups.get(own)
+            if group is None:
+                c = candidate(snap, req, p, pulls(snap, own, holder[1]), holder)
+                fixed = c.overhead_s + c.transfer_s  # TTFT summed as Candidate.ttft_s sums it
+                groups[own] = (c, fixed, (c.ttft_s, p.instance_id, i, p))
                 continue
-            ttft = fixed + p.queue_s + prefill  # summed as Candidate.ttft_s sums it
-            if best is None or ttft < best[0] or (ttft == best[0] and p.instance_id < best[1]):
-                best = (ttft, p.instance_id, i, p)
-        cands = [
-            (i, candidate(snap, req, p, pulls(snap, own_blocks[p.instance_id], holder[1]), holder))
-            for i, p in held
-        ]
-        if best is not None:
-            cands.append((best[2], replace(rest, instance_id=best[1], queue_s=best[3].queue_s)))
-        return [c for _, c in sorted(cands, key=lambda ic: ic[0])]
+            c, fixed, best = group
+            ttft = fixed + p.queue_s + c.prefill_s
+            if ttft < best[0] or (ttft == best[0] and p.instance_id < best[1]):
+                groups[own] = (c, fixed, (ttft, p.instance_id, i, p))
+        chosen = sorted((best[2], c, best[3]) for c, _, best in groups.values())
+        return [c if c.instance_id == p.instance_id else with_queue(c, p) for _, c, p in chosen]
 
 
 POLICIES: dict[str, type[Policy]] = {

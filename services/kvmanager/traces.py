@@ -65,3 +65,22 @@ def trace_digest(requests: Sequence[TraceRequest]) -> str:
 def is_conversation_trace(requests: Sequence[TraceRequest]) -> bool:
     """The whole conversation trace, as released (a slice or a --limit of it is not)."""
     return trace_digest(requests) == CONVERSATION_TRACE_DIGEST
+
+
+def replicate(requests: Sequence[TraceRequest], copies: int) -> list[TraceRequest]:
+    """`copies` tenants each sending the whole trace at once: the copies keep the trace's
+    timestamps (so `copies` times its request rate) and each gets its own hash ids (its own
+    prefixes, its own system prompt: no copy hits another's cache). In arrival order,
+    copies of one request side by side."""
+    if copies < 1:
+        raise ValueError("copies must be >= 1")
+    span = 1 + max((h for r in requests for h in r.hash_ids), default=-1)
+    out = [
+        TraceRequest(
+            r.timestamp_ms, r.input_length, r.output_length, [h + k * span for h in r.hash_ids]
+        )
+        for r in requests
+        for k in range(copies)
+    ]
+    out.sort(key=lambda r: r.timestamp_ms)  # stable: within a timestamp, trace order
+    return out

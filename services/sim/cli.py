@@ -16,7 +16,7 @@ from typing import Sequence
 from services.conductor.costmodel import CostModel, load_cost_model
 from services.conductor.policy import POLICIES
 from services.kvmanager.replay import _capacity
-from services.kvmanager.traces import default_trace, load_trace
+from services.kvmanager.traces import default_trace, load_trace, replicate
 from services.sim.model import PRESETS, with_block_tokens
 from services.sim.run import LOCAL, SimConfig, SimResult, run_policy, to_sim_requests
 
@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
         "sample of the conversation trace, %(default)s)",
     )
     p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    p.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N tenants sending the trace at once: its timestamps (N times the rate), "
+        "each its own prefixes (%(default)s)",
+    )
     p.add_argument("--prefill", type=int, default=16, help="prefill instances (%(default)s)")
     p.add_argument("--decode", type=int, default=16, help="decode instances (%(default)s)")
     p.add_argument(
@@ -201,7 +209,8 @@ def format_table(results: Sequence[SimResult]) -> str:
 def _describe(args: argparse.Namespace, cfg: SimConfig, n: int) -> str:
     cap = "inf" if cfg.cache_blocks is None else str(cfg.cache_blocks)
     return (
-        f"{args.trace}: {n} requests, time scale {cfg.time_scale}; {cfg.num_prefill} "
+        f"{args.trace}{f' x{args.replicate}' * (args.replicate > 1)}: {n} requests, "
+        f"time scale {cfg.time_scale}; {cfg.num_prefill} "
         f"prefill x {cap} blocks ({cfg.eviction}), {cfg.num_decode} decode; cost: "
         f"{cfg.cost.source}; SLO TTFT {cfg.ttft_slo_s:g} s, TBT "
         f"{cfg.tbt_slo_s * 1e3:g} ms{'' if cfg.reject else ' (rejection off)'}"
@@ -216,8 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     try:
-        trace = load_trace(args.trace, args.limit)
-    except OSError as exc:
+        trace = replicate(load_trace(args.trace, args.limit), args.replicate)
+    except (OSError, ValueError) as exc:
         print(f"halfmoon sim: cannot read trace: {exc}", file=sys.stderr)
         return 2
     cfg = config_from_args(args)

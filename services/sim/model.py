@@ -80,6 +80,7 @@ class PrefillInstance:
     running: PrefillJob | None = None
     running_end_s: float = 0.0
     queued_s: float = 0.0  # predicted seconds of the queued (not running) jobs
+    _idle_view: InstanceView | None = field(default=None, repr=False)
 
     def queue_s(self, now: float) -> float:
         ahead = max(0.0, self.running_end_s - now) if self.running else 0.0
@@ -89,16 +90,24 @@ class PrefillInstance:
         return len(self.queue) + (self.running is not None)
 
     def view(self, now: float) -> InstanceView:
+        """queue_s and load, inlined: a run builds ~10^7 of these. An idle instance's view
+        holds until it gets work; a busy one's queue shrinks as its job runs."""
+        if self.running is None:
+            if self._idle_view is None:
+                self._idle_view = InstanceView(
+                    self.instance_id, self.queued_s, 0, 0.0, len(self.queue)
+                )
+            return self._idle_view
+        ahead = self.running_end_s - now
         return InstanceView(
-            self.instance_id,
-            queue_s=self.queue_s(now),
-            running=int(self.running is not None),
-            load=self.load(),
-        )
+            self.instance_id, (ahead if ahead > 0.0 else 0.0) + self.queued_s, 1, 0.0,
+            len(self.queue) + 1,
+        )  # fmt: skip
 
     def enqueue(self, job: PrefillJob) -> None:
         self.queue.append(job)
         self.queued_s += job.predicted_s
+        self._idle_view = None
 
     def start_next(
         self, now: float, cost: CostModel, block_tokens: int, source: HashPool | None
@@ -124,6 +133,7 @@ class PrefillInstance:
         job.outcome.reused_blocks = reuse
         job.outcome.prefill_start_s = now
         self.running, self.running_end_s = job, now + duration
+        self._idle_view = None
         return job
 
     def finish_running(self) -> PrefillJob:
@@ -162,21 +172,28 @@ class DecodeInstance:
         self.leaving: list[tuple[int, int, _Seq]] = []  # (last step, trace index, seq)
         self.assigned = 0  # placed here, KV not arrived yet (still in prefill or transfer)
         self.assigned_context = 0
+        self._view: InstanceView | None = None  # until the next change (a run builds ~10^7)
 
     def view(self) -> InstanceView:
         """Held or incoming sequences, as the live decode view counts dispatched ones."""
-        n = self.running + len(self.waiting) + self.assigned
-        ctx = self.sum_context + sum(s.context for s in self.waiting) + self.assigned_context
-        return InstanceView(self.instance_id, running=n, mean_context=ctx / n if n else 0.0, load=n)
+        if self._view is None:
+            n = self.running + len(self.waiting) + self.assigned
+            ctx = self.sum_context + sum(s.context for s in self.waiting) + self.assigned_context
+            self._view = InstanceView(
+                self.instance_id, running=n, mean_context=ctx / n if n else 0.0, load=n
+            )
+        return self._view
 
     def assign(self, context: int) -> None:
         self.assigned += 1
         self.assigned_context += context
+        self._view = None
 
     def unassign(self, context: int) -> None:
         """A placed sequence that will never arrive (its answer was the prefill's token)."""
         self.assigned -= 1
         self.assigned_context -= context
+        self._view = None
 
     def arrive(self, outcome: Outcome, now: float) -> None:
         """The sequence's KV is in place at `now` (the loop advanced us to `now`)."""
@@ -185,6 +202,7 @@ class DecodeInstance:
         self.assigned -= 1
         self.assigned_context -= seq.context
         self.waiting.append(seq)
+        self._view = None
         if not self.busy:
             self._start_step(now)
 
@@ -194,6 +212,7 @@ class DecodeInstance:
             self._end_step()
 
     def _end_step(self) -> None:
+        self._view = None
         now, step = self.step_end_s, len(self.durations) - 1
         self.sum_context += self.running  # one new token per sequence
         for seq in self.fresh:

@@ -156,16 +156,21 @@ def digest(rows: list[Any]) -> str:
 
 
 def contenders(d: Decision, matches: dict[str, int]) -> list[Candidate]:
-    """The candidates kvcentric reports (and the SQL record keeps): every instance with a
-    cached prefix of its own, and the best of the rest (lowest TTFT, ties: the smaller
-    id); they all reuse the same blocks, so only their queues differ, and no other can
-    win. The baselines report every instance. Applied to the full list the earlier
-    implementation made, this is the list the pruned decision makes."""
+    """The candidates kvcentric reports (and the SQL record keeps): for each length of
+    cached prefix an instance holds of its own (none included), the best instance holding
+    that much (lowest TTFT, ties: the smaller id). Instances with the same own prefix reuse
+    the same blocks, so only their queues differ, and no other can win. The baselines
+    report every instance. Applied to the full list the earlier implementation made, this
+    is the list the pruned decision makes."""
     if d.policy != "kvcentric":
         return d.candidates
-    rest = [c for c in d.candidates if not matches.get(c.instance_id, 0)]
-    best = min(rest, key=lambda c: (c.ttft_s, c.instance_id), default=None)
-    return [c for c in d.candidates if matches.get(c.instance_id, 0) or c is best]
+    best: dict[int, Candidate] = {}
+    for c in d.candidates:
+        own = matches.get(c.instance_id, 0)
+        if own not in best or (c.ttft_s, c.instance_id) < (best[own].ttft_s, best[own].instance_id):
+            best[own] = c
+    kept = {id(c) for c in best.values()}
+    return [c for c in d.candidates if id(c) in kept]
 
 
 def record(d: Decision, matches: dict[str, int]) -> list[Any]:

@@ -9,7 +9,7 @@ import pytest
 
 from services.conductor.costmodel import CostModel
 from services.kvmanager.replay import replay_requests
-from services.kvmanager.traces import SAMPLE_TRACE, load_trace
+from services.kvmanager.traces import SAMPLE_TRACE, load_trace, replicate
 from services.sim import cli
 from services.sim.model import SimRequest, slowest_tenth_mean
 from services.sim.run import LOCAL, SimConfig, run_policy, simulate
@@ -273,3 +273,22 @@ def test_cli_runs_all_policies_and_prints_json(tmp_path, capsys):
         == 0
     )
     assert "kvcentric_local" in capsys.readouterr().out
+
+
+def test_a_replicated_trace_is_n_tenants_at_the_same_times_with_their_own_prefixes():
+    trace = load_trace(str(SAMPLE_TRACE))
+    three = replicate(trace, 3)
+    assert len(three) == 3 * len(trace)
+    assert [r.timestamp_ms for r in three] == sorted(r.timestamp_ms for r in trace for _ in "abc")
+    copies = [three[k::3] for k in range(3)]  # copies of one request side by side
+    span = 1 + max(h for r in trace for h in r.hash_ids)
+    for k, copy in enumerate(copies):
+        assert [(r.input_length, r.output_length) for r in copy] == [
+            (r.input_length, r.output_length) for r in sorted(trace, key=lambda r: r.timestamp_ms)
+        ]
+        assert all(k * span <= h < (k + 1) * span for r in copy for h in r.hash_ids)
+    # Each tenant alone has the trace's hit ratio (no copy hits another's cache), and
+    # together the same, since each copy hits exactly what the trace does.
+    assert replay_requests(three, None).hit_tokens == 3 * replay_requests(trace, None).hit_tokens
+    with pytest.raises(ValueError):
+        replicate(trace, 0)
