@@ -102,10 +102,11 @@ class KVActivity(BaseModel):
 
 class CostSample(BaseModel):
     """What a piece of an engine's work cost, for the conductor's online cost model:
-    a request's prefill (tokens computed, tokens cached) or a decode step (batch size,
-    mean context)."""
+    a request's prefill (tokens computed, tokens cached), a decode step (batch size,
+    mean context), or a handoff (KV tokens moved; seconds from prefill's first token to
+    the KV in place on decode)."""
 
-    kind: Literal["prefill", "decode"]
+    kind: Literal["prefill", "decode", "handoff"]
     tokens: int
     context: float
     seconds: float
@@ -149,6 +150,11 @@ class InstanceInfo(Message):
     cost_model: str = ""  # where its predictions come from (prior, online calibration)
     # Engine cost samples its cost model has learned from, by kind.
     cost_samples_seen: dict[str, int] = Field(default_factory=dict)
+    # The model it predicts with now (CostModel's fields but its source and key), so a
+    # simulator can run with what the live conductor learned (bench replay --sim).
+    cost_params: dict[str, float | int | list[float]] = Field(default_factory=dict)
+    # and the settings it places with (policy, default SLOs, margin, pull threshold, layout)
+    placement: dict[str, float | str] = Field(default_factory=dict)
 
 
 class GenerateRequest(Message):

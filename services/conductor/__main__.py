@@ -133,6 +133,17 @@ async def serve(settings: ConductorSettings) -> None:
                 "prefill": conductor.calibrator.prefill.seen,
                 "decode": conductor.calibrator.decode.seen,
             },
+            cost_params=conductor.cost.params(),
+            placement=settings.model_dump(
+                include={
+                    "policy",
+                    "ttft_slo_ms",
+                    "tbt_slo_ms",
+                    "slo_margin",
+                    "balancing_threshold",
+                    "layout",
+                }  # fmt: skip
+            ),
         )
         # A change of leader is news at once, not at the next beat.
         election = make_election(

@@ -106,22 +106,30 @@ class Calibrator:
             window,
             prior_weight,
         )
+        # Handoffs: what each took beyond its transfer; the model takes the median.
+        self.handoffs: deque[float] = deque(maxlen=window)
         self._model: CostModel | None = prior
 
     def observe(self, samples: Iterable[CostSample]) -> None:
         for s in samples:
-            fit = self.prefill if s.kind == "prefill" else self.decode
-            fit.add(float(s.tokens), s.context, s.seconds)
+            if s.kind == "handoff":
+                blocks = -(-s.tokens // self.prior.block_size)
+                self.handoffs.append(max(0.0, s.seconds - self.prior.transfer_s(blocks)))
+            else:
+                fit = self.prefill if s.kind == "prefill" else self.decode
+                fit.add(float(s.tokens), s.context, s.seconds)
             self._model = None
 
     def model(self) -> CostModel:
         """The prior with both parts refit on what the instances reported so far."""
         if self._model is None:
+            handoff = statistics.median(self.handoffs) if self.handoffs else self.prior.handoff_s
             self._model = replace(
                 self.prior,
                 prefill_coef=self.prefill.coef,
                 decode_coef=self.decode.coef,
+                handoff_s=handoff,
                 source=f"{self.prior.source}; calibrated online on {self.prefill.seen} "
-                f"prefill and {self.decode.seen} decode samples",
+                f"prefill, {self.decode.seen} decode and {len(self.handoffs)} handoff samples",
             )
         return self._model

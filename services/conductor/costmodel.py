@@ -5,6 +5,7 @@ Fitted by `halfmoon profile` from the engine's own timings on this machine:
   a + b·n + d·n² + e·n·c   (attention makes it quadratic in n, and linear in n·c)
 - decode step(batch, context) = a + b·batch + c·batch·context
 - transfer(bytes) = latency + bytes / bandwidth
+- handoff: a fixed time on top of the transfer (the median decode instances measure)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 PREFILL_TERMS = ("1", "n", "n^2", "n*c")
 DECODE_TERMS = ("1", "b", "b*ctx")
@@ -36,6 +38,11 @@ class CostModel:
     # Gateway → conductor → prefill → first token back: bus hops and scheduling, measured
     # on the local stack as the TTFT of fully cached prompts minus their predicted prefill.
     overhead_s: float = 0.04
+    # Prefill's first token → the request's KV in place on decode, beyond moving its bytes
+    # (transfer_s): the export, the job over the bus, the reservation, the fetch's round
+    # trips, the import. Not in any TTFT; the simulator adds it before a sequence joins
+    # decode. Calibrated online from the decode instances' handoff samples.
+    handoff_s: float = 0.0
     block_bytes: int = 368_640
     block_size: int = 16
     source: str = "built-in defaults (run `halfmoon profile` to fit this machine)"
@@ -64,6 +71,15 @@ class CostModel:
     @classmethod
     def load(cls, path: Path) -> CostModel:
         return cls(**json.loads(path.read_text()))
+
+    def params(self) -> dict[str, float | int | list[float]]:
+        """The numbers (what a conductor's heartbeat carries)."""
+        d = asdict(self)
+        return {k: v for k, v in d.items() if k not in ("source", "key")}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], source: str) -> CostModel:
+        return cls(**params, source=source)
 
 
 def least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 
 from nats.aio.client import Client as NATS
@@ -25,7 +26,7 @@ from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
-from shared.messages import Ack, DecodeJob, Role
+from shared.messages import Ack, CostSample, DecodeJob, Role
 from shared.transfer import KVReceiver, TransferFailed
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,15 @@ class DecodeInstance(EngineInstance):
         except ValueError as exc:
             await self.finish_with_error(rid, "kv_transfer_failed", str(exc))
             return
+        if job.first_token_time:  # the conductor's cost model learns what handoffs take
+            self.engine.cost_samples.append(
+                CostSample(
+                    kind="handoff",
+                    tokens=export.meta.num_tokens,
+                    context=0.0,
+                    seconds=max(0.0, time.time() - job.first_token_time),
+                )
+            )
         self._stats = self.engine.stats()
         self.wake()
 

@@ -137,6 +137,9 @@ async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_fr
         )  # the first from prefill, the rest from decode
         assert ev.got[-1].usage is not None and ev.got[-1].usage.completion_tokens == TOKENS
     assert not dec.queue and not dec.engine.reserved and dec.info().kv_blocks_leased == 0
+    # each handoff told the cost model how long it took, first token to KV in place
+    handoffs = [s for s in dec.engine.cost_samples if s.kind == "handoff"]
+    assert len(handoffs) == 6 and all(s.tokens == 40 and 0 < s.seconds < 60 for s in handoffs)
 
 
 async def test_a_full_handoff_queue_refuses_with_a_clear_error(nc, tiny):

@@ -60,7 +60,7 @@ def test_fifty_requests_teach_a_machine_the_prior_does_not_know():
         abs(model.decode_step_s(b, x) / truth.decode_step_s(b, x) - 1) for b, x in dec
     )
     assert derr < 0.05
-    assert "calibrated online on 50 prefill and 50 decode samples" in model.source
+    assert "calibrated online on 50 prefill, 50 decode and 0 handoff samples" in model.source
 
 
 def test_one_outlier_does_not_wreck_the_fit():
@@ -74,3 +74,16 @@ def test_one_outlier_does_not_wreck_the_fit():
         cal.observe([CostSample(kind="prefill", tokens=n, context=0, seconds=y)])
     model = cal.model()
     assert abs(model.prefill_s(300, 0) / truth.prefill_s(300, 0) - 1) < 0.15
+
+
+def test_handoffs_give_the_median_time_beyond_the_transfer():
+    prior = CostModel(transfer_latency_s=0.001, transfer_bytes_per_s=1e9, block_bytes=1_000_000)
+    cal = Calibrator(prior)
+    assert cal.model().handoff_s == prior.handoff_s == 0.0
+    # 32 tokens = 2 blocks = 3 ms of transfer; the rest is the handoff's own time
+    seconds = [0.053, 0.043, 0.063, 0.5]  # one stall: the median ignores it
+    cal.observe(CostSample(kind="handoff", tokens=32, context=0.0, seconds=s) for s in seconds)
+    model = cal.model()
+    assert abs(model.handoff_s - 0.055) < 1e-9
+    assert model.prefill_coef == prior.prefill_coef  # handoffs move nothing else
+    assert "4 handoff samples" in model.source

@@ -4,6 +4,7 @@ where it must, the trace's hit ratio, early rejection, and the index mirroring t
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -90,6 +91,10 @@ def test_kv_transfer_to_decode_delays_the_first_gap_not_the_ttft():
     outs, _, _ = simulate([req(0, 0.0, [1, 2], output=2)], cfg(cost=c), "kvcentric")
     assert outs[0].ttft_s == pytest.approx(0.2)
     assert outs[0].tbt_s == pytest.approx(2.0 + 0.1)  # 2 blocks transferred, then one step
+    # the handoff's own time (export, bus, import) comes on top of the transfer
+    c = replace(c, handoff_s=0.5)
+    outs, _, _ = simulate([req(0, 0.0, [1, 2], output=2)], cfg(cost=c), "kvcentric")
+    assert outs[0].ttft_s == pytest.approx(0.2) and outs[0].tbt_s == pytest.approx(2.6)
 
 
 def test_slowest_tenth_mean():

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from services.bench.replay import report
+from services.bench.replay import report, sim_compare
 from services.bench.replay.cluster import ClusterConfig, local_cluster
-from services.bench.replay.metrics import Slos, records_json, summarize
+from services.bench.replay.metrics import ReplayedRequest, Slos, records_json, summarize
 from services.bench.replay.prompts import (
     PromptMaker,
     PromptPlan,
@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="put the SLOs on requests, so the conductor may reject early",
     )
+    p.add_argument(
+        "--sim",
+        action="store_true",
+        help="after each live run, the simulator on the same requests with that cluster's "
+        "shape, settings and calibrated cost model, side by side (sim_compare.py)",
+    )
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--out", default="", help="report folder (default HALFMOON_HOME/bench/replay-*)")
     return p
@@ -163,6 +169,38 @@ async def run_one(
     return {"name": name, "summary": summary, "records": records_json(records)}
 
 
+def with_sim(
+    run: dict[str, Any],
+    facts: sim_compare.ClusterFacts | None,
+    plans: list[PromptPlan],
+    arr: list[float],
+    args: argparse.Namespace,
+    slos: Slos,
+    ideal: float,
+) -> dict[str, Any]:
+    """The run, and with --sim the simulator's figures for it side by side."""
+    if facts is None:
+        return run
+    if facts.placement.get("layout") == "colocated" or not facts.num_decode:
+        print(f"[{run['name']}] --sim: the simulator models disaggregated clusters only")
+        return run
+    records = [ReplayedRequest(**r) for r in run["records"]]
+    requests = sim_compare.sim_requests(plans, arr, records)
+    sim = sim_compare.simulate_replay(
+        facts, requests, args.block_tokens, slos, ideal, args.send_slos
+    )
+    rows = sim_compare.side_by_side(run["summary"], sim["summary"])
+    print(sim_compare.table(run["name"], rows), flush=True)
+    c = sim["cost_params"]
+    print(
+        f"  (cost model: {sim['cost_model']}: prefill {c['prefill_coef']}, decode "
+        f"{c['decode_coef']}, overhead {c['overhead_s']:.3f}s, handoff {c['handoff_s']:.3f}s; "
+        f"simulated in {sim['wall_s']:.2f}s)",
+        flush=True,
+    )
+    return {**run, "sim": {**sim, "side_by_side": rows}}
+
+
 def comparisons(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     by_name = {r["name"]: r["summary"] for r in runs}
     out = []
@@ -194,11 +232,15 @@ async def main_async(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     if not configs:
-        runs.append(await run_one("live", args.url, plans, arr, args, slos, ideal))
+        run = await run_one("live", args.url, plans, arr, args, slos, ideal)
+        facts = await sim_compare.cluster_facts(args.url) if args.sim else None
+        runs.append(with_sim(run, facts, plans, arr, args, slos, ideal))
     for cfg in configs:
         print(f"[{cfg.name}] starting a local cluster: halfmoon up {cfg.describe()}", flush=True)
         async with local_cluster(cfg, model_dir, out) as url:
             run = await run_one(cfg.name, url, plans, arr, args, slos, ideal)
+            facts = await sim_compare.cluster_facts(url) if args.sim else None
+        run = with_sim(run, facts, plans, arr, args, slos, ideal)
         runs.append({**run, "config": cfg.describe()})
     desc = (
         f"{len(plans)} requests of {Path(args.trace).name} (lines {args.start}+, "

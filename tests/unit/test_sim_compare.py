@@ -1,0 +1,67 @@
+"""bench replay --sim: the simulator's outcomes summarized as the replay summarizes a live
+run, on round numbers where every figure is known."""
+
+from services.bench.replay.metrics import ReplayedRequest, Slos
+from services.bench.replay.prompts import PromptPlan
+from services.bench.replay.sim_compare import (
+    ClusterFacts,
+    side_by_side,
+    sim_requests,
+    simulate_replay,
+)
+from services.conductor.costmodel import CostModel
+
+SLOS = Slos(10.0, 1.0, (0.5, 1.0))
+
+
+def facts(**placement):
+    cost = CostModel(
+        prefill_coef=[0.0, 0.01, 0.0, 0.0],  # 10 ms per new token
+        decode_coef=[0.1, 0.0, 0.0],  # 100 ms per step
+        transfer_latency_s=0.0,
+        transfer_bytes_per_s=1.0,
+        block_bytes=0,
+        block_size=16,
+        overhead_s=0.0,
+    )
+    return ClusterFacts(1, 1, 1000, cost, {"policy": "kvcentric", "slo_margin": 1.0, **placement})
+
+
+def test_two_requests_sharing_a_prefix_summarize_as_a_live_run_would():
+    # 32 words + a 4-token header; the second shares both trace blocks of the first.
+    plans = [PromptPlan("", 32, 3, (1, 2)), PromptPlan("", 48, 3, (1, 2, 3))]
+    records = [
+        ReplayedRequest(0, 0.0, 0.0, 32, 3, "completed", prompt_tokens=36),
+        ReplayedRequest(1, 10.0, 0.0, 48, 3, "rejected"),  # never counted: header from r0
+    ]
+    reqs = sim_requests(plans, [0.0, 10.0], records)
+    assert [r.input_length for r in reqs] == [36, 52]
+    sim = simulate_replay(facts(), reqs, 16, SLOS, 0.5, send_slos=True)["summary"]
+    assert sim["completed"] == 2 and sim["rejected"] == 0
+    # r0: 36 new tokens = 0.36 s; r1: 32 of 52 cached, 20 new = 0.2 s
+    assert abs(sim["ttft"]["mean_ms"] - 280.0) < 1e-6
+    assert abs(sim["cache_hit_ratio"] - 32 / 88) < 1e-9
+    # two decode steps of 100 ms after the first token: the slowest gap is 100 ms
+    assert abs(sim["tbt"]["p99_ms"] - 100.0) < 1e-6
+
+
+def test_the_conductor_defaults_reject_when_the_client_sends_no_slos():
+    plans = [PromptPlan("", 1000, 3, ())]
+    records = [ReplayedRequest(0, 0.0, 0.0, 1000, 3, "rejected")]
+    # 10 s of prefill against the conductor's own 5 s TTFT SLO
+    sim = simulate_replay(
+        facts(ttft_slo_ms=5000.0, tbt_slo_ms=300.0), sim_requests(plans, [0.0], records), 16,
+        SLOS, 0.0, send_slos=False,
+    )["summary"]  # fmt: skip
+    assert sim["rejected"] == 1
+
+
+def test_side_by_side_marks_the_checked_figures():
+    live = {"ttft": {"mean_ms": 100.0, "p99_ms": 300.0}, "tbt": {"p99_ms": 50.0},
+            "cache_hit_ratio": 0.3, "rejected": 0, "goodput_rps": 2.0}  # fmt: skip
+    sim = {"ttft": {"mean_ms": 110.0, "p99_ms": 200.0}, "tbt": {"p99_ms": 60.0},
+           "cache_hit_ratio": 0.3, "rejected": 0, "goodput_rps": 2.0}  # fmt: skip
+    rows = {r["figure"]: r for r in side_by_side(live, sim)}
+    assert rows["mean TTFT ms"]["within"] and not rows["TBT p99 ms"]["within"]
+    assert rows["hit ratio"]["within"] and "within" not in rows["p99 TTFT ms"]
+    assert rows["rejected"]["sim_over_live"] is None  # 0 live: no ratio
