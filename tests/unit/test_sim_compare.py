@@ -28,19 +28,21 @@ def facts(**placement):
 
 
 def test_two_requests_sharing_a_prefix_summarize_as_a_live_run_would():
-    # 32 words + a 4-token header; the second shares both trace blocks of the first.
+    # 32 words + a 20-token header (one full block, shared by all); the second shares
+    # both trace blocks of the first.
     plans = [PromptPlan("", 32, 3, (1, 2)), PromptPlan("", 48, 3, (1, 2, 3))]
     records = [
-        ReplayedRequest(0, 0.0, 0.0, 32, 3, "completed", prompt_tokens=36),
+        ReplayedRequest(0, 0.0, 0.0, 32, 3, "completed", prompt_tokens=52),
         ReplayedRequest(1, 10.0, 0.0, 48, 3, "rejected"),  # never counted: header from r0
     ]
-    reqs = sim_requests(plans, [0.0, 10.0], records)
-    assert [r.input_length for r in reqs] == [36, 52]
+    reqs = sim_requests(plans, [0.0, 10.0], records, 16)
+    assert [r.input_length for r in reqs] == [52, 68]
+    assert [r.hash_ids for r in reqs] == [[-1, 1, 2], [-1, 1, 2, 3]]
     sim = simulate_replay(facts(), reqs, 16, SLOS, 0.5, send_slos=True)["summary"]
     assert sim["completed"] == 2 and sim["rejected"] == 0
-    # r0: 36 new tokens = 0.36 s; r1: 32 of 52 cached, 20 new = 0.2 s
-    assert abs(sim["ttft"]["mean_ms"] - 280.0) < 1e-6
-    assert abs(sim["cache_hit_ratio"] - 32 / 88) < 1e-9
+    # r0: 52 new tokens = 0.52 s; r1: header block + 2 blocks cached (48), 20 new = 0.2 s
+    assert abs(sim["ttft"]["mean_ms"] - 360.0) < 1e-6
+    assert abs(sim["cache_hit_ratio"] - 48 / 120) < 1e-9
     # two decode steps of 100 ms after the first token: the slowest gap is 100 ms
     assert abs(sim["tbt"]["p99_ms"] - 100.0) < 1e-6
 
@@ -50,7 +52,7 @@ def test_the_conductor_defaults_reject_when_the_client_sends_no_slos():
     records = [ReplayedRequest(0, 0.0, 0.0, 1000, 3, "rejected")]
     # 10 s of prefill against the conductor's own 5 s TTFT SLO
     sim = simulate_replay(
-        facts(ttft_slo_ms=5000.0, tbt_slo_ms=300.0), sim_requests(plans, [0.0], records), 16,
+        facts(ttft_slo_ms=5000.0, tbt_slo_ms=300.0), sim_requests(plans, [0.0], records, 16), 16,
         SLOS, 0.0, send_slos=False,
     )["summary"]  # fmt: skip
     assert sim["rejected"] == 1

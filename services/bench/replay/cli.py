@@ -185,7 +185,7 @@ def with_sim(
         print(f"[{run['name']}] --sim: the simulator models disaggregated clusters only")
         return run
     records = [ReplayedRequest(**r) for r in run["records"]]
-    requests = sim_compare.sim_requests(plans, arr, records)
+    requests = sim_compare.sim_requests(plans, arr, records, args.block_tokens)
     sim = sim_compare.simulate_replay(
         facts, requests, args.block_tokens, slos, ideal, args.send_slos
     )

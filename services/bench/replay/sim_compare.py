@@ -70,21 +70,33 @@ async def cluster_facts(url: str) -> ClusterFacts:
 
 
 def sim_requests(
-    plans: Sequence[PromptPlan], arrivals: Sequence[float], records: Sequence[ReplayedRequest]
+    plans: Sequence[PromptPlan],
+    arrivals: Sequence[float],
+    records: Sequence[ReplayedRequest],
+    block_tokens: int,
 ) -> list[SimRequest]:
-    """The replayed requests as the simulator takes them. A prompt's length is what the
-    server counted (the chat template's header included); for requests it never counted
-    (rejected), the words plus the median header."""
-    header = statistics.median(
-        [r.prompt_tokens - r.input_tokens for r in records if r.prompt_tokens] or [0]
+    """The replayed requests as the simulator takes them.
+
+    A prompt's length is what the server counted: the chat template's header (the same
+    for every request) and the words; for requests it never counted (rejected), the words
+    plus the median header. The header's full blocks lead every prompt in the engine's
+    cache, so they lead the simulated one too, as blocks every request shares (negative
+    hash ids, which no trace uses): a prompt sharing k trace blocks then shares
+    header // block_tokens + k blocks, as it does in the engine, whose blocks cover the
+    header and the words in one run."""
+    header = int(
+        statistics.median(
+            [r.prompt_tokens - r.input_tokens for r in records if r.prompt_tokens] or [0]
+        )
     )
+    lead = [-1 - j for j in range(header // block_tokens)]
     return [
         SimRequest(
             i,
             arrivals[i],
-            rec.prompt_tokens or plan.input_tokens + int(header),
+            rec.prompt_tokens or plan.input_tokens + header,
             plan.output_tokens,
-            list(plan.hash_ids),
+            lead + list(plan.hash_ids),
         )
         for i, (plan, rec) in enumerate(zip(plans, records))
     ]
