@@ -11,12 +11,14 @@ import json
 import math
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Sequence
 
 from services.conductor.costmodel import CostModel, load_cost_model
 from services.conductor.policy import POLICIES
 from services.kvmanager.replay import _capacity
 from services.kvmanager.traces import default_trace, load_trace, replicate
+from services.sim import report
 from services.sim.model import PRESETS, with_block_tokens
 from services.sim.run import LOCAL, SimConfig, SimResult, run_policy, to_sim_requests
 
@@ -51,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="N tenants sending the trace at once: its timestamps (N times the rate), "
         "each its own prefixes (%(default)s)",
+    )
+    p.add_argument(
+        "--report",
+        default="",
+        metavar="DIR",
+        help="instead of the policy table: the paper's studies (scheduler ablation, hit "
+        "ratio by capacity, capacity by TBT threshold, prefill:decode sweep) as "
+        "DIR/report.json and DIR/report.html (services/sim/report.py)",
     )
     p.add_argument("--prefill", type=int, default=16, help="prefill instances (%(default)s)")
     p.add_argument("--decode", type=int, default=16, help="decode instances (%(default)s)")
@@ -236,6 +246,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             n for name in args.policy for n in (ALL_POLICIES if name == "all" else (name,))
         )
     )
+    if args.report:
+        doc = report.studies(requests, cfg)
+        desc = _describe(args, cfg, len(requests))
+        report.write(Path(args.report), doc, desc)
+        print(desc + "\n" + report.text(doc))
+        print(f"report: {Path(args.report) / 'report.json'}  {Path(args.report) / 'report.html'}")
+        return 0
     if not args.json:
         print(_describe(args, cfg, len(requests)), flush=True)
     results = [run_policy(requests, cfg, name) for name in names]

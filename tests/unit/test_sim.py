@@ -11,7 +11,7 @@ import pytest
 from services.conductor.costmodel import CostModel
 from services.kvmanager.replay import replay_requests
 from services.kvmanager.traces import SAMPLE_TRACE, load_trace, replicate
-from services.sim import cli
+from services.sim import cli, report
 from services.sim.model import SimRequest, slowest_tenth_mean
 from services.sim.run import LOCAL, SimConfig, run_policy, simulate
 
@@ -297,3 +297,22 @@ def test_a_replicated_trace_is_n_tenants_at_the_same_times_with_their_own_prefix
     assert replay_requests(three, None).hit_tokens == 3 * replay_requests(trace, None).hit_tokens
     with pytest.raises(ValueError):
         replicate(trace, 0)
+
+
+def test_report_runs_the_four_studies_and_writes_an_offline_page(tmp_path):
+    reqs = synthetic_trace(n=200)
+    c = cfg(num_prefill=3, num_decode=3, cache_blocks=40, prewarm=True)
+    doc = report.studies(reqs, c)
+    assert list(doc["ablation"]["mean_ttft_s"]) == list(report.ABLATION)
+    ab = doc["ablation"]
+    assert ab["global_over_local"] == ab["mean_ttft_s"]["kvcentric"] / ab["mean_ttft_s"][LOCAL]
+    hits = list(doc["hit_ratio_by_cache_blocks"].values())
+    assert hits == sorted(hits) and hits[-1] > 0  # more cache never hits less here
+    for caps in doc["capacity_by_tbt_ms"].values():
+        shares = list(caps.values())
+        assert shares == sorted(shares) and all(0 <= s <= 1 for s in shares)
+    assert set(doc["prefill_decode_sweep"]) <= {"1:5", "2:4", "3:3", "4:2", "5:1"}
+    report.write(tmp_path, doc, "synthetic")
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("<div id=") >= 4 and "<script src=" not in page  # plotly inlined
+    assert json.loads((tmp_path / "report.json").read_text())["description"] == "synthetic"
