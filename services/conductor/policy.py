@@ -146,7 +146,7 @@ def select_decode(snap: Snapshot, req: RequestView) -> tuple[str, float]:
     need = kv_blocks_needed(snap, req)
     best_id, best_tbt = "", float("inf")
     for d in snap.decodes:
-        if d.kv_blocks_free is not None and d.kv_blocks_free < need:  # has_room, inlined
+        if not has_room(d, need):
             continue
         tbt = joined_tbt(snap, req, d)
         if tbt < best_tbt or (tbt == best_tbt and best_id and d.instance_id < best_id):

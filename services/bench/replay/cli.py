@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -148,19 +149,22 @@ def plan(args: argparse.Namespace, model_dir: Path) -> tuple[list[PromptPlan], l
     return plans, arrivals(chosen, args.time_scale), ideal_hit_ratio(plans, args.block_tokens)
 
 
-async def run_one(
-    name: str,
-    url: str,
-    plans: list[PromptPlan],
-    arr: list[float],
-    args: argparse.Namespace,
-    slos: Slos,
-    ideal: float,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Workload:
+    """What every configuration replays, and how it is judged."""
+
+    plans: list[PromptPlan]
+    arrivals: list[float]
+    ideal_hit_ratio: float
+    slos: Slos
+
+
+async def run_one(name: str, url: str, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
     opts = RunOptions(args.request_timeout_s, args.send_slos, args.ttft_slo_ms, args.tbt_slo_ms)
-    print(f"[{name}] replaying {len(plans)} requests over {arr[-1]:.0f}s against {url}", flush=True)
-    records, wall = await replay(url, plans, arr, opts)
-    summary = summarize(records, wall, slos, ideal)
+    n, span = len(work.plans), work.arrivals[-1]
+    print(f"[{name}] replaying {n} requests over {span:.0f}s against {url}", flush=True)
+    records, wall = await replay(url, work.plans, work.arrivals, opts)
+    summary = summarize(records, wall, work.slos, work.ideal_hit_ratio)
     print(
         f"[{name}] done in {wall:.0f}s: {summary['completed']} completed, "
         f"{summary['rejected']} rejected, {summary['failed']} failed",
@@ -172,11 +176,8 @@ async def run_one(
 def with_sim(
     run: dict[str, Any],
     facts: sim_compare.ClusterFacts | None,
-    plans: list[PromptPlan],
-    arr: list[float],
+    work: Workload,
     args: argparse.Namespace,
-    slos: Slos,
-    ideal: float,
 ) -> dict[str, Any]:
     """The run, and with --sim the simulator's figures for it side by side."""
     if facts is None:
@@ -185,9 +186,9 @@ def with_sim(
         print(f"[{run['name']}] --sim: the simulator models disaggregated clusters only")
         return run
     records = [ReplayedRequest(**r) for r in run["records"]]
-    requests = sim_compare.sim_requests(plans, arr, records, args.block_tokens)
+    requests = sim_compare.sim_requests(work.plans, work.arrivals, records, args.block_tokens)
     sim = sim_compare.simulate_replay(
-        facts, requests, args.block_tokens, slos, ideal, args.send_slos
+        facts, requests, args.block_tokens, work.slos, work.ideal_hit_ratio, args.send_slos
     )
     rows = sim_compare.side_by_side(run["summary"], sim["summary"])
     print(sim_compare.table(run["name"], rows), flush=True)
@@ -228,19 +229,20 @@ async def main_async(args: argparse.Namespace) -> int:
         args.tbt_slo_ms / 1e3,
         tuple(float(t) / 1e3 for t in args.tbt_thresholds_ms.split(",")),
     )
+    work = Workload(plans, arr, ideal, slos)
     out = Path(args.out or halfmoon_home() / "bench" / time.strftime("replay-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     if not configs:
-        run = await run_one("live", args.url, plans, arr, args, slos, ideal)
+        run = await run_one("live", args.url, work, args)
         facts = await sim_compare.cluster_facts(args.url) if args.sim else None
-        runs.append(with_sim(run, facts, plans, arr, args, slos, ideal))
+        runs.append(with_sim(run, facts, work, args))
     for cfg in configs:
         print(f"[{cfg.name}] starting a local cluster: halfmoon up {cfg.describe()}", flush=True)
         async with local_cluster(cfg, model_dir, out) as url:
-            run = await run_one(cfg.name, url, plans, arr, args, slos, ideal)
+            run = await run_one(cfg.name, url, work, args)
             facts = await sim_compare.cluster_facts(url) if args.sim else None
-        run = with_sim(run, facts, plans, arr, args, slos, ideal)
+        run = with_sim(run, facts, work, args)
         runs.append({**run, "config": cfg.describe()})
     desc = (
         f"{len(plans)} requests of {Path(args.trace).name} (lines {args.start}+, "

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from services.bench.replay import report
 from services.bench.replay.metrics import ReplayedRequest, Slos, summarize
 from services.bench.replay.prompts import PromptPlan
 from services.conductor.costmodel import CostModel
@@ -165,19 +166,12 @@ def simulate_replay(
     }
 
 
-def lookup(summary: dict[str, Any], path: Sequence[str]) -> float | None:
-    v: Any = summary
-    for key in path:
-        v = v.get(key) if isinstance(v, dict) else None
-    return None if v is None else float(v)
-
-
 def side_by_side(live: dict[str, Any], sim: dict[str, Any]) -> list[dict[str, Any]]:
     """Each figure live and simulated, their ratio, and for the checked ones whether the
     simulator is within the tolerance."""
     rows = []
     for name, path in FIGURES:
-        a, b = lookup(live, path), lookup(sim, path)
+        a, b = report.lookup(live, path), report.lookup(sim, path)
         ratio = b / a if a and b is not None else None
         row: dict[str, Any] = {"figure": name, "live": a, "sim": b, "sim_over_live": ratio}
         if name in CHECKED:
