@@ -82,16 +82,10 @@ class PrefillInstance:
     queued_s: float = 0.0  # predicted seconds of the queued (not running) jobs
     _idle_view: InstanceView | None = field(default=None, repr=False)
 
-    def queue_s(self, now: float) -> float:
-        ahead = max(0.0, self.running_end_s - now) if self.running else 0.0
-        return ahead + self.queued_s
-
-    def load(self) -> int:
-        return len(self.queue) + (self.running is not None)
-
     def view(self, now: float) -> InstanceView:
-        """queue_s and load, inlined: a run builds ~10^7 of these. An idle instance's view
-        holds until it gets work; a busy one's queue shrinks as its job runs."""
+        """Queue: what is left of the running job plus the queued ones' predictions; load:
+        queued + running. Built inline (a run builds ~10^7 of these); an idle instance's
+        view holds until it gets work, a busy one's queue shrinks as its job runs."""
         if self.running is None:
             if self._idle_view is None:
                 self._idle_view = InstanceView(
