@@ -19,6 +19,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from services.bench.replay.metrics import Slos
+from services.bench.replay.sim_compare import summarize_outcomes
 from services.sim.model import Outcome, SimRequest
 from services.sim.run import LOCAL, SimConfig, simulate, summarize
 
@@ -41,21 +43,11 @@ def run(requests: Sequence[SimRequest], cfg: SimConfig, policy: str) -> list[Out
     return outcomes
 
 
-def capacity_share(outcomes: Sequence[Outcome], ttft_slo_s: float, tbt_s: float) -> float:
-    ok = sum(
-        1
-        for o in outcomes
-        if not o.rejected and o.ttft_s <= ttft_slo_s and (math.isnan(o.tbt_s) or o.tbt_s <= tbt_s)
-    )
-    return ok / len(outcomes) if outcomes else 0.0
-
-
-def goodput(outcomes: Sequence[Outcome], cfg: SimConfig) -> float:
-    placed = [o for o in outcomes if not o.rejected]
-    if not placed:
-        return 0.0
-    span = max(o.finish_s for o in placed) - min(o.request.arrival_s for o in outcomes)
-    return capacity_share(outcomes, cfg.ttft_slo_s, cfg.tbt_slo_s) * len(outcomes) / span
+def replay_summary(outcomes: Sequence[Outcome], cfg: SimConfig) -> dict[str, Any]:
+    """The outcomes in bench replay's terms (its goodput and effective capacity), so the
+    simulator and the live replay define them once."""
+    slos = Slos(cfg.ttft_slo_s, cfg.tbt_slo_s, tuple(t / 1e3 for t in TBT_THRESHOLDS_MS))
+    return summarize_outcomes(outcomes, cfg.block_tokens, slos, 0.0)
 
 
 def studies(requests: Sequence[SimRequest], cfg: SimConfig) -> dict[str, Any]:
@@ -64,9 +56,7 @@ def studies(requests: Sequence[SimRequest], cfg: SimConfig) -> dict[str, Any]:
     for policy in ABLATION:
         outcomes = run(requests, cfg, policy)
         ablation[policy] = asdict(summarize(policy, outcomes, 0.0, cfg.block_tokens))
-        capacity[policy] = {
-            str(t): capacity_share(outcomes, cfg.ttft_slo_s, t / 1e3) for t in TBT_THRESHOLDS_MS
-        }
+        capacity[policy] = replay_summary(outcomes, cfg)["effective_capacity_by_tbt_ms"]
     local, glob = ablation[LOCAL]["avg_ttft_s"], ablation["kvcentric"]["avg_ttft_s"]
     out["ablation"] = {
         "mean_ttft_s": {p: r["avg_ttft_s"] for p, r in ablation.items()},
@@ -93,7 +83,7 @@ def studies(requests: Sequence[SimRequest], cfg: SimConfig) -> dict[str, Any]:
             "mean_ttft_s": r.avg_ttft_s,
             "p99_tbt_s": r.p99_tbt_s,
             "rejected": r.rejected,
-            "goodput_rps": goodput(outcomes, shaped),
+            "goodput_rps": replay_summary(outcomes, shaped)["goodput_rps"],
         }
     out["prefill_decode_sweep"] = sweep
     return out

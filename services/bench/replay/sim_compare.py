@@ -123,6 +123,17 @@ def as_record(o: Outcome, block_tokens: int) -> ReplayedRequest:
     return rec
 
 
+def summarize_outcomes(
+    outcomes: Sequence[Outcome], block_tokens: int, slos: Slos, ideal_hit_ratio: float
+) -> dict[str, Any]:
+    """Simulated outcomes in the replay's summary, over the simulated span (first arrival
+    to last token)."""
+    records = [as_record(o, block_tokens) for o in outcomes]
+    start = min((o.request.arrival_s for o in outcomes), default=0.0)
+    end = max((o.finish_s for o in outcomes if not o.rejected), default=start)
+    return summarize(records, end - start, slos, ideal_hit_ratio)
+
+
 def simulate_replay(
     facts: ClusterFacts,
     requests: Sequence[SimRequest],
@@ -149,10 +160,7 @@ def simulate_replay(
         prewarm=False,  # the live pools start empty
     )
     outcomes, wall, _ = simulate(requests, cfg, str(p.get("policy", "kvcentric")))
-    records = [as_record(o, block_tokens) for o in outcomes]
-    start = min((r.arrival_s for r in requests), default=0.0)
-    end = max((o.finish_s for o in outcomes if not o.rejected), default=start)
-    summary = summarize(records, end - start, slos, ideal_hit_ratio)
+    summary = summarize_outcomes(outcomes, block_tokens, slos, ideal_hit_ratio)
     return {
         "summary": summary,
         "wall_s": wall,
