@@ -172,6 +172,9 @@ class GenerateRequest(Message):
     # Completions' echo with logprobs: every prompt position scored, top k each (the
     # prefill instance computes them; cached positions have no logits of their own).
     prompt_logprobs: int | None = None
+    # A later sample of an n > 1 request: the prefill instance its first sample went to,
+    # where the prompt is computed once for all of them (policy.follow).
+    follow_prefill: str = ""
 
 
 class Placement(Message):

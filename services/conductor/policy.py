@@ -198,6 +198,25 @@ def finish(
     return d
 
 
+def follow(policy: str, snap: Snapshot, req: RequestView, leader: str) -> Decision | None:
+    """A later sample of a prompt whose first sample went to prefill instance `leader`
+    (n > 1): placed there too, whatever the policy. That engine holds a sequence whose
+    prompt another is still computing and then starts it from the cached blocks
+    (scheduler.py), so the prompt is computed once: one prefill, n decodes. Elsewhere the
+    sample would compute it again, which is why no policy's own rule may place it.
+
+    `req.prefix_blocks[leader]` counts the whole prompt as held there (the first sample is
+    computing it), so the prediction is that instance's queue, which includes the first
+    sample's prefill, plus the last token: the first sample's TTFT. Decode and the SLOs
+    are decided as for any request, so the samples may spread over decode instances.
+    None when `leader` is not in the snapshot (it died or refused): the policy decides."""
+    inst = next((p for p in snap.prefills if p.instance_id == leader), None)
+    if inst is None:
+        return None
+    chosen = candidate(snap, req, inst, pull=False)
+    return finish(policy, snap, req, chosen, [chosen])
+
+
 def _share(snap: Snapshot) -> str:
     return "" if snap.slo_margin >= 1 else f"{snap.slo_margin:.0%} of "
 

@@ -3,7 +3,9 @@
 A request with `n` > 1 (or a batch of completion prompts) is fanned out here into one
 GenerateRequest per choice, ids `{id}-{k}`, each placed by the conductor as usual (its
 own record, decision, token stream and fault handling), seeds `seed + i` when a seed is
-given. They share the prompt's KV blocks through the engines' prefix caches. Their events
+given. A prompt's first choice is placed first and the others follow it to its prefill
+instance (GenerateRequest.follow_prefill), which computes the prompt once: one prefill,
+n decodes, whose handoffs share the prompt's blocks on a decode instance. Their events
 are merged into one stream of (choice, event) for the response writers.
 
 Records: one per sub-request (n = 1: the request's own id, as before), so each choice's
@@ -122,6 +124,7 @@ class Sub:
     life: RequestLife
     stream: TokenStream | None = None
     follow: Follower | None = None
+    prefill_id: str = ""  # where it was placed (its prompt's later choices follow it there)
 
 
 _DONE = object()
@@ -144,8 +147,9 @@ class Fanout:
         return self.subs[0].life.arrival
 
     async def start(self) -> None:
-        """Records, token streams (subscribed before dispatch), then every placement at
-        once. One refused (429, 503...) refuses the request: the others are cancelled."""
+        """Records, token streams (subscribed before dispatch), then the placements: the
+        first choice of each prompt at once, then the rest. One refused (429, 503...)
+        refuses the request: the others are cancelled."""
         gw = self.gw
         for s in self.subs:
             g = s.gen
@@ -169,7 +173,19 @@ class Fanout:
                 lambda again, s=s: gw._place(again, s.life),
                 lambda p, d, rid=g.request_id: gw._placed_again(rid, p, d),
             )
-        results = await asyncio.gather(*(self._place(s) for s in self.subs), return_exceptions=True)
+        # The first choice of each prompt is placed first; the others then follow it to its
+        # prefill instance, which computes the prompt once for all of them (policy.follow).
+        first: dict[int, Sub] = {}
+        for s in self.subs:
+            first.setdefault(s.prompt_index, s)
+        followers = [s for s in self.subs if first[s.prompt_index] is not s]
+        await self._place_all(list(first.values()))
+        for s in followers:
+            s.gen.follow_prefill = first[s.prompt_index].prefill_id
+        await self._place_all(followers)
+
+    async def _place_all(self, subs: list[Sub]) -> None:
+        results = await asyncio.gather(*(self._place(s) for s in subs), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 for s in self.subs:
@@ -181,6 +197,7 @@ class Fanout:
     async def _place(self, s: Sub) -> None:
         assert s.stream is not None and s.follow is not None
         placement = await self.gw._place(s.gen, s.life, s.stream.retarget)
+        s.prefill_id = placement.prefill_id
         s.follow.placed(placement)
         self.gw.records.request_update(
             s.gen.request_id,

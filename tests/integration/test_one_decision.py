@@ -212,3 +212,51 @@ async def test_prediction_record_dispatch_and_simulator_agree(live, case):
     # The decode's room is promised to this request until d00's next heartbeat.
     d00 = next(s for s in conductor.registry.alive(Role.DECODE, time.time()))
     assert d00.pending_blocks == -(-(PROMPT + MAX_TOKENS) // BS) == 11
+
+
+async def test_a_later_sample_follows_the_first_to_its_prefill(live):
+    """n > 1: the gateway places a prompt's first sample, then the others with
+    follow_prefill. Two idle instances and no cache: the first sample's dispatch makes p00
+    the busier one, so kvcentric would send the next sample to p01 to compute the prompt
+    again; following, it goes to p00, predicted to finish with the first (the prompt counts
+    as held there), and is recorded and dispatched as that one decision."""
+    nc, conductor, records, engine, jobs, matches = live
+    await beat(nc, "p00", Role.PREFILL)
+    await beat(nc, "p01", Role.PREFILL)
+    await beat(nc, "d00", Role.DECODE, kv_blocks_total=64, kv_blocks_free=64)
+    await wait_for(lambda: len(conductor.registry.alive(Role.PREFILL, time.time())) == 2)
+    await wait_for(lambda: bool(conductor.registry.alive(Role.DECODE, time.time())))
+
+    async def place(rid: str, follow: str = "") -> Placement:
+        req = request(rid).model_copy(update={"follow_prefill": follow})
+        return await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, req, Placement, 5)
+
+    first = await place("r-0")
+    assert first.prefill_id == "p00"  # a tie between idle instances: the smaller id
+    free = await place("free")  # the same prompt placed on its own
+    assert free.prefill_id == "p01"
+    second = await place("r-1", follow="p00")
+    assert second.prefill_id == "p00" and second.decode_id == "d00"
+    # Predicted: p00's queue (the first sample's prefill) plus the prompt's last token,
+    # what the first sample was predicted plus that token.
+    last_token_s = COST.prefill_s(PROMPT - 10 * BS, 10 * BS)
+    first_prefill_s = COST.prefill_s(PROMPT)
+    assert second.predicted_ttft_ms == pytest.approx(
+        (COST.overhead_s + first_prefill_s + last_token_s) * 1e3
+    )
+    assert first.predicted_ttft_ms == pytest.approx((COST.overhead_s + first_prefill_s) * 1e3)
+    # Dispatched as decided (no pull: the prompt is the first sample's, on that engine).
+    job = next(j for j in jobs if j.request.request_id == "r-1")
+    assert (job.prefix_from, job.prefix_blocks, job.request.follow_prefill) == ("", 0, "p00")
+    await records.flush()
+    async with sessionmaker(engine)() as s:
+        row = (
+            await s.execute(select(DecisionRecord).where(DecisionRecord.request_id == "r-1"))
+        ).scalar_one()
+    assert row.prefill_instance == "p00"
+    assert row.predicted_ttft_ms == pytest.approx(second.predicted_ttft_ms)
+    assert [(c["instance"], c["prefix_blocks"]) for c in row.candidates] == [("p00", 10)]
+
+    # An instance that is gone is not followed: the policy decides.
+    gone = await place("r-2", follow="p99")
+    assert gone.prefill_id == "p01"
