@@ -83,19 +83,40 @@ COMPLETION_CASES = {
     "max_tokens 0 without echo": ({"prompt": "x", "max_tokens": 0}, "invalid_request"),
     "logprobs above 20": ({"prompt": "x", "logprobs": 21}, "invalid_request"),
     "too many prompts": ({"prompt": ["x"] * 33}, "array_above_max_length"),
+    "unknown parameter": ({"prompt": "x", "frobnicate": 1}, "unknown_parameter"),
+    "chat's messages": ({"prompt": "x", "messages": []}, "unknown_parameter"),
+    "unsupported parameter": ({"prompt": "x", "prediction": {}}, "unsupported_parameter"),
+    "lone surrogate": (
+        b'{"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "prompt": "a\\ud800b"}',
+        "invalid_request",
+    ),
+}
+
+# The field a refusal names (OpenAI's error.param), where the case is about one field.
+PARAMS = {
+    "unknown parameter": "frobnicate",
+    "chat's messages": "messages",
+    "unsupported parameter": "prediction",
+    "suffix": "suffix",
+    "best_of above n": "best_of",
 }
 
 
 @pytest.mark.parametrize("case", list(COMPLETION_CASES))
 async def test_bad_completion_request(stack, case):
     extra, code = COMPLETION_CASES[case]
+    kwargs = (
+        {"data": extra, "headers": {"Content-Type": "application/json"}}
+        if isinstance(extra, bytes)
+        else {"json": {"model": MODEL, "max_tokens": 4, **extra}}
+    )
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-        async with http.post(
-            f"{stack.url}/v1/completions", json={"model": MODEL, "max_tokens": 4, **extra}
-        ) as resp:
+        async with http.post(f"{stack.url}/v1/completions", **kwargs) as resp:
             assert resp.status == 400, await resp.text()
             err = (await resp.json())["error"]
     assert err["code"] == code and err["type"] == "invalid_request_error"
+    if case in PARAMS:
+        assert err["param"] == PARAMS[case] and PARAMS[case] in err["message"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -114,6 +135,9 @@ async def test_bad_request(stack, case):
     assert err["code"] == code
     assert err["type"] == "invalid_request_error"
     assert err["message"] and "Traceback" not in err["message"]
+    field = {"unknown parameter": "frobnicate", "unsupported parameter": "audio"}.get(case)
+    if field:
+        assert err["param"] == field and field in err["message"]
 
 
 async def test_unknown_route_and_method(stack):

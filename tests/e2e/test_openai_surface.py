@@ -120,6 +120,69 @@ async def test_completion_prompts_as_token_ids_and_streamed_echo(stack, lm):
     assert chunks[-1]["usage"]["completion_tokens"] == 4 and chunks[-1]["choices"] == []
 
 
+async def test_streamed_logprobs_are_the_whole_ones_up_to_20_alternatives(stack):
+    """Chat (top_logprobs 20, the most) and completions (logprobs 5): the streamed
+    chunks carry, token by token, what the whole response carries."""
+    body = chat("Name three colours.", max_tokens=6, temperature=0, logprobs=True, top_logprobs=20)
+    status, _, whole = await post(stack.url, "/v1/chat/completions", body)
+    assert status == 200, whole
+    want = whole["choices"][0]["logprobs"]["content"]
+    assert len(want) == 6 and all(len(t["top_logprobs"]) == 20 for t in want)
+    assert all(t["top_logprobs"][0]["logprob"] >= t["top_logprobs"][-1]["logprob"] for t in want)
+    streamed = [
+        t
+        for _, c in await sse(stack.url, "/v1/chat/completions", body)
+        if c["choices"] and c["choices"][0].get("logprobs")
+        for t in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert [t["token"] for t in streamed] == [t["token"] for t in want]
+    for a, b in zip(streamed, want):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+        assert [x["token"] for x in a["top_logprobs"]] == [x["token"] for x in b["top_logprobs"]]
+
+    text = {"model": MODEL, "prompt": "Red, green and", "max_tokens": 5, "temperature": 0}
+    status, _, whole = await post(stack.url, "/v1/completions", {**text, "logprobs": 5})
+    lp = whole["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 5 and all(len(t) == 5 for t in lp["top_logprobs"])
+    chunks = [c for _, c in await sse(stack.url, "/v1/completions", {**text, "logprobs": 5})]
+    got = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
+    assert [t for g in got for t in g["tokens"]] == lp["tokens"]
+    assert [t for g in got for t in g["token_logprobs"]] == pytest.approx(
+        lp["token_logprobs"], abs=1e-4
+    )
+
+
+async def test_completions_take_the_chat_path_placement_records_and_slo(stack):
+    """A text completion is placed by the conductor like a chat: prefilled on the prefill
+    instance, decoded on the decode instance, recorded, and refused early with a 429 when
+    its own TTFT SLO cannot be met."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
+    status, _, data = await post(stack.url, "/v1/completions", body, {"X-Request-Id": "text-1"})
+    assert status == 200, data
+
+    async def record():
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{stack.url}/admin/requests/text-1") as resp:
+                got = await resp.json() if resp.status == 200 else None
+        done = got and got["request"] and got["request"]["status"] == "completed"
+        return got if done else None
+
+    got = await until(record, what="text-1's record")
+    rec, dec = got["request"], got["decision"]
+    assert rec["prefill_instance"].startswith("prefill") and rec["decode_instance"].startswith(
+        "decode"
+    )
+    assert (dec["prefill_instance"], dec["decode_instance"]) == (
+        rec["prefill_instance"],
+        rec["decode_instance"],
+    )
+    assert rec["completion_tokens"] == data["usage"]["completion_tokens"] == 4
+    status, _, data = await post(
+        stack.url, "/v1/completions", {**body, "ttft_slo_ms": 0.001}, {"X-Request-Id": "text-2"}
+    )
+    assert status == 429 and data["error"]["code"] == "slo_unattainable", data
+
+
 async def test_the_role_chunk_comes_with_the_first_token(stack):
     events = await sse(
         stack.url, "/v1/chat/completions", chat("Say something long.", max_tokens=12, temperature=0)
@@ -149,6 +212,40 @@ async def test_n_samples_are_indexed_and_counted(stack):
     assert [c["message"]["content"] for c in again["choices"]] == [
         c["message"]["content"] for c in three["choices"]
     ]  # seed + i per choice
+
+
+async def test_n_samples_of_a_fresh_prompt_compute_it_once(stack):
+    """One prefill, n decodes: the first choice computes the prompt, the others follow it
+    to its prefill instance and start from its blocks (their records say so)."""
+    prompt = "Count the stars over the sea, one by one: " + " ".join(str(i) for i in range(60))
+    body = chat(prompt, max_tokens=4, n=3, seed=1, ignore_eos=True)
+    status, _, data = await post(
+        stack.url, "/v1/chat/completions", body, {"X-Request-Id": "samples-1"}
+    )
+    assert status == 200, data
+    prompt_tokens = data["usage"]["prompt_tokens"]
+    cacheable = (prompt_tokens - 1) // 16 * 16  # full blocks, the last token computed
+    assert cacheable >= 64
+
+    async def records():
+        out = []
+        async with aiohttp.ClientSession() as http:
+            for k in range(3):
+                async with http.get(f"{stack.url}/admin/requests/samples-1-{k}") as resp:
+                    rec = resp.status == 200 and (await resp.json())["request"]
+                    if not rec or rec["status"] != "completed":
+                        return None
+                    out.append(rec)
+        return out
+
+    first, *others = await until(records, what="the three choices' records")
+    # A fresh prompt (past the chat template's header, which earlier chats cached) is
+    # computed by the first choice,
+    assert first["cached_tokens"] < cacheable // 2
+    for rec in others:  # and only by it
+        assert rec["prefill_instance"] == first["prefill_instance"]
+        assert rec["cached_tokens"] == cacheable
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == first["cached_tokens"]
 
 
 async def test_sampling_parameters_take_effect(stack, lm):
@@ -257,17 +354,28 @@ async def test_models_tokenize_detokenize_version(stack, lm):
     assert chat_ids["count"] == served["usage"]["prompt_tokens"]
 
 
-async def test_a_non_streaming_client_that_leaves_is_cancelled_everywhere(stack):
-    body = chat("Write a very long story.", max_tokens=2000, ignore_eos=True)
+LEAVERS = {  # endpoint -> (path, body)
+    "chat": (
+        "/v1/chat/completions",
+        chat("Write a very long story.", max_tokens=2000, ignore_eos=True),
+    ),
+    "completions": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "A very long story:", "max_tokens": 2000, "ignore_eos": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("endpoint", list(LEAVERS))
+async def test_a_non_streaming_client_that_leaves_is_cancelled_everywhere(stack, endpoint):
+    rid, (path, body) = f"leaver-{endpoint}", LEAVERS[endpoint]
     async with aiohttp.ClientSession() as http:
         task = asyncio.create_task(
-            http.post(
-                f"{stack.url}/v1/chat/completions", json=body, headers={"X-Request-Id": "leaver-1"}
-            )
+            http.post(f"{stack.url}{path}", json=body, headers={"X-Request-Id": rid})
         )
 
         async def decoding():  # placed, and the decode instance has it in its batch
-            async with http.get(f"{stack.url}/admin/requests/leaver-1") as resp:
+            async with http.get(f"{stack.url}/admin/requests/{rid}") as resp:
                 got = await resp.json() if resp.status == 200 else None
             if not got or got["request"]["status"] != "running":
                 return False
@@ -275,16 +383,16 @@ async def test_a_non_streaming_client_that_leaves_is_cancelled_everywhere(stack)
                 state = await resp.json()
             return any(i["role"] == "decode" and i["running"] for i in state["instances"])
 
-        await until(decoding, what="leaver-1 is decoding")
+        await until(decoding, what=f"{rid} is decoding")
         task.cancel()  # the client goes away mid-request
         left = time.time()
 
         async def cancelled():
-            async with http.get(f"{stack.url}/admin/requests/leaver-1") as resp:
+            async with http.get(f"{stack.url}/admin/requests/{rid}") as resp:
                 row = (await resp.json())["request"]
             return row if row["status"] == "cancelled" else None
 
-        row = await until(cancelled, what="leaver-1 cancelled")
+        row = await until(cancelled, what=f"{rid} cancelled")
         assert row["completion_tokens"] < 2000
 
         async def idle():
@@ -296,4 +404,4 @@ async def test_a_non_streaming_client_that_leaves_is_cancelled_everywhere(stack)
             )
 
         await until(idle, what="the engines hold nothing of it")
-    assert "request leaver-1: client went away, cancelling" in stack.log()
+    assert f"request {rid}: client went away, cancelling" in stack.log()
