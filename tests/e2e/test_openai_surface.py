@@ -303,6 +303,32 @@ async def test_sampling_parameters_take_effect(stack, lm):
         assert status == 200, (extra, data)
 
 
+async def test_penalties_and_min_p_change_what_is_sampled(stack):
+    """Past a 200: the penalties break or bend a greedy loop of one repeated sentence, and min_p 1
+    (only tokens as likely as the likeliest) or top_k 1 make a hot, seeded sample greedy."""
+    body = {"model": MODEL, "prompt": "The cat." * 4, "max_tokens": 18, "ignore_eos": True}
+
+    async def text(**extra) -> str:
+        status, _, data = await post(
+            stack.url, "/v1/completions", {**body, "temperature": 0, **extra}
+        )
+        assert status == 200, (extra, data)
+        return data["choices"][0]["text"]
+
+    greedy = await text()
+    loops = greedy.count("cat")
+    assert loops >= 5, greedy  # the loop: " The cat." again and again
+    for extra in ({"frequency_penalty": 2.0}, {"repetition_penalty": 2.0}):
+        got = await text(**extra)
+        assert got.count("cat") < loops, (extra, got)
+    # presence_penalty's flat 2 (OpenAI's maximum) is less than this loop's margin, but it
+    # still moves what follows the penalized tokens
+    assert await text(presence_penalty=2.0) != greedy
+    for extra in ({"min_p": 1.0}, {"top_k": 1}):
+        assert await text(**{"temperature": 1.5, "seed": 3, **extra}) == greedy, extra
+    assert await text(temperature=1.5, seed=3, top_k=-1) != greedy  # -1: no top-k at all
+
+
 async def test_x_request_id_is_used_echoed_and_never_reused(stack):
     status, headers, data = await post(
         stack.url, "/v1/chat/completions", chat("Hi", max_tokens=2), {"X-Request-Id": "trace-42"}
