@@ -8,7 +8,8 @@
   registry kept for that instance. Targets (issue #19): p99 at most 0.2 ms at 64
   instances, 1 ms at 1,024.
 - with --url: a live run against a stack (two prefill instances, say): requests with
-  shared and fresh prefixes at a steady rate; predicted TTFT (the conductor's decision
+  shared and fresh prefixes at a steady rate (by default 70% of what the prefill
+  instances serve, measured first with requests sent one at a time); predicted TTFT (the conductor's decision
   record) against measured TTFT (the gateway's request record), median absolute error,
   over the requests after the first --calibration-requests (the conductor calibrates its
   cost model online from what the engines report: on a machine without a profiled fit it
@@ -96,8 +97,26 @@ async def _one(http: aiohttp.ClientSession, url: str, model: str, prompt: str) -
         return {"status": resp.status, "id": resp.headers.get("X-Request-Id", "")}
 
 
+async def _capacity(
+    http: aiohttp.ClientSession, url: str, model: str, docs: list[str], rng: random.Random
+) -> tuple[float, int]:
+    """(seconds per request alone, prefill instances): one fresh prompt of each document
+    length in turn, timed end to end, so the live run's rate follows this machine's speed
+    (a rate fixed for one CPU is an overload on a slower one, and then the error measured
+    is that of a long queue, not of the cost model)."""
+    times = []
+    for doc in docs:
+        t0 = time.perf_counter()
+        await _one(http, url, model, f"{rng.random()} {doc}")
+        times.append(time.perf_counter() - t0)
+    async with http.get(f"{url}/admin/state") as resp:
+        state = await resp.json()
+    prefills = sum(i["role"] == "prefill" for i in state["instances"])
+    return statistics.mean(times), max(1, prefills)
+
+
 async def live(
-    url: str, database_url: str, requests: int, rate: float, calibration: int
+    url: str, database_url: str, requests: int, rate: float, calibration: int, load: float
 ) -> dict[str, Any]:
     rng = random.Random(9)
     docs = [
@@ -108,6 +127,10 @@ async def live(
         async with http.get(f"{url}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
         prior = await _cost_model(http, url)
+        alone_s, prefills = await _capacity(http, url, model, docs, rng)
+        # Half the requests reuse a document, so they cost less than alone_s: `load` of
+        # the fresh-prompt capacity is a little less in fact.
+        rate = rate or load * prefills / alone_s
         tasks = []
         for i in range(requests):  # half reuse a document (prefix hits), half are fresh
             prompt = (docs[i % 4] if i % 2 else f"{rng.random()} " + docs[i % 4][::-1]) + f" Q{i}?"
@@ -120,6 +143,8 @@ async def live(
     return {
         "requests": requests,
         "rate_per_s": rate,
+        "alone_s": alone_s,
+        "prefill_instances": prefills,
         "compared": len(pairs),
         "prior": prior,
         "cost_model_after": after,
@@ -193,7 +218,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=50,
         help="requests the error is not counted over (the conductor learns)",
     )
-    p.add_argument("--rate", type=float, default=1.0, help="requests per second in the live run")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="requests per second in the live run (0: --load of the measured capacity)",
+    )
+    p.add_argument(
+        "--load",
+        type=float,
+        default=0.7,
+        help="with --rate 0: the share of the prefill instances' capacity to send, measured "
+        "first from requests sent one at a time",
+    )
     args = p.parse_args(argv)
     out: dict[str, Any] = {
         "decision_latency": {
@@ -202,7 +239,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.url:
         out["live"] = asyncio.run(
-            live(args.url, args.database_url, args.requests, args.rate, args.calibration_requests)
+            live(
+                args.url,
+                args.database_url,
+                args.requests,
+                args.rate,
+                args.calibration_requests,
+                args.load,
+            )
         )
     print(json.dumps(out, indent=2))
     for n, r in out["decision_latency"].items():
@@ -212,7 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if "live" in out:
         lv = out["live"]
-        print(f"live: prior {lv['prior']!r}")
+        print(
+            f"live: prior {lv['prior']!r}; one request alone {lv['alone_s'] * 1e3:.0f} ms on "
+            f"{lv['prefill_instances']} prefill instances, {lv['rate_per_s']:.2f} requests/s"
+        )
         for name in ("during_calibration", "after_calibration"):
             e = lv[name]
             print(
