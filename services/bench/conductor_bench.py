@@ -9,8 +9,9 @@
   instances, 1 ms at 1,024.
 - with --url: a live run against a stack (two prefill instances, say): requests with
   shared and fresh prefixes at a steady rate (by default 70% of what the prefill
-  instances serve, measured first with requests sent one at a time); predicted TTFT (the conductor's decision
-  record) against measured TTFT (the gateway's request record), median absolute error,
+  instances serve, measured first with requests sent one at a time); predicted TTFT
+  (the conductor's decision record) against measured TTFT (the gateway's request
+  record), median absolute error,
   over the requests after the first --calibration-requests (the conductor calibrates its
   cost model online from what the engines report: on a machine without a profiled fit it
   starts from the built-in defaults). It says which prior the conductor started from.
