@@ -270,7 +270,8 @@ def llama_cpp_build() -> tuple[Path, Path]:
     if exe is None:
         raise SystemExit(
             f"llama.cpp is not built in {root}: run `halfmoon bench build-llama-cpp` once "
-            "(about 7 minutes on 2 cores), or leave llama.cpp out of --systems"
+            "(10 to 30 minutes on 2 cores: 626 s and 1,682 s on two EPYCs), or leave llama.cpp "
+            "out of --systems"
         )
     return exe, root
 
