@@ -84,8 +84,11 @@ def run(engine: LLMEngine, batch: list[tuple[str, list[int], SamplingParams]]) -
     return {"text": text, "full_steps": full_steps}
 
 
-def mixed_batch(ps: list[list[int]], constrained: int, tokens: int, tag: str) -> list[Any]:
-    free = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+def mixed_batch(
+    ps: list[list[int]], constrained: int, free: SamplingParams, tag: str
+) -> list[tuple[str, list[int], SamplingParams]]:
+    """The first `constrained` prompts under the JSON schemas (sampled, room for twice
+    the tokens), the rest with the unmixed batch's `free` params."""
     out = []
     for i, p_ in enumerate(ps):
         if i < constrained:
@@ -93,7 +96,7 @@ def mixed_batch(ps: list[list[int]], constrained: int, tokens: int, tag: str) ->
             params = SamplingParams(
                 temperature=0.8,
                 seed=i,
-                max_tokens=tokens * 2,
+                max_tokens=free.max_tokens * 2,
                 constraint=Constraint("json_schema", schema),
             )
             out.append((f"c{tag}-{i}", p_, params))
@@ -134,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Only the decode steps are timed, so prompts served from the prefix cache after
         # the first batch change nothing measured.
         plain = run(engine, [(f"u{r}-{i}", p_, free) for i, p_ in enumerate(ps)])
-        mixed = run(engine, mixed_batch(ps, args.constrained, args.tokens, str(r)))
+        mixed = run(engine, mixed_batch(ps, args.constrained, free, str(r)))
         # The same steps of both: the mixed batch is whole only until its first
         # constrained answer closes, and later steps read more KV.
         k = min(len(plain["full_steps"]), len(mixed["full_steps"]))
@@ -172,8 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"batch of {args.batch}, decode per unconstrained request: {unmixed_tok_s:.1f} tok/s "
         f"unmixed, {mixed_tok_s:.1f} tok/s with {args.constrained} constrained beside them "
         f"(median of {args.rounds} rounds' ratios over the same steps: {ratio:.3f}x; rounds "
-        f"{each}); {valid}/{checked} constrained "
-        "outputs valid",
+        f"{each}); {valid}/{checked} constrained outputs valid",
         file=sys.stderr,
     )
     return 0

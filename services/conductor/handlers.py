@@ -142,8 +142,6 @@ class Conductor:
             raise errors.Unavailable("no live prefill and decode instances", retry_after_s=2.0)
         live = {p.info.instance_id for p in prefills}
         matches = {k: v for k, v in (await self._prefix_matches(req)).items() if k in live}
-        if req.follow_prefill in live:  # its first sample is computing the whole prompt
-            matches[req.follow_prefill] = len(req.block_hashes)
         view = snapshot.request_view(
             req, matches, self.settings.ttft_slo_ms / 1e3, self.settings.tbt_slo_ms / 1e3
         )
@@ -157,10 +155,8 @@ class Conductor:
                 colocated,
             )
             t_decide = time.perf_counter()
-            decision = (
-                follow(self.policy.name, snap, view, req.follow_prefill)
-                if req.follow_prefill
-                else None
+            decision = follow(
+                self.policy.name, snap, view, req.follow_prefill
             ) or self.policy.decide(snap, view)
             self.metrics.decision_seconds.observe(time.perf_counter() - t_decide)
             if decision.rejected:

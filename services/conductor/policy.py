@@ -19,7 +19,7 @@ request's KV, and rejects before any compute what misses its SLOs.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.conductor.costmodel import CostModel
 
@@ -205,16 +205,18 @@ def follow(policy: str, snap: Snapshot, req: RequestView, leader: str) -> Decisi
     (scheduler.py), so the prompt is computed once: one prefill, n decodes. Elsewhere the
     sample would compute it again, which is why no policy's own rule may place it.
 
-    `req.prefix_blocks[leader]` counts the whole prompt as held there (the first sample is
-    computing it), so the prediction is that instance's queue, which includes the first
-    sample's prefill, plus the last token: the first sample's TTFT. Decode and the SLOs
-    are decided as for any request, so the samples may spread over decode instances.
-    None when `leader` is not in the snapshot (it died or refused): the policy decides."""
-    inst = next((p for p in snap.prefills if p.instance_id == leader), None)
+    The whole prompt counts as held there (the first sample is computing it), so the
+    prediction is that instance's queue, which includes the first sample's prefill, plus
+    the last token: the first sample's TTFT. Decode and the SLOs are decided as for any
+    request, so the samples may spread over decode instances. None when there is no
+    `leader` or it is not in the snapshot (it died or refused): the policy decides."""
+    inst = next((p for p in snap.prefills if p.instance_id == leader), None) if leader else None
     if inst is None:
         return None
-    chosen = candidate(snap, req, inst, pull=False)
-    return finish(policy, snap, req, chosen, [chosen])
+    whole = {**req.prefix_blocks, leader: req.prompt_tokens // snap.cost.block_size}
+    held = replace(req, prefix_blocks=whole)
+    chosen = candidate(snap, held, inst, pull=False)
+    return finish(policy, snap, held, chosen, [chosen])
 
 
 def _share(snap: Snapshot) -> str:
