@@ -57,6 +57,14 @@ async def sse(url: str, path: str, body: dict) -> list[tuple[float, dict]]:
     return out
 
 
+async def completed(url: str, rid: str) -> dict | None:
+    """/admin/requests/{rid} once its request record is completed, else None."""
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/admin/requests/{rid}") as resp:
+            got = await resp.json() if resp.status == 200 else None
+    return got if got and got["request"] and got["request"]["status"] == "completed" else None
+
+
 def chat(content: str, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
 
@@ -160,14 +168,7 @@ async def test_completions_take_the_chat_path_placement_records_and_slo(stack):
     status, _, data = await post(stack.url, "/v1/completions", body, {"X-Request-Id": "text-1"})
     assert status == 200, data
 
-    async def record():
-        async with aiohttp.ClientSession() as http:
-            async with http.get(f"{stack.url}/admin/requests/text-1") as resp:
-                got = await resp.json() if resp.status == 200 else None
-        done = got and got["request"] and got["request"]["status"] == "completed"
-        return got if done else None
-
-    got = await until(record, what="text-1's record")
+    got = await until(lambda: completed(stack.url, "text-1"), what="text-1's record")
     rec, dec = got["request"], got["decision"]
     assert rec["prefill_instance"].startswith("prefill") and rec["decode_instance"].startswith(
         "decode"
@@ -228,15 +229,8 @@ async def test_n_samples_of_a_fresh_prompt_compute_it_once(stack):
     assert cacheable >= 64
 
     async def records():
-        out = []
-        async with aiohttp.ClientSession() as http:
-            for k in range(3):
-                async with http.get(f"{stack.url}/admin/requests/samples-1-{k}") as resp:
-                    rec = resp.status == 200 and (await resp.json())["request"]
-                    if not rec or rec["status"] != "completed":
-                        return None
-                    out.append(rec)
-        return out
+        got = [await completed(stack.url, f"samples-1-{k}") for k in range(3)]
+        return [g["request"] for g in got] if all(got) else None
 
     first, *others = await until(records, what="the three choices' records")
     # A fresh prompt (past the chat template's header, which earlier chats cached) is
