@@ -71,9 +71,17 @@ def _db(argv: list[str]) -> int:
 
 
 def _kv(argv: list[str]) -> int:
-    if not argv or argv[0] != "replay":
-        print("usage: halfmoon kv replay --trace FILE --capacity-blocks C [C ...]", file=sys.stderr)
+    if not argv or argv[0] not in ("replay", "synth"):
+        print(
+            "usage: halfmoon kv replay --trace FILE --capacity-blocks C [C ...]\n"
+            "       halfmoon kv synth --out FILE [--seed S]",
+            file=sys.stderr,
+        )
         return 2
+    if argv[0] == "synth":
+        from services.kvmanager import synthetic
+
+        return synthetic.main(argv[1:])
     from services.kvmanager import replay
 
     return int(replay.main(argv[1:]) or 0)
@@ -154,6 +162,7 @@ commands:
   chaos              kill services and NATS under load: 0 hung requests, 0 lost records
   sim                simulate a cluster of any size on a Mooncake trace (same policy code)
   kv replay          replay a Mooncake trace through the KV index and eviction code
+  kv synth           write a synthetic trace with the paper's statistics (long documents)
   bench request      one request's latency through the stack vs in-process
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
   bench kv           the KV index's prefix-match latency

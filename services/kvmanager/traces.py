@@ -53,6 +53,19 @@ def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
     return requests
 
 
+def write_trace(path: str, requests: Sequence[TraceRequest]) -> None:
+    """The Mooncake JSONL format, one request per line (what load_trace reads back)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in requests:
+            d = {
+                "timestamp": r.timestamp_ms,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": r.hash_ids,
+            }
+            f.write(json.dumps(d) + "\n")
+
+
 def trace_digest(requests: Sequence[TraceRequest]) -> str:
     """SHA-256 of the requests' content, whatever the file's formatting."""
     h = hashlib.sha256()
