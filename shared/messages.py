@@ -110,6 +110,11 @@ class CostSample(BaseModel):
     tokens: int
     context: float
     seconds: float
+    # The engine thread's CPU time in that work (time.thread_time): what it costs with a
+    # core to itself. Wall seconds also hold the time it waited for a core, which on a
+    # machine whose engines share cores grows with the cluster's load; the simulator
+    # shares cores itself (SimConfig.cores), so it wants the work without the waiting.
+    cpu_seconds: float | None = None
 
 
 class InstanceInfo(Message):
@@ -153,6 +158,8 @@ class InstanceInfo(Message):
     # The model it predicts with now (CostModel's fields but its source and key), so a
     # simulator can run with what the live conductor learned (bench replay --sim).
     cost_params: dict[str, float | int | list[float]] = Field(default_factory=dict)
+    # and the same model fit on the engines' CPU time (empty until they report it)
+    cpu_cost_params: dict[str, float | int | list[float]] = Field(default_factory=dict)
     # and the settings it places with (policy, default SLOs, margin, pull threshold, layout)
     placement: dict[str, float | str] = Field(default_factory=dict)
 

@@ -134,6 +134,7 @@ async def serve(settings: ConductorSettings) -> None:
                 "decode": conductor.calibrator.decode.seen,
             },
             cost_params=conductor.cost.params(),
+            cpu_cost_params=conductor.calibrator.cpu_params(),
             placement=settings.model_dump(
                 include={
                     "policy",

@@ -13,7 +13,12 @@ a window of recent samples:
   each sample weighted by 1/seconds², so the fit minimizes relative error (what admission
   cares about), and the rescaled prior enters as pseudo-samples at representative points
   worth `prior_weight` samples in all, so terms the samples do not exercise (long prompts,
-  when only short ones came) keep the prior's shape.
+  when only short ones came) keep the prior's shape;
+- recent samples count more: a sample's weight halves every `half_life` samples after it
+  (in the median too). Engines that share cores run slower exactly when the cluster is
+  busy, so the speed to predict with is the speed of late, not the window's average: with
+  equal weights, eight prefills timed alone held the model at their speed through a burst
+  at three times capacity, and admission let in requests that then missed their SLO.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class OnlineFit:
     anchors: Sequence[tuple[float, float]]
     window: int = 256
     prior_weight: float = 2.0
+    half_life: float = 8.0  # samples
 
     def __post_init__(self) -> None:
         self.samples: deque[tuple[float, float, float]] = deque(maxlen=self.window)
@@ -67,20 +73,30 @@ class OnlineFit:
 
         rows, targets, weights = [], [], []
         per_anchor = self.prior_weight / len(self.anchors)
+        n = len(self.samples)
+        recency = [0.5 ** ((n - 1 - i) / self.half_life) for i in range(n)]  # newest: 1
         ratios = [
-            y / p for x1, x2, y in self.samples if (p := self.predict(x1, x2, self.prior)) > 0
+            (y / p, r)
+            for (x1, x2, y), r in zip(self.samples, recency)
+            if (p := self.predict(x1, x2, self.prior)) > 0
         ]
-        level = statistics.median(ratios) if ratios else 1.0
+        level = weighted_median(ratios) if ratios else 1.0
         for x1, x2 in self.anchors:
             y = level * self.predict(x1, x2, self.prior)
             if y > 0:
                 rows.append(self.features(x1, x2))
                 targets.append(y)
                 weights.append(per_anchor / (y * y))
-        for x1, x2, y in self.samples:
+        for (x1, x2, y), r in zip(self.samples, recency):
+            # Relative error against the model's own scale (not 1/y², which would favour
+            # the fast samples over the slow), and y held within 3x of that scale, so one
+            # stall moves the fit by a few percent, not by its size.
+            scale = level * self.predict(x1, x2, self.prior)
+            if scale <= 0:
+                continue
             rows.append(self.features(x1, x2))
-            targets.append(y)
-            weights.append(1.0 / (y * y))
+            targets.append(min(max(y, scale / 3), 3 * scale))
+            weights.append(r / (scale * scale))
         a, b, w = np.array(rows), np.array(targets), np.sqrt(np.array(weights))
         # Scale the columns so their magnitudes (1 .. n²) do not ruin the conditioning.
         scale = np.abs(a).max(axis=0)
@@ -89,26 +105,45 @@ class OnlineFit:
         return [float(c) for c in coef / scale]
 
 
+def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
+    """The value at which the (value, weight) pairs' cumulative weight reaches half."""
+    ordered = sorted(pairs)
+    half, acc = sum(w for _, w in ordered) / 2, 0.0
+    for value, weight in ordered:
+        acc += weight
+        if acc >= half:
+            return value
+    return ordered[-1][0]
+
+
 class Calibrator:
     def __init__(self, prior: CostModel, window: int = 256, prior_weight: float = 2.0) -> None:
         self.prior = prior
-        self.prefill = OnlineFit(
+        self.prefill, self.decode = self._fits(prior, window, prior_weight)
+        # The same fits on the engines' CPU time (CostSample.cpu_seconds): the work
+        # without the wait for a core, for a simulator that shares cores itself.
+        self.prefill_cpu, self.decode_cpu = self._fits(prior, window, prior_weight)
+        # Handoffs: what each took beyond its transfer; the model takes the median.
+        self.handoffs: deque[float] = deque(maxlen=window)
+        self._model: CostModel | None = prior
+
+    @staticmethod
+    def _fits(prior: CostModel, window: int, prior_weight: float) -> tuple[OnlineFit, OnlineFit]:
+        prefill = OnlineFit(
             lambda n, c: prefill_features(n, c),
             list(prior.prefill_coef),
             PREFILL_ANCHORS,
             window,
             prior_weight,
         )
-        self.decode = OnlineFit(
+        decode = OnlineFit(
             lambda b, ctx: decode_features(b, ctx),
             list(prior.decode_coef),
             DECODE_ANCHORS,
             window,
             prior_weight,
         )
-        # Handoffs: what each took beyond its transfer; the model takes the median.
-        self.handoffs: deque[float] = deque(maxlen=window)
-        self._model: CostModel | None = prior
+        return prefill, decode
 
     def observe(self, samples: Iterable[CostSample]) -> None:
         for s in samples:
@@ -118,6 +153,9 @@ class Calibrator:
             else:
                 fit = self.prefill if s.kind == "prefill" else self.decode
                 fit.add(float(s.tokens), s.context, s.seconds)
+                if s.cpu_seconds is not None:
+                    cpu = self.prefill_cpu if s.kind == "prefill" else self.decode_cpu
+                    cpu.add(float(s.tokens), s.context, s.cpu_seconds)
             self._model = None
 
     def model(self) -> CostModel:
@@ -133,3 +171,22 @@ class Calibrator:
                 f"prefill, {self.decode.seen} decode and {len(self.handoffs)} handoff samples",
             )
         return self._model
+
+    def cpu_model(self) -> CostModel | None:
+        """The model refit on CPU time instead of wall time (None before any such sample):
+        what each piece of work costs an engine with a core to itself."""
+        if not self.prefill_cpu.seen or not self.decode_cpu.seen:
+            return None
+        model = self.model()
+        return replace(
+            model,
+            prefill_coef=self.prefill_cpu.coef,
+            decode_coef=self.decode_cpu.coef,
+            source=f"{self.prior.source}; calibrated online on the CPU time of "
+            f"{self.prefill_cpu.seen} prefill and {self.decode_cpu.seen} decode samples",
+        )
+
+    def cpu_params(self) -> dict[str, float | int | list[float]]:
+        """cpu_model's numbers for a heartbeat; empty before the engines report CPU time."""
+        model = self.cpu_model()
+        return model.params() if model else {}

@@ -124,6 +124,15 @@ class PromptScores:
     top_logprobs: torch.Tensor  # [n-1, k] fp32
 
 
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """A forward pass's wall time, and the CPU time of the thread that ran it (with one
+    compute thread, its time with a core to itself; see CostSample.cpu_seconds)."""
+
+    wall_s: float
+    cpu_s: float
+
+
 @dataclass
 class StepStats:
     num_tokens: int = 0
@@ -440,10 +449,11 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if sched.scheduled:
             batch, order = build_batch(sched.scheduled, self.config.block_size, self.lm.device)
-            t_forward = time.perf_counter()
+            t_forward, c_forward = time.perf_counter(), time.thread_time()
             logits = self.model.forward(batch)
+            spent = StepTime(time.perf_counter() - t_forward, time.thread_time() - c_forward)
             with self._book:
-                outputs = self._finish_step(order, logits, time.perf_counter() - t_forward)
+                outputs = self._finish_step(order, logits, spent)
         with self._book:
             self._record_step(sched, time.perf_counter() - t0)
         return outputs
@@ -524,11 +534,11 @@ class LLMEngine:
         return loaded
 
     def _finish_step(
-        self, order: list[ScheduledSeq], logits: torch.Tensor, forward_s: float
+        self, order: list[ScheduledSeq], logits: torch.Tensor, spent: StepTime
     ) -> list[RequestOutput]:
         completing = [item for item in order if item.completes]
         sampled = self._sample(completing, logits)
-        self._account(order, forward_s)
+        self._account(order, spent)
         for item in order:
             self.scheduler.postprocess(item)
         return [
@@ -536,19 +546,27 @@ class LLMEngine:
             for item, tok, lp in zip(completing, sampled.tokens, sampled.logprobs)
         ]
 
-    def _account(self, order: list[ScheduledSeq], seconds: float) -> None:
+    def _account(self, order: list[ScheduledSeq], spent: StepTime) -> None:
         """Each prompt's share of the step (by tokens) toward its prefill time; a step of
         decodes only is one decode sample."""
         tokens = sum(item.num_new_tokens for item in order)
         if all(item.num_new_tokens == 1 and item.seq.num_output_tokens > 0 for item in order):
             ctx = sum(item.seq.num_tokens for item in order) / len(order)
             self.cost_samples.append(
-                CostSample(kind="decode", tokens=len(order), context=ctx, seconds=seconds)
+                CostSample(
+                    kind="decode",
+                    tokens=len(order),
+                    context=ctx,
+                    seconds=spent.wall_s,
+                    cpu_seconds=spent.cpu_s,
+                )
             )
             return
         for item in order:
             if item.seq.num_output_tokens == 0:
-                item.seq.prefill_seconds += seconds * item.num_new_tokens / tokens
+                share = item.num_new_tokens / tokens
+                item.seq.prefill_seconds += spent.wall_s * share
+                item.seq.prefill_cpu_seconds += spent.cpu_s * share
 
     def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> Sampled:
         rows = []
@@ -591,6 +609,7 @@ class LLMEngine:
                         tokens=seq.num_prompt_tokens - seq.num_cached_tokens,
                         context=float(seq.num_cached_tokens),
                         seconds=seq.prefill_seconds,
+                        cpu_seconds=seq.prefill_cpu_seconds,
                     )
                 )
         out = RequestOutput(

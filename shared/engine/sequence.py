@@ -30,6 +30,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks computed so far
     num_preemptions: int = 0
     prefill_seconds: float = 0.0  # this sequence's share of the steps that computed its prompt
+    prefill_cpu_seconds: float = 0.0  # and of the engine thread's CPU time in them
     # BlockManager.prompt_key's memo: the hash of the prompt's last cacheable block.
     prompt_key: int | None = None
     prompt_key_known: bool = False
