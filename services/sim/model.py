@@ -15,6 +15,10 @@ Modelling choices (the honest simplifications):
 - A decode instance runs continuous batching: every step produces one token for each
   sequence in the batch and takes cost.decode_step_s(batch, mean context). A sequence that
   arrives mid-step joins at the next step boundary.
+- By default every instance has its own hardware (a cluster's nodes). With `Cores` the
+  instances share that many cores, as the engine processes of a one-machine stack do:
+  processor sharing, each busy instance running at min(1, cores / busy instances), so a
+  prefill or a decode step takes longer exactly while the others are busy too.
 """
 
 from __future__ import annotations
@@ -61,6 +65,64 @@ class Outcome:
         return min(self.reused_blocks * block_tokens, self.request.input_length)
 
 
+# ---- shared cores -------------------------------------------------------------------------
+
+
+class Cores:
+    """Egalitarian processor sharing of `cores` cores among the busy instances.
+
+    Work is counted in virtual seconds (what a lone instance with a core to itself would
+    take). While k instances are busy, virtual time runs at min(1, cores / k) per real
+    second for each of them, so the work items finish in order of their virtual finish
+    times, and the next one's real time follows from the current rate. Each change of
+    the busy set first brings virtual time up to `now`."""
+
+    def __init__(self, cores: float) -> None:
+        if not cores > 0:
+            raise ValueError(f"cores must be > 0, got {cores}")
+        self.cores = cores
+        self.v = 0.0  # virtual seconds elapsed
+        self.t = 0.0  # real seconds when `v` was brought up to date
+        self.finish: dict[str, float] = {}  # busy instance -> virtual finish of its item
+        self._heap: list[tuple[float, str]] = []
+
+    def rate(self) -> float:
+        k = len(self.finish)
+        return min(1.0, self.cores / k) if k else 1.0
+
+    def _sync(self, now: float) -> None:
+        self.v += (now - self.t) * self.rate()
+        self.t = now
+
+    def begin(self, instance_id: str, now: float, work_s: float) -> None:
+        self._sync(now)
+        vf = self.v + work_s
+        self.finish[instance_id] = vf
+        heapq.heappush(self._heap, (vf, instance_id))
+
+    def end(self, instance_id: str, now: float) -> None:
+        self._sync(now)
+        del self.finish[instance_id]
+
+    def next_done(self) -> tuple[float, str] | None:
+        """(real time, instance) of the next item to finish at the current rate."""
+        heap = self._heap
+        while heap and self.finish.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)  # ended or replaced since it was pushed
+        if not heap:
+            return None
+        vf, instance_id = heap[0]
+        return self.t + max(0.0, vf - self.v) / self.rate(), instance_id
+
+    def remaining_s(self, instance_id: str, now: float) -> float:
+        """Real seconds left of the instance's item at the current rate."""
+        vf = self.finish.get(instance_id)
+        if vf is None:
+            return 0.0
+        v_now = self.v + (now - self.t) * self.rate()
+        return max(0.0, vf - v_now) / self.rate()
+
+
 # ---- prefill ------------------------------------------------------------------------------
 
 
@@ -80,6 +142,7 @@ class PrefillInstance:
     running: PrefillJob | None = None
     running_end_s: float = 0.0
     queued_s: float = 0.0  # predicted seconds of the queued (not running) jobs
+    cores: Cores | None = None  # shared with the other instances (None: its own hardware)
     _idle_view: InstanceView | None = field(default=None, repr=False)
 
     def view(self, now: float) -> InstanceView:
@@ -92,7 +155,10 @@ class PrefillInstance:
                     self.instance_id, self.queued_s, 0, 0.0, len(self.queue)
                 )
             return self._idle_view
-        ahead = self.running_end_s - now
+        if self.cores is None:
+            ahead = self.running_end_s - now
+        else:
+            ahead = self.cores.remaining_s(self.instance_id, now)
         return InstanceView(
             self.instance_id, (ahead if ahead > 0.0 else 0.0) + self.queued_s, 1, 0.0,
             len(self.queue) + 1,
@@ -153,11 +219,15 @@ class DecodeInstance:
     """Continuous batching, advanced lazily: the loop calls `advance(t)` before it looks
     at or changes the instance, so steps cost no heap events (a run has ~10^6 of them)."""
 
-    def __init__(self, instance_id: str, cost: CostModel) -> None:
+    def __init__(self, instance_id: str, cost: CostModel, cores: Cores | None = None) -> None:
         self.instance_id = instance_id
         self.cost = cost
+        # Shared cores: the loop ends each step (end_shared_step) when `cores` says it is
+        # done, since its length depends on what the other instances do meanwhile.
+        self.cores = cores
         self.durations: list[float] = []  # step i took durations[i] seconds
         self.busy = False
+        self.step_start_s = 0.0
         self.step_end_s = 0.0
         self.running = 0  # sequences in the current step's batch
         self.sum_context = 0  # their tokens, all together
@@ -237,8 +307,21 @@ class DecodeInstance:
             self.busy = False
             return
         duration = self.cost.decode_step_s(self.running, self.sum_context / self.running)
-        self.durations.append(duration)
-        self.busy, self.step_end_s = True, now + duration
+        self.durations.append(duration)  # with shared cores, replaced at the step's end
+        self.busy, self.step_start_s = True, now
+        if self.cores is None:
+            self.step_end_s = now + duration
+        else:
+            self.step_end_s = math.inf  # advance() never ends it: the loop does
+            self.cores.begin(self.instance_id, now, duration)
+
+    def end_shared_step(self, now: float) -> None:
+        """The running step is done at `now` (shared cores: the loop calls this)."""
+        assert self.cores is not None and self.busy
+        self.cores.end(self.instance_id, now)
+        self.durations[-1] = now - self.step_start_s
+        self.step_end_s = now
+        self._end_step()
 
 
 # ---- cost presets -------------------------------------------------------------------------

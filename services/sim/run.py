@@ -10,6 +10,10 @@ Events: arrivals come straight from the (time-ordered) trace; prefill completion
 KV arrivals at decode sit on one heap. At equal times heap events go first, so a request
 arriving just as another finishes sees its blocks. Decode steps are not events: each
 decode instance is advanced lazily to the time it is looked at (see model.DecodeInstance).
+
+With `cores` set (the instances share that many cores, model.Cores), prefill jobs and
+decode steps end when the shared cores say so: those completions come from the Cores,
+interleaved with the heap's events in time order (completions first at equal times).
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import _runs
 from services.kvmanager.traces import TraceRequest
-from services.sim.model import DecodeInstance, Outcome, PrefillInstance, PrefillJob, SimRequest
+from services.sim.model import (
+    Cores,
+    DecodeInstance,
+    Outcome,
+    PrefillInstance,
+    PrefillJob,
+    SimRequest,
+)
 
 _TIER = "dram"
 _PREFILL_DONE, _KV_ARRIVED = 0, 1
@@ -55,6 +66,11 @@ class SimConfig:
     # a few instances only, and largest_prefix (which ranks by local match first) never
     # sends anything to the others for the rest of the trace.
     prewarm: bool = True
+    # One machine's stack: the instances share this many cores (model.Cores), and their
+    # work costs `work_cost` (a model fit on CPU time, the work without the wait for a
+    # core), while the policy still predicts with `cost`. None: each has its own hardware.
+    cores: float | None = None
+    work_cost: CostModel | None = None
 
     def __post_init__(self) -> None:
         # The policies size a prefix with cost.block_size, the pools count trace blocks:
@@ -82,14 +98,19 @@ class Cluster:
 
     def __init__(self, cfg: SimConfig, policy: Policy) -> None:
         self.cfg, self.policy = cfg, policy
-        self.cost = cfg.cost
+        self.cost = cfg.cost  # what the policy predicts with
+        self.work = cfg.work_cost or cfg.cost  # what the instances' work takes
+        self.cores = Cores(cfg.cores) if cfg.cores else None
         self.index = KVIndex()
         self.prefills = {
-            f"p{i:02d}": PrefillInstance(f"p{i:02d}", HashPool(cfg.cache_blocks, cfg.eviction))
+            f"p{i:02d}": PrefillInstance(
+                f"p{i:02d}", HashPool(cfg.cache_blocks, cfg.eviction), cores=self.cores
+            )
             for i in range(cfg.num_prefill)
         }
         self.decodes = {
-            f"d{i:02d}": DecodeInstance(f"d{i:02d}", cfg.cost) for i in range(cfg.num_decode)
+            f"d{i:02d}": DecodeInstance(f"d{i:02d}", self.work, self.cores)
+            for i in range(cfg.num_decode)
         }
         self.events: list[tuple[float, int, int, str, Outcome | None]] = []
         self.outcomes: list[Outcome] = []
@@ -141,9 +162,13 @@ class Cluster:
     def _start(self, inst: PrefillInstance, now: float) -> None:
         nxt = inst.queue[0] if inst.queue and inst.running is None else None
         source = self.prefills[nxt.pull_from].pool if nxt and nxt.pull_from else None
-        job = inst.start_next(now, self.cost, self.cfg.block_tokens, source)
-        if job is not None:
+        job = inst.start_next(now, self.work, self.cfg.block_tokens, source)
+        if job is None:
+            return
+        if self.cores is None:
             self._push(inst.running_end_s, _PREFILL_DONE, inst.instance_id, None)
+        else:
+            self.cores.begin(inst.instance_id, now, inst.running_end_s - now)
 
     # ---- events ---------------------------------------------------------------------------
 
@@ -153,17 +178,32 @@ class Cluster:
         heapq.heappush(self.events, (t, kind, seq, where, out))
 
     def run_until(self, t: float) -> None:
-        """Handle every heap event at or before `t`."""
+        """Handle every event at or before `t`."""
         events = self.events
-        while events and events[0][0] <= t:
-            when, kind, _, where, out = heapq.heappop(events)
-            if kind == _PREFILL_DONE:
-                self._prefill_done(self.prefills[where], when)
+        while True:
+            done = self.cores.next_done() if self.cores is not None else None
+            if done is not None and done[0] <= t and (not events or done[0] <= events[0][0]):
+                self._shared_done(*done)
+            elif events and events[0][0] <= t:
+                when, kind, _, where, out = heapq.heappop(events)
+                if kind == _PREFILL_DONE:
+                    self._prefill_done(self.prefills[where], when)
+                else:
+                    assert out is not None
+                    dec = self.decodes[where]
+                    dec.advance(when)
+                    dec.arrive(out, when)
             else:
-                assert out is not None
-                dec = self.decodes[where]
-                dec.advance(when)
-                dec.arrive(out, when)
+                return
+
+    def _shared_done(self, now: float, instance_id: str) -> None:
+        """A prefill job or decode step on the shared cores is done."""
+        assert self.cores is not None
+        if instance_id in self.prefills:
+            self.cores.end(instance_id, now)
+            self._prefill_done(self.prefills[instance_id], now)
+        else:
+            self.decodes[instance_id].end_shared_step(now)
 
     def _prefill_done(self, inst: PrefillInstance, now: float) -> None:
         job = inst.finish_running()

@@ -12,7 +12,7 @@ from services.conductor.costmodel import CostModel
 from services.kvmanager.replay import replay_requests
 from services.kvmanager.traces import SAMPLE_TRACE, load_trace, replicate
 from services.sim import cli, report
-from services.sim.model import SimRequest, slowest_tenth_mean
+from services.sim.model import Cores, SimRequest, slowest_tenth_mean
 from services.sim.run import LOCAL, SimConfig, run_policy, simulate
 
 BS = 10  # tokens per block in the synthetic traces
@@ -95,6 +95,62 @@ def test_kv_transfer_to_decode_delays_the_first_gap_not_the_ttft():
     c = replace(c, handoff_s=0.5)
     outs, _, _ = simulate([req(0, 0.0, [1, 2], output=2)], cfg(cost=c), "kvcentric")
     assert outs[0].ttft_s == pytest.approx(0.2) and outs[0].tbt_s == pytest.approx(2.6)
+
+
+def test_shared_cores_split_the_rate_among_the_busy():
+    cores = Cores(1)
+    cores.begin("a", 0.0, 1.0)
+    assert cores.next_done() == pytest.approx((1.0, "a"))
+    cores.begin("b", 0.5, 1.0)  # a has done 0.5; now both run at half speed
+    assert cores.next_done() == pytest.approx((1.5, "a"))
+    assert cores.remaining_s("b", 0.5) == pytest.approx(2.0)
+    cores.end("a", 1.5)  # b did 0.5 meanwhile, and runs alone from here
+    assert cores.next_done() == pytest.approx((2.0, "b"))
+    cores.end("b", 2.0)
+    assert cores.next_done() is None
+    with pytest.raises(ValueError):
+        Cores(0)
+
+
+def test_one_core_under_two_prefills_and_a_decode_is_processor_sharing():
+    # Two 1.0 s prefills at t=0 on two instances, one decode: with a core each they end
+    # at 1.0; on one shared core both end at 2.0, and the decode's steps (0.1 s of work)
+    # stretch while a prefill runs beside them.
+    reqs = [req(0, 0.0, range(1, 11), output=3), req(1, 0.0, range(11, 21), output=3)]
+    two = dict(num_prefill=2)
+    own, _, _ = simulate(reqs, cfg(**two), "least_loaded")
+    assert [o.ttft_s for o in own] == pytest.approx([1.0, 1.0])
+    shared, _, cluster = simulate(reqs, cfg(**two, cores=1), "least_loaded")
+    assert [o.ttft_s for o in shared] == pytest.approx([2.0, 2.0])
+    # then the decode runs alone at full speed (the second joins at the first boundary)
+    assert cluster.decodes["d00"].durations == pytest.approx([0.1, 0.1, 0.1])
+    # With as many cores as instances, sharing changes nothing.
+    roomy, _, _ = simulate(reqs, cfg(**two, cores=3), "least_loaded")
+    flat = lambda outs: [x for o in outs for x in (o.ttft_s, o.finish_s, o.tbt_s)]  # noqa: E731
+    assert flat(roomy) == pytest.approx(flat(own))
+
+
+def test_a_decode_step_beside_a_prefill_on_one_core_takes_twice_its_work():
+    # r0 (10 tokens, 0.1 s) finishes first and decodes 0.1 s steps while r1's 1.0 s
+    # prefill runs: sharing the core, each step takes 0.2 s and r1's prefill slows too.
+    reqs = [req(0, 0.0, [1], output=4), req(1, 0.1, range(11, 21), output=2)]
+    outs, _, cluster = simulate(reqs, cfg(num_prefill=2, cores=1), "least_loaded")
+    assert outs[0].ttft_s == pytest.approx(0.1)
+    steps = cluster.decodes["d00"].durations
+    assert steps[:3] == pytest.approx([0.2, 0.2, 0.2])  # r0's three steps, beside r1
+    # r1 from 0.1: 0.6 s beside the steps (0.3 of its work done), then 0.7 alone: it
+    # ends at 1.4, TTFT 1.3
+    assert outs[1].ttft_s == pytest.approx(1.3)
+    # the predictions (the policy's cost) are not what the shared cores made of them
+    assert outs[1].predicted_ttft_s == pytest.approx(1.0)
+
+
+def test_work_cost_is_what_instances_take_and_cost_what_the_policy_predicts():
+    reqs = [req(0, 0.0, range(1, 11), output=2)]
+    slow = cost(prefill_per_token=0.02)
+    outs, _, _ = simulate(reqs, cfg(work_cost=slow), "kvcentric")
+    assert outs[0].predicted_ttft_s == pytest.approx(1.0)
+    assert outs[0].ttft_s == pytest.approx(2.0)
 
 
 def test_slowest_tenth_mean():

@@ -1,6 +1,8 @@
 """bench replay --sim: the simulator's outcomes summarized as the replay summarizes a live
 run, on round numbers where every figure is known."""
 
+from dataclasses import replace
+
 from services.bench.replay.metrics import ReplayedRequest, Slos
 from services.bench.replay.prompts import PromptPlan
 from services.bench.replay.sim_compare import (
@@ -45,6 +47,36 @@ def test_two_requests_sharing_a_prefix_summarize_as_a_live_run_would():
     assert abs(sim["cache_hit_ratio"] - 48 / 120) < 1e-9
     # two decode steps of 100 ms after the first token: the slowest gap is 100 ms
     assert abs(sim["tbt"]["p99_ms"] - 100.0) < 1e-6
+
+
+def test_with_cpu_time_and_cores_the_work_is_shared_and_the_policy_predicts_as_live():
+    # r0 (1.0 s of prefill work) decodes 100 ms steps while r1's 1.0 s prefill runs
+    plans = [PromptPlan("", 100, 4, (1,)), PromptPlan("", 100, 2, (9,))]
+    records = [
+        ReplayedRequest(0, 0.0, 0.0, 100, 4, "completed", prompt_tokens=100),
+        ReplayedRequest(1, 1.0, 0.0, 100, 2, "completed", prompt_tokens=100),
+    ]
+    reqs = sim_requests(plans, [0.0, 1.0], records, 16)
+    base = facts()
+    own = simulate_replay(base, reqs, 16, SLOS, 0.0, send_slos=True)
+    assert own["cores"] is None and "its own cores" in own["cores_text"]
+    # The wall-time model said 2x the CPU-time one: the work is the CPU-time model's,
+    # shared by the one prefill and one decode on one core.
+    wall = replace(base.cost, prefill_coef=[0.0, 0.02, 0.0, 0.0], source="wall")
+    cpu = replace(base.cost, source="cpu")
+    shared = simulate_replay(
+        replace(base, cost=wall, cpu_cost=cpu, cores=1.0), reqs, 16, SLOS, 0.0, send_slos=True
+    )
+    assert shared["cores"] == 1.0 and shared["work_model"] == "cpu"
+    s = shared["summary"]
+    # r0 alone: 1.0 s. r1 from 1.0 s beside r0's three 0.1 s steps (each 0.2 s on the
+    # shared core: 0.3 s of r1's work in 0.6 s), then 0.7 s alone: TTFT 1.3 s.
+    assert abs(s["ttft"]["mean_ms"] - 1150.0) < 1e-6
+    # TBT: r0's slowest gap is a shared 200 ms step, r1 decodes alone (100): p99 199
+    assert abs(s["tbt"]["p99_ms"] - 199.0) < 1e-6
+    assert abs(own["summary"]["tbt"]["p99_ms"] - 100.0) < 1e-6
+    # without CPU time (an engine too old to report it) the shape stays one core each
+    assert simulate_replay(replace(base, cores=1.0), reqs, 16, SLOS, 0.0, True)["cores"] is None
 
 
 def test_the_conductor_defaults_reject_when_the_client_sends_no_slos():

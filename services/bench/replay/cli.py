@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="after each live run, the simulator on the same requests with that cluster's "
         "shape, settings and calibrated cost model, side by side (sim_compare.py)",
     )
+    p.add_argument(
+        "--sim-cores",
+        type=float,
+        default=None,
+        metavar="N",
+        help="--sim: the cores the live cluster's engines share (default: this machine's "
+        "for the clusters the bench starts; none, a core each, for --url)",
+    )
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--out", default="", help="report folder (default HALFMOON_HOME/bench/replay-*)")
     return p
@@ -192,11 +201,12 @@ def with_sim(
     )
     rows = sim_compare.side_by_side(run["summary"], sim["summary"])
     print(sim_compare.table(run["name"], rows), flush=True)
-    c = sim["cost_params"]
+    c, w = sim["cost_params"], sim["work_params"]
     print(
-        f"  (cost model: {sim['cost_model']}: prefill {c['prefill_coef']}, decode "
-        f"{c['decode_coef']}, overhead {c['overhead_s']:.3f}s, handoff {c['handoff_s']:.3f}s; "
-        f"simulated in {sim['wall_s']:.2f}s)",
+        f"  (policy's cost model: {sim['cost_model']}: prefill {c['prefill_coef']}, decode "
+        f"{c['decode_coef']}, overhead {c['overhead_s']:.3f}s, handoff {c['handoff_s']:.3f}s;"
+        f" the work: {sim['work_model']}: prefill {w['prefill_coef']}, decode "
+        f"{w['decode_coef']}; {sim['cores_text']}; simulated in {sim['wall_s']:.2f}s)",
         flush=True,
     )
     return {**run, "sim": {**sim, "side_by_side": rows}}
@@ -235,13 +245,14 @@ async def main_async(args: argparse.Namespace) -> int:
     runs = []
     if not configs:
         run = await run_one("live", args.url, work, args)
-        facts = await sim_compare.cluster_facts(args.url) if args.sim else None
+        facts = await sim_compare.cluster_facts(args.url, args.sim_cores) if args.sim else None
         runs.append(with_sim(run, facts, work, args))
     for cfg in configs:
         print(f"[{cfg.name}] starting a local cluster: halfmoon up {cfg.describe()}", flush=True)
         async with local_cluster(cfg, model_dir, out) as url:
             run = await run_one(cfg.name, url, work, args)
-            facts = await sim_compare.cluster_facts(url) if args.sim else None
+            cores = args.sim_cores or float(len(os.sched_getaffinity(0)))
+            facts = await sim_compare.cluster_facts(url, cores) if args.sim else None
         run = with_sim(run, facts, work, args)
         runs.append({**run, "config": cfg.describe()})
     desc = (

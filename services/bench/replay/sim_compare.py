@@ -4,6 +4,14 @@ knew (bench replay --sim): is `halfmoon sim` a measured instrument?
 After a live run, the cluster's /admin/state gives the conductor's cost model as it
 stands (calibrated online from the engines' own timings on this machine), the settings it
 placed with, the number of prefill and decode instances and each prefill pool's size.
+
+A stack on one machine runs its engines on shared cores: a prefill runs slower while the
+other prefill and the decode are busy, which is exactly when queues form. The conductor's
+model is fit on wall time, the average of that slowdown. So when the engines report CPU
+time as well, the simulator takes the work from the model fit on it (what each piece
+costs with a core to itself) and shares the machine's cores among its instances itself
+(SimConfig.cores), while its policy predicts with the conductor's own wall-time model, as
+the live conductor did.
 The simulator then replays the same requests (arrival times, prompt lengths as the server
 counted them, output lengths, trace blocks) through the same policy code, and its outcomes
 go through the replay's own summary (metrics.summarize), so every figure is defined once
@@ -46,9 +54,11 @@ class ClusterFacts:
     prefill_blocks: int  # the smallest prefill pool, in blocks
     cost: CostModel
     placement: dict[str, Any]
+    cpu_cost: CostModel | None = None  # the model fit on the engines' CPU time
+    cores: float | None = None  # the cores the engines share (None: one each)
 
 
-async def cluster_facts(url: str) -> ClusterFacts:
+async def cluster_facts(url: str, cores: float | None = None) -> ClusterFacts:
     """What the live cluster knew at the end of its run (GET /admin/state)."""
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/admin/state") as resp:
@@ -61,12 +71,15 @@ async def cluster_facts(url: str) -> ClusterFacts:
     lead = next((c for c in conductors if c.get("leader")), conductors[0])
     prefills = [i for i in infos if i["role"] == "prefill"]
     decodes = [i for i in infos if i["role"] == "decode"]
+    cpu = lead.get("cpu_cost_params")
     return ClusterFacts(
         len(prefills),
         len(decodes),
         min((i["kv_blocks_total"] for i in prefills), default=0),
         CostModel.from_params(lead["cost_params"], f"the live conductor's: {lead['cost_model']}"),
         lead.get("placement", {}),
+        CostModel.from_params(cpu, "the live conductor's, fit on CPU time") if cpu else None,
+        cores,
     )
 
 
@@ -145,6 +158,8 @@ def simulate_replay(
     """The simulator's summary of the same workload, in the replay's terms."""
     p = facts.placement
     threshold = p.get("balancing_threshold")
+    shared = facts.cores is not None and facts.cpu_cost is not None
+    work = with_block_tokens(facts.cpu_cost, block_tokens) if shared and facts.cpu_cost else None
     cfg = SimConfig(
         num_prefill=facts.num_prefill,
         num_decode=facts.num_decode,
@@ -158,14 +173,25 @@ def simulate_replay(
         slo_margin=float(p.get("slo_margin", 1.0)),
         balancing_threshold=math.inf if threshold is None else float(threshold),
         prewarm=False,  # the live pools start empty
+        cores=facts.cores if shared else None,
+        work_cost=work,
     )
     outcomes, wall, _ = simulate(requests, cfg, str(p.get("policy", "kvcentric")))
     summary = summarize_outcomes(outcomes, block_tokens, slos, ideal_hit_ratio)
+    work_model = work or cfg.cost
     return {
         "summary": summary,
         "wall_s": wall,
         "cost_model": facts.cost.source,
         "cost_params": facts.cost.params(),
+        "work_model": work_model.source,
+        "work_params": work_model.params(),
+        "cores": cfg.cores,
+        "cores_text": (
+            f"the instances share {cfg.cores:g} cores"
+            if cfg.cores
+            else "each instance on its own cores"
+        ),
         "shape": {
             "prefill": facts.num_prefill,
             "decode": facts.num_decode,
