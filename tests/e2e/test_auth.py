@@ -181,7 +181,7 @@ async def test_sql_keys_are_hashed_carry_a_tenant_and_can_be_revoked(keyed_stack
 
     async def record() -> dict | None:  # SQL writes are batched, off the request path
         status, _, got = await get(f"{url}/admin/requests/{data['id']}", auth(ADMIN))
-        return got if status == 200 else None
+        return got if status == 200 and got["request"] else None  # not just the decision
 
     assert (await until(record, what="the request's record"))["request"]["tenant"] == "gamma"
 

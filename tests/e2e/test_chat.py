@@ -178,7 +178,9 @@ async def test_admin_shows_hit_rates_and_decisions(stack):
         async def terminal() -> dict | None:  # SQL writes are batched: the last one is in
             async with http.get(f"{stack.url}/admin/requests/{rid}") as resp:
                 got = await resp.json() if resp.status == 200 else None
-            return got if got and got["request"]["status"] == "completed" else None
+            # the decision's record may be written before the request's
+            ok = got and got["request"] and got["request"]["status"] == "completed"
+            return got if ok else None
 
         one = await until(terminal, what=f"the terminal record of {rid}")
         async with http.get(f"{stack.url}/admin/kv") as resp:
