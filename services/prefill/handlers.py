@@ -59,6 +59,13 @@ class PrefillInstance(EngineInstance):
         # request, so a cancel withdraws it at once instead of at its TTL.
         self._leases: dict[str, int] = {}
         self._handoffs: dict[str, str] = {}
+        # Jobs acknowledged and not in the engine yet (request id -> prompt tokens). Adding
+        # waits for the engine thread, up to a whole step: an fp32 prefill chunk on an
+        # AVX2 CPU takes a second, and three jobs came in meanwhile. The stats a heartbeat
+        # carries date from the step's start, so without these the conductor, which drops
+        # what it sent at each heartbeat, lost them from the queue and admitted requests
+        # at half their real TTFT.
+        self.intake: dict[str, int] = {}
 
     def connector(self) -> PrefillInstance:
         return self  # hands_off: the requests a decode instance was named for
@@ -79,11 +86,12 @@ class PrefillInstance(EngineInstance):
         if self.known(rid):  # nothing (more) to do
             await bus.respond(msg, Ack())
             return
-        if self._stats.waiting >= self.settings.max_queue:
+        if self._stats.waiting + len(self.intake) >= self.settings.max_queue:
             await bus.respond(msg, errors.Rejected("prefill queue is full", retry_after_s=1.0))
             return
         self.streams[req.request_id] = Stream(req, 0)
         self.decode_for[req.request_id] = job.decode_id
+        self.intake[rid] = len(req.prompt_token_ids)
         await bus.respond(msg, Ack())
         # Adding waits for the engine thread (up to a step): do it off this callback so the
         # next job is acknowledged at once.
@@ -94,9 +102,9 @@ class PrefillInstance(EngineInstance):
 
     async def _add(self, job: PrefillJob) -> None:
         req = job.request
-        if req.request_id not in self.streams:  # cancelled meanwhile
-            return
         try:
+            if req.request_id not in self.streams:  # cancelled meanwhile
+                return
             if req.prompt_logprobs is not None:
                 await self._score_prompt(req)
             await self.run_engine(
@@ -106,11 +114,13 @@ class PrefillInstance(EngineInstance):
                 SamplingParams.of(req.sampling),
                 req.tenant,
             )
+            self._stats = self.engine.stats()  # the engine's stats show it from here on
         except ValueError as exc:
             self.decode_for.pop(req.request_id, None)
             await self.finish_with_error(req.request_id, "invalid_request", str(exc))
             return
-        self._stats = self.engine.stats()
+        finally:
+            self.intake.pop(req.request_id, None)  # no await since the stats took it in
         self.wake()
 
     async def _score_prompt(self, req: GenerateRequest) -> None:
@@ -272,7 +282,11 @@ class PrefillInstance(EngineInstance):
             await self.abort(rid)
             await self.finish_with_error(rid, "unavailable", why)
 
+    def intake_prompts(self) -> list[int]:
+        return list(self.intake.values())
+
     async def release(self, request_id: str) -> bool:
+        self.intake.pop(request_id, None)
         self.decode_for.pop(request_id, None)
         tid = self._handoffs.pop(request_id, None)
         if tid is None:

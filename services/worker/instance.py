@@ -122,6 +122,7 @@ class EngineInstance:
 
     def info(self) -> InstanceInfo:
         s = self._stats
+        intake = self.intake_prompts()
         used = s.kv_blocks_total - s.kv_blocks_free
         disk_used, disk_free = self.disk_blocks()
         return InstanceInfo(
@@ -131,11 +132,11 @@ class EngineInstance:
             started_at=self.started_at,
             kv_host=self.settings.kv_advertise_host or self.settings.kv_host,
             kv_port=self.kv_port,
-            queue_depth=s.waiting,
+            queue_depth=s.waiting + len(intake),
             running=s.running,
             kv_tokens_used=used * self.settings.block_size,
             model=self.lm.name,
-            queue_prompts=list(s.queue_prompts[:256]),
+            queue_prompts=[*s.queue_prompts, *intake][:256],
             mean_context=s.mean_context,
             kv_blocks_total=s.kv_blocks_total,
             kv_blocks_free=s.kv_blocks_free,
@@ -157,6 +158,12 @@ class EngineInstance:
     def leased_blocks(self) -> int:
         """Blocks' worth of KV held outside the pool for requests (subclasses that hold any)."""
         return 0
+
+    def intake_prompts(self) -> list[int]:
+        """Prompt tokens of the jobs accepted but not in the engine yet (subclasses that
+        take jobs): the engine's stats cannot show them, and the conductor, which forgets
+        what it sent at each heartbeat, must still see them queued."""
+        return []
 
     def disk_blocks(self) -> tuple[int, int]:
         """(used, free) blocks of the disk tier; (0, 0) without one."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 import time
 
 import nats
@@ -228,4 +229,32 @@ async def test_cancel_withdraws_a_handoff_nobody_fetched(nc, tiny):
             what="the offer withdrawn",
         )
         assert sender.pending == 0 and pre.info().kv_blocks_leased == 0  # not at its 60 s TTL
+    await sender.close()
+
+
+async def test_a_job_waiting_for_the_engine_thread_is_in_the_heartbeats_queue(nc, tiny):
+    """Adding a job waits for the engine thread, up to a whole step; the heartbeat's stats
+    date from before it. The job must still show as queued work, or the conductor (which
+    forgets its own dispatches at each heartbeat) would admit the next requests as if the
+    queue were empty. Here the engine thread is held, as a long prefill chunk holds it."""
+    sender = TcpKVSender()
+    await sender.start()
+    settings = PrefillSettings(instance_id="prefill-q", kv_cache_gb=4 / 1024)
+    inst = PrefillInstance(settings, nc, tiny, sender, TcpKVReceiver())
+    events = Events()
+    await nc.subscribe(subjects.tokens("r5"), cb=events.on_msg)
+    gate = threading.Event()
+    async with running(inst) as pre:
+        await nc.subscribe(subjects.prefill_submit("prefill-q"), cb=pre.on_submit)
+        held = asyncio.create_task(pre.run_engine(gate.wait, 30.0))  # the "long step"
+        job = PrefillJob(request=gen("r5"), decode_id="")  # decoded here: no handoff
+        await bus.request(nc, subjects.prefill_submit("prefill-q"), job, Ack, 5.0)
+        beat = pre.heartbeat()
+        assert not pre.engine.has_work()  # the engine has not seen it...
+        assert beat.queue_depth == 1 and beat.queue_prompts == [len(PROMPT)]  # ...the beat has
+        gate.set()
+        await held
+        await asyncio.wait_for(events.finished.wait(), 30)
+        await until(lambda: not pre.info().queue_prompts, what="the queue empty")
+        assert pre.info().queue_depth == 0 and not pre.intake
     await sender.close()
