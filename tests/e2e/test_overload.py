@@ -1,6 +1,6 @@
 """About three times the stack's capacity: the excess is refused at once (429 with
-Retry-After, before any compute), and what is accepted meets its TTFT SLO (all but a
-few stragglers, which miss by little).
+Retry-After, before any compute), and what is accepted meets its TTFT SLO (a straggler
+at most, by little).
 
 Nothing here assumes a machine's speed: the test first measures how long one request
 takes on this stack (which also lets the conductor calibrate its cost model on this
@@ -108,11 +108,12 @@ async def test_excess_is_refused_fast_and_accepted_requests_meet_the_slo(auto_st
         assert int(r["retry_after"]) >= 1
         assert r["body"]["error"]["code"] == "slo_unattainable"
         assert "predicted TTFT" in r["body"]["error"]["message"]
-    # The conductor admits on predictions within 80% of the SLO, made from heartbeats up
-    # to a beat old and a cost model still calibrating, on two cores shared with the whole
-    # stack: at three times capacity a few stragglers miss, by little. Seen in full CI
-    # runs: 1 of 18 accepted at 1.07x, and 2 of 21 with the worst at 1.18x; without
-    # admission control the queue at three times capacity grows far past that.
+    # The conductor admits on predictions within 80% of the SLO. Those were up to 2.2x
+    # short on an AVX2 CPU while jobs waiting for the engine thread were missing from the
+    # heartbeats (5 of 18 accepted missed; tests/integration/test_instance_faults.py has
+    # the unit case); since, the slowest accepted request took 0.73-0.78x of the SLO in
+    # runs on both kernels' paths. One straggler, by little, is allowed for a loaded
+    # machine; a queue the conductor cannot see makes many, by far.
     ttfts = sorted(r["ttft_ms"] for r in accepted)
-    assert sum(t > slo_ms for t in ttfts) <= max(2, len(ttfts) // 8), (slo_ms, ttfts)
-    assert ttfts[-1] <= 1.3 * slo_ms, (slo_ms, ttfts)
+    assert sum(t > slo_ms for t in ttfts) <= 1, (slo_ms, ttfts)
+    assert ttfts[-1] <= 1.1 * slo_ms, (slo_ms, ttfts)
