@@ -36,7 +36,11 @@ WORDS = "harbor lantern river stone garden winter signal orbit copper meadow".sp
 @pytest.fixture
 def stack(tmp_path, model_dir):
     url, _ = make_database("sqlite", tmp_path)
-    s = start_stack(tmp_path, model_dir, url)  # bf16: 1 prefill, 1 decode
+    # 1 prefill, 1 decode, --dtype auto. The 100 streams, of up to 440 tokens each, would
+    # hold 2,800 blocks of 16 tokens: the default 1 GiB pool holds 2,912 in bf16 but 1,456
+    # in fp32 (an AVX2 CPU), where the conductor rightly refused half of them for want of
+    # decode room. 2.5 GiB holds them all in either.
+    s = start_stack(tmp_path, model_dir, url, env={"HALFMOON_KV_CACHE_GB": "2.5"})
     yield s
     assert stop_stack(s) == 0
 
