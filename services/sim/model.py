@@ -27,6 +27,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from services.bench.stats import slowest_tenth_mean
 from services.conductor.costmodel import CostModel
@@ -169,38 +170,153 @@ class PrefillInstance:
         self.queued_s += job.predicted_s
         self._idle_view = None
 
-    def start_next(
-        self, now: float, cost: CostModel, block_tokens: int, source: HashPool | None
-    ) -> PrefillJob | None:
-        """Start the next queued job if idle; returns it (its end is `running_end_s`).
-        `source` is the pool of the job's pull_from instance (None when not pulling)."""
+    def start_next(self, now: float, cost: CostModel, block_tokens: int, pools: PoolLookup) -> bool:
+        """Start the next queued job if idle; True if one started (its end is
+        `running_end_s`). `pools` gives the pool of a job's pull_from instance."""
         if self.running is not None or not self.queue:
-            return None
+            return False
         job = self.queue.popleft()
         self.queued_s = max(0.0, self.queued_s - job.predicted_s)  # float drift stays >= 0
+        cached, xfer_s = start_job(job, self.pool, pools, cost, block_tokens, now)
         req = job.outcome.request
-        own = self.pool.prefix_blocks(req.hash_ids)
-        reuse, xfer_s = own, 0.0
-        if source is not None and job.pull_blocks > own:
-            # The holder may have evicted part of it since placement: pull what is left.
-            held = source.prefix_blocks(req.hash_ids[: job.pull_blocks])
-            if held > own:
-                source.touch(req.hash_ids[:held])  # read for the transfer
-                reuse, xfer_s = held, cost.transfer_s(held - own)
-                job.outcome.pulled_blocks = held - own
-        cached = min(reuse * block_tokens, req.input_length - 1)
         duration = xfer_s + cost.prefill_s(req.input_length - cached, cached)
-        job.outcome.reused_blocks = reuse
-        job.outcome.prefill_start_s = now
         self.running, self.running_end_s = job, now + duration
         self._idle_view = None
-        return job
+        return True
 
-    def finish_running(self) -> PrefillJob:
+    def finish_running(self) -> list[PrefillJob]:
         job, self.running = self.running, None
         if job is None:
             raise RuntimeError(f"{self.instance_id}: completion with no running job")
-        return job
+        return [job]
+
+
+PoolLookup = Callable[[str], "HashPool | None"]
+
+
+def start_job(
+    job: PrefillJob,
+    own_pool: HashPool,
+    pools: PoolLookup,
+    cost: CostModel,
+    block_tokens: int,
+    now: float,
+) -> tuple[int, float]:
+    """What a job reuses, decided when it starts: its instance's pool, or a pulled prefix
+    if the conductor asked for one and the holder still has it. Returns (cached tokens,
+    transfer seconds) and records the reuse in its outcome."""
+    req = job.outcome.request
+    own = own_pool.prefix_blocks(req.hash_ids)
+    reuse, xfer_s = own, 0.0
+    source = pools(job.pull_from) if job.pull_from else None
+    if source is not None and job.pull_blocks > own:
+        # The holder may have evicted part of it since placement: pull what is left.
+        held = source.prefix_blocks(req.hash_ids[: job.pull_blocks])
+        if held > own:
+            source.touch(req.hash_ids[:held])  # read for the transfer
+            reuse, xfer_s = held, cost.transfer_s(held - own)
+            job.outcome.pulled_blocks = held - own
+    job.outcome.reused_blocks = reuse
+    job.outcome.prefill_start_s = now
+    return min(reuse * block_tokens, req.input_length - 1), xfer_s
+
+
+@dataclass(slots=True)
+class _Chunked:
+    job: PrefillJob
+    cached: int  # tokens it reuses
+    done: int = 0  # new tokens computed so far
+
+
+@dataclass
+class ChunkedPrefillInstance:
+    """A prefill instance that runs the engine's chunked steps: each step computes up to
+    `chunk_tokens` prompt tokens, taken in arrival order across the queued prompts (the
+    engine's scheduler fills its token budget so: the tail of one prompt, then the head
+    of the next), and every prompt whose last token is in the step gets its first token
+    at the step's end. So a prompt's last step is padded with the next prompts' tokens,
+    which FIFO of whole prompts leaves out. A chunk of n tokens after d computed ones
+    costs prefill_s(d + n) - prefill_s(d) (with the prompt's cached tokens as context),
+    so a prompt's chunks add up to its whole prefill_s."""
+
+    instance_id: str
+    pool: HashPool
+    chunk_tokens: int
+    queue: deque[PrefillJob] = field(default_factory=deque)
+    cores: Cores | None = None
+    running: list[PrefillJob] | None = None  # the jobs that finish with this step
+    running_end_s: float = 0.0
+    queued_s: float = 0.0  # predicted seconds of the jobs not started yet
+    _active: deque[_Chunked] = field(default_factory=deque)  # started, not finished
+    _cost: CostModel | None = None
+
+    def view(self, now: float) -> InstanceView:
+        """Queue: what is left of the running step, the started prompts' remaining tokens
+        priced as the live conductor prices a heartbeat's queue, and the queued ones'
+        predictions. Load: the unfinished prompts."""
+        ahead = 0.0
+        if self.running is not None:
+            if self.cores is None:
+                ahead = max(0.0, self.running_end_s - now)
+            else:
+                ahead = self.cores.remaining_s(self.instance_id, now)
+        cost = self._cost
+        if cost is not None:
+            for a in self._active:
+                left = a.job.outcome.request.input_length - a.cached - a.done
+                if left > 0:
+                    ahead += cost.prefill_s(left, a.cached + a.done)
+        n = len(self._active) + len(self.queue)
+        return InstanceView(
+            self.instance_id, ahead + self.queued_s, int(bool(self.running)), 0.0, n
+        )
+
+    def enqueue(self, job: PrefillJob) -> None:
+        self.queue.append(job)
+        self.queued_s += job.predicted_s
+
+    def start_next(self, now: float, cost: CostModel, block_tokens: int, pools: PoolLookup) -> bool:
+        """Start a step if idle and there is work; True if one started."""
+        if self.running is not None or not (self._active or self.queue):
+            return False
+        self._cost = cost
+        budget, duration, finishing = self.chunk_tokens, 0.0, []
+        for a in list(self._active):
+            if budget <= 0:
+                break
+            budget, duration = self._chunk(a, budget, duration, cost, finishing)
+        while budget > 0 and self.queue:
+            job = self.queue.popleft()
+            self.queued_s = max(0.0, self.queued_s - job.predicted_s)
+            cached, xfer_s = start_job(job, self.pool, pools, cost, block_tokens, now)
+            a = _Chunked(job, cached)
+            self._active.append(a)
+            budget, duration = self._chunk(a, budget, duration + xfer_s, cost, finishing)
+        for a in finishing:
+            self._active.remove(a)
+        self.running = [a.job for a in finishing]
+        self.running_end_s = now + duration
+        return True
+
+    @staticmethod
+    def _chunk(
+        a: _Chunked, budget: int, duration: float, cost: CostModel, finishing: list[_Chunked]
+    ) -> tuple[int, float]:
+        new = a.job.outcome.request.input_length - a.cached
+        n = min(new - a.done, budget)
+        duration += cost.prefill_s(a.done + n, a.cached) - (
+            cost.prefill_s(a.done, a.cached) if a.done else 0.0
+        )
+        a.done += n
+        if a.done >= new:
+            finishing.append(a)
+        return budget - n, duration
+
+    def finish_running(self) -> list[PrefillJob]:
+        jobs, self.running = self.running, None
+        if jobs is None:
+            raise RuntimeError(f"{self.instance_id}: completion with no running step")
+        return jobs
 
 
 # ---- decode -------------------------------------------------------------------------------

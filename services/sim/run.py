@@ -32,6 +32,7 @@ from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import _runs
 from services.kvmanager.traces import TraceRequest
 from services.sim.model import (
+    ChunkedPrefillInstance,
     Cores,
     DecodeInstance,
     Outcome,
@@ -71,6 +72,9 @@ class SimConfig:
     # core), while the policy still predicts with `cost`. None: each has its own hardware.
     cores: float | None = None
     work_cost: CostModel | None = None
+    # Prefill runs the engine's chunked steps of this many tokens, packed across prompts
+    # (model.ChunkedPrefillInstance); None: one whole prompt at a time, FIFO.
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # The policies size a prefix with cost.block_size, the pools count trace blocks:
@@ -102,11 +106,8 @@ class Cluster:
         self.work = cfg.work_cost or cfg.cost  # what the instances' work takes
         self.cores = Cores(cfg.cores) if cfg.cores else None
         self.index = KVIndex()
-        self.prefills = {
-            f"p{i:02d}": PrefillInstance(
-                f"p{i:02d}", HashPool(cfg.cache_blocks, cfg.eviction), cores=self.cores
-            )
-            for i in range(cfg.num_prefill)
+        self.prefills: dict[str, PrefillInstance | ChunkedPrefillInstance] = {
+            f"p{i:02d}": self._prefill(f"p{i:02d}") for i in range(cfg.num_prefill)
         }
         self.decodes = {
             f"d{i:02d}": DecodeInstance(f"d{i:02d}", self.work, self.cores)
@@ -115,6 +116,18 @@ class Cluster:
         self.events: list[tuple[float, int, int, str, Outcome | None]] = []
         self.outcomes: list[Outcome] = []
         self.num_placed_over_slo = 0  # rejected by the policy but placed (reject=False)
+
+    def _prefill(self, instance_id: str) -> PrefillInstance | ChunkedPrefillInstance:
+        pool = HashPool(self.cfg.cache_blocks, self.cfg.eviction)
+        if self.cfg.prefill_chunk_tokens:
+            return ChunkedPrefillInstance(
+                instance_id, pool, self.cfg.prefill_chunk_tokens, cores=self.cores
+            )
+        return PrefillInstance(instance_id, pool, cores=self.cores)
+
+    def _pool(self, instance_id: str) -> HashPool | None:
+        inst = self.prefills.get(instance_id)
+        return inst.pool if inst is not None else None
 
     # ---- placement ------------------------------------------------------------------------
 
@@ -159,11 +172,8 @@ class Cluster:
         )
         self._start(inst, now)
 
-    def _start(self, inst: PrefillInstance, now: float) -> None:
-        nxt = inst.queue[0] if inst.queue and inst.running is None else None
-        source = self.prefills[nxt.pull_from].pool if nxt and nxt.pull_from else None
-        job = inst.start_next(now, self.work, self.cfg.block_tokens, source)
-        if job is None:
+    def _start(self, inst: PrefillInstance | ChunkedPrefillInstance, now: float) -> None:
+        if not inst.start_next(now, self.work, self.cfg.block_tokens, self._pool):
             return
         if self.cores is None:
             self._push(inst.running_end_s, _PREFILL_DONE, inst.instance_id, None)
@@ -205,21 +215,23 @@ class Cluster:
         else:
             self.decodes[instance_id].end_shared_step(now)
 
-    def _prefill_done(self, inst: PrefillInstance, now: float) -> None:
-        job = inst.finish_running()
-        out, req = job.outcome, job.outcome.request
-        self._admit(inst, req.hash_ids, now)
-        out.prefill_end_s = now
-        out.ttft_s = now - req.arrival_s + self.cost.overhead_s
-        if req.output_length <= 1:  # the prefill's token was the whole answer
-            out.finish_s = now
-            self.decodes[out.decode_id].unassign(req.input_length + 1)
-        else:
-            ready = now + self.cost.handoff_s + self.cost.transfer_s(len(req.hash_ids))
-            self._push(ready, _KV_ARRIVED, out.decode_id, out)
+    def _prefill_done(self, inst: PrefillInstance | ChunkedPrefillInstance, now: float) -> None:
+        for job in inst.finish_running():
+            out, req = job.outcome, job.outcome.request
+            self._admit(inst, req.hash_ids, now)
+            out.prefill_end_s = now
+            out.ttft_s = now - req.arrival_s + self.cost.overhead_s
+            if req.output_length <= 1:  # the prefill's token was the whole answer
+                out.finish_s = now
+                self.decodes[out.decode_id].unassign(req.input_length + 1)
+            else:
+                ready = now + self.cost.handoff_s + self.cost.transfer_s(len(req.hash_ids))
+                self._push(ready, _KV_ARRIVED, out.decode_id, out)
         self._start(inst, now)
 
-    def _admit(self, inst: PrefillInstance, hashes: list[int], now: float) -> None:
+    def _admit(
+        self, inst: PrefillInstance | ChunkedPrefillInstance, hashes: list[int], now: float
+    ) -> None:
         """Store the prompt's blocks (own, pulled and new) in the pool; mirror the net
         change into the index (a block may be inserted then evicted in one admit)."""
         res = inst.pool.admit(hashes, now)

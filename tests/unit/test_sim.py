@@ -153,6 +153,20 @@ def test_work_cost_is_what_instances_take_and_cost_what_the_policy_predicts():
     assert outs[0].ttft_s == pytest.approx(2.0)
 
 
+def test_chunked_prefill_packs_the_next_prompt_into_a_prompts_last_step():
+    # A (60 blocks = 600 tokens) at t=0, B (300 tokens) at 1.0 s; 10 ms per token, steps
+    # of 512 tokens. Step 1 is A's first 512 (to 5.12 s); step 2 is A's last 88 and all of
+    # B, so A's first token comes with B's at 9.0 s (6.0 s with whole prompts FIFO).
+    reqs = [req(0, 0.0, range(100, 160)), req(1, 1.0, range(200, 230))]
+    fifo, _, _ = simulate(reqs, cfg(), "kvcentric")
+    assert [o.ttft_s for o in fifo] == pytest.approx([6.0, 8.0])
+    chunked, _, _ = simulate(reqs, cfg(prefill_chunk_tokens=512), "kvcentric")
+    assert [o.ttft_s for o in chunked] == pytest.approx([9.0, 8.0])
+    # the queue a policy sees mid-step: the step's rest, then A's tail priced as the live
+    # conductor prices a heartbeat's queue (B: 0.88 + 3.0 s predicted, from 5.12 s)
+    assert chunked[1].predicted_ttft_s == pytest.approx(4.12 + 0.88 + 3.0)
+
+
 def test_slowest_tenth_mean():
     assert slowest_tenth_mean([1.0] * 9 + [10.0]) == 10.0
     assert slowest_tenth_mean([float(i) for i in range(1, 21)]) == 19.5  # top 2 of 20

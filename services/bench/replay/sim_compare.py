@@ -33,6 +33,7 @@ from services.bench.replay.prompts import PromptPlan
 from services.conductor.costmodel import CostModel
 from services.sim.model import Outcome, SimRequest, with_block_tokens
 from services.sim.run import SimConfig, simulate
+from shared.engine.scheduler import SchedulerConfig
 
 # (figure, summary path) compared side by side; the bar is 15% on the first three.
 FIGURES = (
@@ -175,6 +176,8 @@ def simulate_replay(
         prewarm=False,  # the live pools start empty
         cores=facts.cores if shared else None,
         work_cost=work,
+        # The live engine's steps: its scheduler packs this many prompt tokens per step.
+        prefill_chunk_tokens=SchedulerConfig().max_num_batched_tokens,
     )
     outcomes, wall, _ = simulate(requests, cfg, str(p.get("policy", "kvcentric")))
     summary = summarize_outcomes(outcomes, block_tokens, slos, ideal_hit_ratio)
