@@ -10,6 +10,8 @@ Modelling choices (the honest simplifications):
   it *starts* (its own pool then, plus a pulled prefix if the conductor asked for one and
   the holder still has it), as a live prefill looks up its cache when it runs the job.
   Its duration = transfer of the pulled blocks + cost.prefill_s(new, cached).
+  ChunkedPrefillInstance runs the engine's chunked steps instead (the live stack's
+  comparison uses it): the same reuse rule, prompts packed into steps of N tokens.
 - queue_s shown to the policies = exact remaining time of the running prompt + the
   *predicted* time of the queued ones (their reuse is only known once they start).
 - A decode instance runs continuous batching: every step produces one token for each
