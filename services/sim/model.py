@@ -244,13 +244,13 @@ class ChunkedPrefillInstance:
     instance_id: str
     pool: HashPool
     chunk_tokens: int
+    cost: CostModel  # what its work takes (the loop's work model), and its queue's price
     queue: deque[PrefillJob] = field(default_factory=deque)
     cores: Cores | None = None
     running: list[PrefillJob] | None = None  # the jobs that finish with this step
     running_end_s: float = 0.0
     queued_s: float = 0.0  # predicted seconds of the jobs not started yet
     _active: deque[_Chunked] = field(default_factory=deque)  # started, not finished
-    _cost: CostModel | None = None
 
     def view(self, now: float) -> InstanceView:
         """Queue: what is left of the running step, the started prompts' remaining tokens
@@ -262,12 +262,10 @@ class ChunkedPrefillInstance:
                 ahead = max(0.0, self.running_end_s - now)
             else:
                 ahead = self.cores.remaining_s(self.instance_id, now)
-        cost = self._cost
-        if cost is not None:
-            for a in self._active:
-                left = a.job.outcome.request.input_length - a.cached - a.done
-                if left > 0:
-                    ahead += cost.prefill_s(left, a.cached + a.done)
+        for a in self._active:
+            left = a.job.outcome.request.input_length - a.cached - a.done
+            if left > 0:
+                ahead += self.cost.prefill_s(left, a.cached + a.done)
         n = len(self._active) + len(self.queue)
         return InstanceView(
             self.instance_id, ahead + self.queued_s, int(bool(self.running)), 0.0, n
@@ -281,7 +279,6 @@ class ChunkedPrefillInstance:
         """Start a step if idle and there is work; True if one started."""
         if self.running is not None or not (self._active or self.queue):
             return False
-        self._cost = cost
         budget, duration, finishing = self.chunk_tokens, 0.0, []
         for a in list(self._active):
             if budget <= 0:

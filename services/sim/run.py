@@ -121,7 +121,7 @@ class Cluster:
         pool = HashPool(self.cfg.cache_blocks, self.cfg.eviction)
         if self.cfg.prefill_chunk_tokens:
             return ChunkedPrefillInstance(
-                instance_id, pool, self.cfg.prefill_chunk_tokens, cores=self.cores
+                instance_id, pool, self.cfg.prefill_chunk_tokens, self.work, cores=self.cores
             )
         return PrefillInstance(instance_id, pool, cores=self.cores)
 

@@ -159,8 +159,9 @@ def simulate_replay(
     """The simulator's summary of the same workload, in the replay's terms."""
     p = facts.placement
     threshold = p.get("balancing_threshold")
-    shared = facts.cores is not None and facts.cpu_cost is not None
-    work = with_block_tokens(facts.cpu_cost, block_tokens) if shared and facts.cpu_cost else None
+    # Shared cores only with the work they share: the CPU-time model (engines that report it).
+    cpu = facts.cpu_cost if facts.cores is not None else None
+    work = with_block_tokens(cpu, block_tokens) if cpu is not None else None
     cfg = SimConfig(
         num_prefill=facts.num_prefill,
         num_decode=facts.num_decode,
@@ -174,7 +175,7 @@ def simulate_replay(
         slo_margin=float(p.get("slo_margin", 1.0)),
         balancing_threshold=math.inf if threshold is None else float(threshold),
         prewarm=False,  # the live pools start empty
-        cores=facts.cores if shared else None,
+        cores=facts.cores if work is not None else None,
         work_cost=work,
         # The live engine's steps: its scheduler packs this many prompt tokens per step.
         prefill_chunk_tokens=SchedulerConfig().max_num_batched_tokens,
