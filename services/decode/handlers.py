@@ -7,6 +7,12 @@ and only then is the transfer started, straight into those blocks. So a full poo
 fetches KV it cannot place (the old way parked fetched KV in an unbounded deque), a
 transfer can never find its destination taken, and a full queue refuses new handoffs
 instead of growing without bound.
+
+Reserving and importing run on a thread of their own (the engine's importer, see its
+module doc), not behind the step in flight: a handoff is reserved as it arrives and joins
+the batch at the next step. On the engine thread it waited for the running step to end
+before its blocks were reserved, and for the next one before its KV went in: two decode
+steps added to every request's first gap, which is most of its TBT when outputs are short.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import asyncio
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -30,6 +38,7 @@ from shared.messages import Ack, CostSample, DecodeJob, Role
 from shared.transfer import KVReceiver, TransferFailed
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class DecodeInstance(EngineInstance):
@@ -43,6 +52,16 @@ class DecodeInstance(EngineInstance):
         self.receiver = receiver
         self.queue: deque[DecodeJob] = deque()  # waiting for pool room: nothing fetched yet
         self._fetches: set[asyncio.Task] = set()
+        self._importer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
+        self._admitting = asyncio.Lock()  # one pass over the queue at a time, in order
+
+    async def run_import(self, fn: Callable[..., T], *args: Any) -> T:
+        """Reservations and imports: beside the step in flight, never behind it."""
+        return await asyncio.get_running_loop().run_in_executor(self._importer, fn, *args)
+
+    def close_engine(self) -> None:
+        self._importer.shutdown(wait=True, cancel_futures=True)
+        super().close_engine()
 
     async def on_submit(self, msg: Msg) -> None:
         try:
@@ -59,10 +78,12 @@ class DecodeInstance(EngineInstance):
             return
         await self.admit(job)
         await bus.respond(msg, Ack())
+        await self.admit_queued()
 
     async def admit(self, job: DecodeJob) -> None:
-        """Queue a handoff; the engine loop reserves its blocks and starts its transfer
-        between steps (after_step). A job delivered twice runs once."""
+        """Queue a handoff; admit_queued reserves its blocks and starts its transfer, now
+        if the pool has room, else after a step frees some. A job delivered twice runs
+        once."""
         req = job.request
         if self.known(req.request_id):
             return
@@ -75,8 +96,16 @@ class DecodeInstance(EngineInstance):
         self.wake()
 
     async def after_step(self) -> None:
-        """Between steps: reserve blocks for queued handoffs in arrival order, and start each
-        reserved one's transfer. The head waits while the pool is full."""
+        """Between steps: the queue's head may fit now that the step freed blocks."""
+        await self.admit_queued()
+
+    async def admit_queued(self) -> None:
+        async with self._admitting:
+            await self._admit_queued()
+
+    async def _admit_queued(self) -> None:
+        """Reserve blocks for queued handoffs in arrival order, and start each reserved
+        one's transfer. The head waits while the pool is full."""
         while self.queue:
             job = self.queue[0]
             req = job.request
@@ -88,7 +117,7 @@ class DecodeInstance(EngineInstance):
                 await self._recompute(job)
                 continue
             try:
-                ok = await self.run_engine(
+                ok = await self.run_import(
                     self.engine.reserve,
                     req.request_id,
                     req.prompt_token_ids,
@@ -115,18 +144,23 @@ class DecodeInstance(EngineInstance):
         rid = job.request.request_id
         export = await self._fetch(job)
         if rid not in self.streams:  # cancelled during the transfer
-            await self.run_engine(self.engine.release, rid)
+            await self.run_import(self.engine.release, rid)
             return
         if export is None:
-            await self.run_engine(self.engine.release, rid)
+            await self.run_import(self.engine.release, rid)
             await self._recompute(job)
             return
         try:
-            await self.run_engine(
+            await self.run_import(
                 self.engine.add_reserved, rid, export, job.output_token_ids, job.emitted_text
             )
         except ValueError as exc:
             await self.finish_with_error(rid, "kv_transfer_failed", str(exc))
+            return
+        if rid not in self.streams:
+            # Cancelled while it went in: the cancel's abort (engine thread) may have run
+            # before the import (this thread) and found nothing to drop.
+            await self.abort(rid)
             return
         if job.first_token_time:  # the conductor's cost model learns what handoffs take
             self.engine.cost_samples.append(
@@ -185,7 +219,7 @@ class DecodeInstance(EngineInstance):
         """A cancel: drop it from the queue, or give back its reservation."""
         before = len(self.queue)
         self.queue = deque(j for j in self.queue if j.request.request_id != request_id)
-        released = await self.run_engine(self.engine.release, request_id)
+        released = await self.run_import(self.engine.release, request_id)
         return released or len(self.queue) < before
 
     def leased_blocks(self) -> int:

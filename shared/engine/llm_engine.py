@@ -1,16 +1,21 @@
 """The engine: scheduler + block manager (bookkeeping) around the paged model (tensors).
 
-Concurrency contract. Two threads touch an engine:
-- the engine thread (the instance's one executor) calls everything that changes it:
-  add_request, add_prefilled, add_recompute, import_prefix, abort, step, prompt_logprobs;
+Concurrency contract. Three threads may touch an engine:
+- the engine thread (the instance's one executor) calls everything that changes the
+  batch: add_request, add_prefilled, add_recompute, import_prefix, abort, step,
+  prompt_logprobs;
 - an exporter thread may call export_prefix at any time, so a prefix pull never waits for
-  a long prefill chunk.
-`_book` guards the block bookkeeping and every KV write into a block an export could
-name (a cached, hashed block). Every method above holds it while it changes either, and
-none releases it inside: step() takes it to plan, drops it for the forward pass, takes it
-again to account for the results. The forward pass writes only slots of blocks that
-running sequences hold (freshly allocated, or partly filled and so without a hash),
-which no export can name; hashed blocks are complete and are never written.
+  a long prefill chunk;
+- an importer thread (decode) may call reserve, add_reserved and release at any time, so
+  a handed-off request joins the batch at the next step instead of waiting for the step
+  in flight to end before its blocks are even reserved.
+`_book` guards the block bookkeeping, the scheduler's queues and every KV write into a
+block an export could name (a cached, hashed block). Every method above holds it while it
+changes any of them, and none releases it inside: step() takes it to plan, drops it for
+the forward pass, takes it again to account for the results. The forward pass writes only
+slots of blocks that the step's sequences hold (freshly allocated, or partly filled and so
+without a hash), which no export can name and no reservation holds; hashed blocks are
+complete and are never written. An import writes only its reservation's own blocks.
 """
 
 from __future__ import annotations
@@ -164,7 +169,7 @@ class LLMEngine:
         # Decode admission: pool blocks held for a request whose KV is still in transfer.
         self.reserved: dict[str, Sequence] = {}
         self.last_step = StepStats()
-        self._book = threading.Lock()  # block bookkeeping: steps vs. exports (export_prefix)
+        self._book = threading.Lock()  # bookkeeping: steps vs. exports and imports (module doc)
         self.disk: DiskTier | None = None
         self._disk_stored: list[int] = []
         # Running totals for metrics: prompt tokens served from the prefix cache (any tier,
@@ -656,7 +661,12 @@ class LLMEngine:
 
     # -- state for heartbeats, metrics and benchmarks -------------------------------------
     def stats(self) -> EngineStats:
-        """A snapshot, safe to read from other threads once taken (engine thread only)."""
+        """A snapshot, safe to read from other threads once taken (any thread: it takes
+        the bookkeeping lock, which is not held during a forward pass)."""
+        with self._book:
+            return self._stats_locked()
+
+    def _stats_locked(self) -> EngineStats:
         sched = self.scheduler
         seqs = sched.running + list(sched.waiting)
         decoding = [s for s in sched.running if s.num_uncomputed_tokens <= 1]

@@ -9,6 +9,7 @@ tokens transformers would give. A full queue refuses further handoffs.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sized
 
@@ -92,6 +93,7 @@ async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_fr
     events = {rid: Events() for rid in prompts}
     for rid, ev in events.items():
         await nc.subscribe(subjects.tokens(rid), cb=ev.on_msg)
+    receiver.queue, receiver.streams = dec.queue, dec.streams
     async with running(pre):
         await nc.subscribe(subjects.decode_submit("decode-small"), cb=dec.on_submit)
         await nc.subscribe(subjects.prefill_submit("prefill-big"), cb=pre.on_submit)
@@ -103,12 +105,12 @@ async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_fr
                 Ack,
                 5.0,
             )
-        # Decode is not stepping yet, so all six handoffs queue up, nothing fetched. (Were it
-        # stepping, the tiny model would finish each before prefill sent the next, and the
-        # pool would never fill.)
-        await wait_until(lambda: len(dec.queue) == 6)
-        assert receiver.fetched == []
-        receiver.queue, receiver.streams = dec.queue, dec.streams
+        # Decode is not stepping yet: the two that fit are reserved and fetched as they
+        # arrive, the other four queue up unfetched. (Were it stepping, the tiny model
+        # would finish each before prefill sent the next, and the pool would never fill.)
+        await wait_until(lambda: len(receiver.fetched) == 2 and len(dec.queue) == 4)
+        await wait_until(lambda: dec.engine.blocks.num_free_blocks == 1)  # 2 x 3 blocks
+        assert all(j.kv is not None and j.kv.transfer_id not in receiver.fetched for j in dec.queue)
 
         async def watch_until_all_finish() -> None:
             while any(not ev.finished.is_set() for ev in events.values()):
@@ -122,10 +124,9 @@ async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_fr
             # The pool holds two: the rest wait in the queue, their KV still on prefill.
             await asyncio.wait_for(watch_until_all_finish(), 60)
     await sender.close()
-    # Two fit at first (the first fetch may start before the second is reserved), the other
-    # four waiting unfetched; each later one started as blocks freed.
-    assert receiver.waiting_at_fetch[0] in (4, 5) and receiver.waiting_at_fetch[1] == 4
-    assert receiver.waiting_at_fetch == sorted(receiver.waiting_at_fetch, reverse=True)
+    # Two fit at first, fetched on arrival; each later one started, in arrival order, as
+    # blocks freed.
+    assert receiver.waiting_at_fetch[2:] == [3, 2, 1, 0], receiver.waiting_at_fetch
     # The k-th fetch (from 0) waited until k - 1 requests had finished and freed blocks.
     for k, unfinished in enumerate(receiver.unfinished_at_fetch):
         assert unfinished <= 6 - max(0, k - 1), receiver.unfinished_at_fetch
@@ -143,8 +144,9 @@ async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_fr
 
 
 async def test_a_full_handoff_queue_refuses_with_a_clear_error(nc, tiny):
-    """With the queue's bound at one and nothing taking jobs off it yet, the second
-    handoff is refused, naming why, and the first stays queued."""
+    """With the queue's bound at one and a pool of one request's blocks, not stepping: the
+    first handoff is reserved at once, the second queues for room, and the third is
+    refused, naming why."""
     sender = TcpKVSender()
     await sender.start()
     maker = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20), connector=HandOffAll())
@@ -184,11 +186,13 @@ async def test_a_full_handoff_queue_refuses_with_a_clear_error(nc, tiny):
         TcpKVReceiver(),
     )
     await nc.subscribe(subjects.decode_submit("decode-one"), cb=dec.on_submit)
-    # not serving yet: nothing leaves the queue, so its bound is what answers
-    await bus.request(nc, subjects.decode_submit("decode-one"), jobs[0], Ack, 5.0)
+    # not serving yet: nothing frees the first one's blocks, so the queue's bound answers
+    for job in jobs[:2]:
+        await bus.request(nc, subjects.decode_submit("decode-one"), job, Ack, 5.0)
     with pytest.raises(errors.HalfmoonError, match="decode handoff queue is full"):
-        await bus.request(nc, subjects.decode_submit("decode-one"), jobs[1], Ack, 5.0)
-    assert [j.request.request_id for j in dec.queue] == ["f0"]
+        await bus.request(nc, subjects.decode_submit("decode-one"), jobs[2], Ack, 5.0)
+    assert [j.request.request_id for j in dec.queue] == ["f1"]
+    assert "f0" in dec.engine.reserved or "f0" in dec.engine.requests
     dec.close_engine()
     await sender.close()
 
@@ -217,3 +221,49 @@ def test_samples_of_one_prompt_share_its_blocks_on_decode(tiny):
         for o in dec.step():
             tokens[o.request_id] += o.new_token_ids
     assert tokens == {"s0": ref, "s1": ref}
+
+
+async def test_a_handoff_goes_in_beside_the_step_in_flight(nc, tiny):
+    """Reserving and importing a handoff run on decode's importer thread: with the engine
+    thread held (as a long step holds it), the request is reserved, fetched and in the
+    batch before the step ends, so it decodes at the very next step. On the engine thread
+    it waited for this step to end to be reserved and for the next one to go in."""
+    sender = TcpKVSender()
+    await sender.start()
+    maker = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20), connector=HandOffAll())
+    maker.add_request("h0", PROMPT, EngineParams.of(params()))
+    out = maker.step()[0]
+    while out.handoff is None:
+        out = maker.step()[0]
+    h = sender.offer(
+        HANDOFF,
+        out.handoff.meta.model_dump_json().encode(),
+        out.handoff.payload(),
+        out.handoff.meta.num_tokens,
+        ttl_s=30.0,
+    )
+    job = DecodeJob(
+        request=gen("h0"), prefill_id="p", kv=h, output_token_ids=out.new_token_ids, events_sent=1
+    )
+    dec = DecodeInstance(
+        DecodeSettings(instance_id="decode-beside", kv_cache_gb=4 / 1024, transfer_timeout_s=30.0),
+        nc,
+        tiny,
+        TcpKVReceiver(),
+    )
+    events = Events()
+    await nc.subscribe(subjects.tokens("h0"), cb=events.on_msg)
+    gate = threading.Event()
+    async with running(dec):
+        await nc.subscribe(subjects.decode_submit("decode-beside"), cb=dec.on_submit)
+        held = asyncio.create_task(dec.run_engine(gate.wait, 30.0))  # the "long step"
+        await bus.request(nc, subjects.decode_submit("decode-beside"), job, Ack, 5.0)
+        await wait_until(lambda: "h0" in dec.engine.requests, timeout_s=30.0)
+        assert not gate.is_set() and not held.done()  # in, while the engine thread is held
+        assert not dec.queue and not dec.engine.reserved
+        gate.set()
+        await held
+        await asyncio.wait_for(events.finished.wait(), 30)
+    tokens = [out.new_token_ids[0]] + [t for e in events.got for t in e.token_ids]
+    assert tokens == reference(tiny)
+    await sender.close()

@@ -258,3 +258,40 @@ async def test_a_job_waiting_for_the_engine_thread_is_in_the_heartbeats_queue(nc
         await until(lambda: not pre.info().queue_prompts, what="the queue empty")
         assert pre.info().queue_depth == 0 and not pre.intake
     await sender.close()
+
+
+async def test_a_slow_decode_ack_does_not_hold_the_next_prompt(nc, tiny):
+    """A handoff (offer the KV, wait for decode's ack) runs beside the prefill engine's
+    next steps: with decode slow to ack the first request, the second is prefilled and its
+    first token sent meanwhile. Were the handoff in the engine loop, the second would wait
+    for the first's ack, or for its 5 s timeout, which fails the first."""
+    sender = TcpKVSender()
+    await sender.start()
+    gate = asyncio.Event()
+    taken: list[str] = []
+
+    async def slow_decode(msg) -> None:  # type: ignore[no-untyped-def]
+        await gate.wait()
+        taken.append(DecodeJob.model_validate_json(msg.data).request.request_id)
+        await bus.respond(msg, Ack())
+
+    await nc.subscribe(subjects.decode_submit("decode-slow"), cb=slow_decode)
+    settings = PrefillSettings(instance_id="prefill-s", kv_cache_gb=4 / 1024)
+    events = {rid: Events() for rid in ("s1", "s2")}
+    for rid, ev in events.items():
+        await nc.subscribe(subjects.tokens(rid), cb=ev.on_msg)
+    inst = PrefillInstance(settings, nc, tiny, sender, TcpKVReceiver())
+    async with running(inst) as pre:
+        await nc.subscribe(subjects.prefill_submit("prefill-s"), cb=pre.on_submit)
+        first = PrefillJob(request=gen("s1"), decode_id="decode-slow")
+        await bus.request(nc, subjects.prefill_submit("prefill-s"), first, Ack, 5.0)
+        await until(lambda: events["s1"].got, what="the first request's first token")
+        second = PrefillJob(request=gen("s2", [7, *PROMPT[1:]]), decode_id="decode-slow")
+        await bus.request(nc, subjects.prefill_submit("prefill-s"), second, Ack, 5.0)
+        await until(lambda: events["s2"].got, what="the second request's first token")
+        assert not taken  # decode has acked nothing yet...
+        assert all(e.error is None for e in events["s1"].got)  # ...and the first still waits
+        gate.set()
+        await until(lambda: sorted(taken) == ["s1", "s2"], what="both handoffs taken")
+        assert all(e.error is None for ev in events.values() for e in ev.got)
+    await sender.close()
