@@ -116,6 +116,17 @@ def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
     return ordered[-1][0]
 
 
+def robust_line(points: Iterable[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of y = a + b·x, both >= 0, that one stall cannot move: Theil's slope (the
+    median slope between the i-th point and the one half the sample later, by x) and the
+    median intercept. With every x equal it is (median y, 0)."""
+    pts = sorted(points)
+    h = len(pts) // 2
+    slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in zip(pts[:h], pts[h:]) if x2 > x1]
+    b = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    return max(0.0, statistics.median(y - b * x for x, y in pts)), b
+
+
 class Calibrator:
     def __init__(self, prior: CostModel, window: int = 256, prior_weight: float = 2.0) -> None:
         self.prior = prior
@@ -123,8 +134,8 @@ class Calibrator:
         # The same fits on the engines' CPU time (CostSample.cpu_seconds): the work
         # without the wait for a core, for a simulator that shares cores itself.
         self.prefill_cpu, self.decode_cpu = self._fits(prior, window, prior_weight)
-        # Handoffs: what each took beyond its transfer; the model takes the median.
-        self.handoffs: deque[float] = deque(maxlen=window)
+        # Handoffs: (blocks, seconds beyond the transfer); the model fits a line robustly.
+        self.handoffs: deque[tuple[int, float]] = deque(maxlen=window)
         self._model: CostModel | None = prior
 
     @staticmethod
@@ -149,7 +160,7 @@ class Calibrator:
         for s in samples:
             if s.kind == "handoff":
                 blocks = -(-s.tokens // self.prior.block_size)
-                self.handoffs.append(max(0.0, s.seconds - self.prior.transfer_s(blocks)))
+                self.handoffs.append((blocks, max(0.0, s.seconds - self.prior.transfer_s(blocks))))
             else:
                 fit = self.prefill if s.kind == "prefill" else self.decode
                 fit.add(float(s.tokens), s.context, s.seconds)
@@ -161,12 +172,17 @@ class Calibrator:
     def model(self) -> CostModel:
         """The prior with both parts refit on what the instances reported so far."""
         if self._model is None:
-            handoff = statistics.median(self.handoffs) if self.handoffs else self.prior.handoff_s
+            handoff, per_block = (
+                robust_line(self.handoffs)
+                if self.handoffs
+                else (self.prior.handoff_s, self.prior.handoff_s_per_block)
+            )
             self._model = replace(
                 self.prior,
                 prefill_coef=self.prefill.coef,
                 decode_coef=self.decode.coef,
                 handoff_s=handoff,
+                handoff_s_per_block=per_block,
                 source=f"{self.prior.source}; calibrated online on {self.prefill.seen} "
                 f"prefill, {self.decode.seen} decode and {len(self.handoffs)} handoff samples",
             )

@@ -225,7 +225,7 @@ class Cluster:
                 out.finish_s = now
                 self.decodes[out.decode_id].unassign(req.input_length + 1)
             else:
-                ready = now + self.cost.handoff_s + self.cost.transfer_s(len(req.hash_ids))
+                ready = now + self.work.handoff_time_s(len(req.hash_ids))
                 self._push(ready, _KV_ARRIVED, out.decode_id, out)
         self._start(inst, now)
 

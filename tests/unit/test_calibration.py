@@ -87,6 +87,24 @@ def test_handoffs_give_the_median_time_beyond_the_transfer():
     assert abs(model.handoff_s - 0.055) < 1e-9
     assert model.prefill_coef == prior.prefill_coef  # handoffs move nothing else
     assert "4 handoff samples" in model.source
+    assert model.handoff_s_per_block == 0.0  # one size: no slope to see
+
+
+def test_handoffs_of_longer_prompts_take_longer_and_the_model_says_by_how_much():
+    """The offer's copy and decode's import grow with the KV: the fit is a line in blocks,
+    and one stall moves neither its level nor its slope."""
+    prior = CostModel(transfer_latency_s=0.0, transfer_bytes_per_s=1e12, block_bytes=1)
+    cal = Calibrator(prior)
+    samples = [
+        CostSample(kind="handoff", tokens=16 * blocks, context=0.0, seconds=0.004 + 0.0009 * blocks)
+        for blocks in (2, 8, 20, 40, 64, 3, 10, 30, 50, 60)
+    ]
+    samples[4] = samples[4].model_copy(update={"seconds": 2.0})  # a stall
+    cal.observe(samples)
+    model = cal.model()
+    assert abs(model.handoff_s - 0.004) < 1e-6
+    assert abs(model.handoff_s_per_block - 0.0009) < 1e-7
+    assert abs(model.handoff_time_s(64) - (0.004 + 0.0009 * 64)) < 1e-5
 
 
 def test_a_machine_that_slows_under_load_is_followed_within_a_burst():

@@ -204,7 +204,8 @@ def with_sim(
     c, w = sim["cost_params"], sim["work_params"]
     print(
         f"  (policy's cost model: {sim['cost_model']}: prefill {c['prefill_coef']}, decode "
-        f"{c['decode_coef']}, overhead {c['overhead_s']:.3f}s, handoff {c['handoff_s']:.3f}s;"
+        f"{c['decode_coef']}, overhead {c['overhead_s']:.3f}s, handoff {c['handoff_s']:.3f}s"
+        f" + {c.get('handoff_s_per_block', 0.0) * 1e3:.2f} ms/block;"
         f" the work: {sim['work_model']}: prefill {w['prefill_coef']}, decode "
         f"{w['decode_coef']}; {sim['cores_text']}; simulated in {sim['wall_s']:.2f}s)",
         flush=True,
