@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +89,10 @@ class CostModel:
 
     @classmethod
     def from_params(cls, params: dict[str, Any], source: str) -> CostModel:
-        return cls(**params, source=source)
+        """From params(); numbers this version does not know (a newer conductor's) are
+        left out rather than refused."""
+        known = {f.name for f in fields(cls)} - {"source", "key"}
+        return cls(**{k: v for k, v in params.items() if k in known}, source=source)
 
 
 def least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:
