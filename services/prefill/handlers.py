@@ -193,7 +193,7 @@ class PrefillInstance(EngineInstance):
             return
         # The reply (over NATS, to the asking instance only) is the one place the new
         # transfer id, a single-use capability, goes.
-        handle = self.sender.offer(
+        handle = await self.sender.offer_off_loop(
             PREFIX,
             export.meta.model_dump_json().encode(),
             export.payload(),
@@ -242,7 +242,7 @@ class PrefillInstance(EngineInstance):
         req = stream.request
         # The transfer id is the sender's, not the request id clients see: only the decode
         # job below (over NATS) carries it.
-        handle = self.sender.offer(
+        handle = await self.sender.offer_off_loop(
             HANDOFF,
             out.handoff.meta.model_dump_json().encode(),
             out.handoff.payload(),
@@ -251,6 +251,9 @@ class PrefillInstance(EngineInstance):
         )
         tid = handle.transfer_id
         self._watch(tid, handle.nbytes, out.handoff.meta.num_blocks, req.request_id)
+        if req.request_id in self.cancelled:  # while the offer was being written
+            await self.sender.withdraw(tid)
+            return
         job = DecodeJob(
             request=req,
             prefill_id=self.instance_id,

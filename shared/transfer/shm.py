@@ -182,20 +182,55 @@ class ShmKVSender(TcpKVSender):
     def offer(
         self, purpose: str, meta: bytes, payload: memoryview | bytes, num_tokens: int, ttl_s: float
     ) -> KVHandle:
-        if not host_id():  # no /dev/shm here: TCP only
-            return super().offer(purpose, meta, payload, num_tokens, ttl_s)
         view = memoryview(payload).cast("B")
-        name = ""
-        if self.eager:
-            try:
-                name, checksum = write_segment(view)
-            except OSError as exc:  # /dev/shm full: the transfer still works over TCP
-                log.warning("no shared-memory segment for a %s offer: %s", purpose, exc)
-                return super().offer(purpose, meta, view, num_tokens, ttl_s)
-            handle = self._register(purpose, meta, view, checksum, num_tokens, ttl_s)
-            self._segments[handle.transfer_id] = name
-        else:
-            handle = super().offer(purpose, meta, view, num_tokens, ttl_s)
+        if not (host_id() and self.eager):
+            return self._as_shm(super().offer(purpose, meta, view, num_tokens, ttl_s), "")
+        written = self._write(purpose, view)
+        if written is None:
+            return super().offer(purpose, meta, view, num_tokens, ttl_s)
+        return self._offer_segment(purpose, meta, view, written, num_tokens, ttl_s)
+
+    async def offer_off_loop(
+        self, purpose: str, meta: bytes, payload: memoryview | bytes, num_tokens: int, ttl_s: float
+    ) -> KVHandle:
+        view = memoryview(payload).cast("B")
+        if not (host_id() and self.eager):
+            handle = await super().offer_off_loop(purpose, meta, view, num_tokens, ttl_s)
+            return self._as_shm(handle, "")
+        written = await asyncio.to_thread(self._write, purpose, view)
+        if written is None:
+            return await super().offer_off_loop(purpose, meta, view, num_tokens, ttl_s)
+        return self._offer_segment(purpose, meta, view, written, num_tokens, ttl_s)
+
+    @staticmethod
+    def _write(purpose: str, view: memoryview) -> tuple[str, int] | None:
+        """A segment with the payload (its name and checksum); None if /dev/shm is full,
+        and the transfer goes over TCP. Touches no sender state: any thread may run it."""
+        try:
+            return write_segment(view)
+        except OSError as exc:
+            log.warning("no shared-memory segment for a %s offer: %s", purpose, exc)
+            return None
+
+    def _offer_segment(
+        self,
+        purpose: str,
+        meta: bytes,
+        view: memoryview,
+        written: tuple[str, int],
+        num_tokens: int,
+        ttl_s: float,
+    ) -> KVHandle:
+        name, checksum = written
+        handle = self._register(purpose, meta, view, checksum, num_tokens, ttl_s)
+        self._segments[handle.transfer_id] = name
+        return self._as_shm(handle, name)
+
+    @staticmethod
+    def _as_shm(handle: KVHandle, name: str) -> KVHandle:
+        """A handle a same-host receiver maps (no host id here: a plain TCP one)."""
+        if not host_id():
+            return handle
         return handle.model_copy(
             update={"transport": "shm", "shm_name": name, "host_id": host_id()}
         )

@@ -287,6 +287,13 @@ class TcpKVSender(KVSender):
             purpose, meta, view, xxhash.xxh3_64_intdigest(view), num_tokens, ttl_s
         )
 
+    async def offer_off_loop(
+        self, purpose: str, meta: bytes, payload: memoryview | bytes, num_tokens: int, ttl_s: float
+    ) -> KVHandle:
+        view = memoryview(payload).cast("B")
+        checksum = await asyncio.to_thread(xxhash.xxh3_64_intdigest, view)
+        return self._register(purpose, meta, view, checksum, num_tokens, ttl_s)
+
     def _register(
         self,
         purpose: str,

@@ -88,6 +88,36 @@ async def test_round_trip_and_states(sender, copy, plane):
         assert got[0] == payload[0] ^ 0xFF
 
 
+async def test_an_offer_off_the_loop_writes_its_segment_on_another_thread(
+    sender, plane, monkeypatch
+):
+    """offer_off_loop: the same handle and bytes as offer(), the copy and checksum done on
+    a worker thread while the event loop goes on."""
+    import threading
+
+    import shared.transfer.shm as shm
+
+    writers: list[int] = []
+    real = shm.write_segment
+
+    def spy(view: memoryview) -> tuple[str, int]:
+        writers.append(threading.get_ident())
+        return real(view)
+
+    monkeypatch.setattr(shm, "write_segment", spy)
+    payload = os.urandom(9 << 20)
+    handle = await sender.offer_off_loop("handoff", b'{"m": 2}', payload, 7, ttl_s=10)
+    assert writers and writers[0] != threading.get_ident()  # not on the loop's thread
+    assert handle.transport == "shm" and my_segments() == [handle.shm_name]
+    meta, got = await plane.shm().fetch(handle, timeout_s=10)
+    assert meta == b'{"m": 2}' and bytes(got) == payload
+    assert await sender.wait(handle.transfer_id, 5) == TransferState.DONE
+    # A TCP receiver fetches the same offer's bytes too (the sender keeps the payload).
+    again = await sender.offer_off_loop("handoff", b"{}", payload, 7, ttl_s=10)
+    _, over_tcp = await plane.tcp().fetch(again, timeout_s=10)
+    assert bytes(over_tcp) == payload
+
+
 async def test_segment_written_on_request_when_not_eager(plane):
     sender = plane.sender(eager=False)
     await sender.start()
