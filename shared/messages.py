@@ -103,10 +103,12 @@ class KVActivity(BaseModel):
 class CostSample(BaseModel):
     """What a piece of an engine's work cost, for the conductor's online cost model:
     a request's prefill (tokens computed, tokens cached), a decode step (batch size,
-    mean context), or a handoff (KV tokens moved; seconds from prefill's first token to
-    the KV in place on decode)."""
+    mean context), a handoff (KV tokens moved; seconds from prefill's first token to
+    the KV in place on decode), or a dispatch (prompt tokens; seconds from the gateway's
+    arrival to the job in a prefill instance's hands: the request's way in, which every
+    TTFT holds beside its queue and prefill)."""
 
-    kind: Literal["prefill", "decode", "handoff"]
+    kind: Literal["prefill", "decode", "handoff", "dispatch"]
     tokens: int
     context: float
     seconds: float

@@ -136,6 +136,9 @@ class Calibrator:
         self.prefill_cpu, self.decode_cpu = self._fits(prior, window, prior_weight)
         # Handoffs: (blocks, seconds beyond the transfer); the model fits a line robustly.
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=window)
+        # Dispatches (gateway arrival -> job on a prefill instance): overhead_s is their
+        # median. The first token's way back (one bus hop to the gateway) is not in it.
+        self.dispatches: deque[float] = deque(maxlen=window)
         self._model: CostModel | None = prior
 
     @staticmethod
@@ -158,7 +161,9 @@ class Calibrator:
 
     def observe(self, samples: Iterable[CostSample]) -> None:
         for s in samples:
-            if s.kind == "handoff":
+            if s.kind == "dispatch":
+                self.dispatches.append(s.seconds)
+            elif s.kind == "handoff":
                 blocks = -(-s.tokens // self.prior.block_size)
                 self.handoffs.append((blocks, max(0.0, s.seconds - self.prior.transfer_s(blocks))))
             else:
@@ -183,8 +188,12 @@ class Calibrator:
                 decode_coef=self.decode.coef,
                 handoff_s=handoff,
                 handoff_s_per_block=per_block,
+                overhead_s=(
+                    statistics.median(self.dispatches) if self.dispatches else self.prior.overhead_s
+                ),
                 source=f"{self.prior.source}; calibrated online on {self.prefill.seen} "
-                f"prefill, {self.decode.seen} decode and {len(self.handoffs)} handoff samples",
+                f"prefill, {self.decode.seen} decode and {len(self.handoffs)} handoff samples"
+                + (f", overhead on {len(self.dispatches)} dispatches" if self.dispatches else ""),
             )
         return self._model
 

@@ -23,6 +23,7 @@ from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.messages import (
     Ack,
+    CostSample,
     DecodeJob,
     GenerateRequest,
     KVExportReply,
@@ -94,6 +95,15 @@ class PrefillInstance(EngineInstance):
         self.decode_for[req.request_id] = job.decode_id
         self.intake[rid] = len(req.prompt_token_ids)
         await bus.respond(msg, Ack())
+        if req.arrival_time > 0:  # the way in, for the cost model's overhead_s
+            self.engine.cost_samples.append(
+                CostSample(
+                    kind="dispatch",
+                    tokens=len(req.prompt_token_ids),
+                    context=0.0,
+                    seconds=max(0.0, time.time() - req.arrival_time),
+                )
+            )
         # Adding waits for the engine thread (up to a step): do it off this callback so the
         # next job is acknowledged at once.
         pull = job.prefix_from and job.prefix_from != self.instance_id and job.prefix_blocks > 0

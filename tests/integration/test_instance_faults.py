@@ -289,6 +289,8 @@ async def test_a_slow_decode_ack_does_not_hold_the_next_prompt(nc, tiny):
         second = PrefillJob(request=gen("s2", [7, *PROMPT[1:]]), decode_id="decode-slow")
         await bus.request(nc, subjects.prefill_submit("prefill-s"), second, Ack, 5.0)
         await until(lambda: events["s2"].got, what="the second request's first token")
+        dispatches = [c for c in pre.engine.cost_samples if c.kind == "dispatch"]
+        assert len(dispatches) == 2 and all(0 <= c.seconds < 30 for c in dispatches)  # way in
         assert not taken  # decode has acked nothing yet...
         assert all(e.error is None for e in events["s1"].got)  # ...and the first still waits
         gate.set()

@@ -153,3 +153,16 @@ def test_the_cpu_time_model_is_fit_on_its_own_samples():
     assert abs(cpu.decode_step_s(8, 400) / truth.decode_step_s(8, 400) - 1) < 0.05
     assert abs(wall.prefill_s(300, 0) / truth.prefill_s(300, 0) - 1.6) < 0.08
     assert cal.cpu_params()["prefill_coef"] == cpu.prefill_coef
+
+
+def test_dispatches_set_the_overhead_to_their_median():
+    """The way in (gateway arrival to the job on a prefill instance) is measured by every
+    prefill: the model's overhead_s follows it instead of the prior's constant."""
+    prior = CostModel(overhead_s=0.04)
+    cal = Calibrator(prior)
+    seconds = [0.011, 0.009, 0.012, 0.010, 0.9]  # one request held up: the median ignores it
+    cal.observe(CostSample(kind="dispatch", tokens=100, context=0.0, seconds=s) for s in seconds)
+    model = cal.model()
+    assert abs(model.overhead_s - 0.011) < 1e-12
+    assert model.prefill_coef == prior.prefill_coef and model.handoff_s == prior.handoff_s
+    assert "overhead on 5 dispatches" in model.source
