@@ -60,6 +60,29 @@ class RecordingReceiver(TcpKVReceiver):
         return await super().fetch(handle, timeout_s, purpose)
 
 
+def offered_handoff(maker: LLMEngine, sender: TcpKVSender, rid: str) -> DecodeJob:
+    """PROMPT prefilled by `maker` (a prefill engine), its KV offered by `sender`: the
+    job a prefill instance would give decode."""
+    maker.add_request(rid, PROMPT, EngineParams.of(params()))
+    out = maker.step()[0]
+    while out.handoff is None:
+        out = maker.step()[0]
+    handle = sender.offer(
+        HANDOFF,
+        out.handoff.meta.model_dump_json().encode(),
+        out.handoff.payload(),
+        out.handoff.meta.num_tokens,
+        ttl_s=30.0,
+    )
+    return DecodeJob(
+        request=gen(rid),
+        prefill_id="p",
+        kv=handle,
+        output_token_ids=out.new_token_ids,
+        events_sent=1,
+    )
+
+
 async def wait_until(cond, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -150,29 +173,7 @@ async def test_a_full_handoff_queue_refuses_with_a_clear_error(nc, tiny):
     sender = TcpKVSender()
     await sender.start()
     maker = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20), connector=HandOffAll())
-    jobs = []
-    for i in range(3):
-        rid = f"f{i}"
-        maker.add_request(rid, PROMPT, EngineParams.of(params()))
-        out = [o for o in maker.step()][0]
-        while out.handoff is None:
-            out = [o for o in maker.step()][0]
-        h = sender.offer(
-            HANDOFF,
-            out.handoff.meta.model_dump_json().encode(),
-            out.handoff.payload(),
-            out.handoff.meta.num_tokens,
-            ttl_s=30.0,
-        )
-        jobs.append(
-            DecodeJob(
-                request=gen(rid),
-                prefill_id="p",
-                kv=h,
-                output_token_ids=out.new_token_ids,
-                events_sent=1,
-            )
-        )
+    jobs = [offered_handoff(maker, sender, f"f{i}") for i in range(3)]
     dec = DecodeInstance(
         DecodeSettings(
             instance_id="decode-one",
@@ -231,20 +232,7 @@ async def test_a_handoff_goes_in_beside_the_step_in_flight(nc, tiny):
     sender = TcpKVSender()
     await sender.start()
     maker = LLMEngine(tiny, EngineConfig(kv_cache_bytes=4 << 20), connector=HandOffAll())
-    maker.add_request("h0", PROMPT, EngineParams.of(params()))
-    out = maker.step()[0]
-    while out.handoff is None:
-        out = maker.step()[0]
-    h = sender.offer(
-        HANDOFF,
-        out.handoff.meta.model_dump_json().encode(),
-        out.handoff.payload(),
-        out.handoff.meta.num_tokens,
-        ttl_s=30.0,
-    )
-    job = DecodeJob(
-        request=gen("h0"), prefill_id="p", kv=h, output_token_ids=out.new_token_ids, events_sent=1
-    )
+    job = offered_handoff(maker, sender, "h0")
     dec = DecodeInstance(
         DecodeSettings(instance_id="decode-beside", kv_cache_gb=4 / 1024, transfer_timeout_s=30.0),
         nc,
@@ -264,6 +252,6 @@ async def test_a_handoff_goes_in_beside_the_step_in_flight(nc, tiny):
         gate.set()
         await held
         await asyncio.wait_for(events.finished.wait(), 30)
-    tokens = [out.new_token_ids[0]] + [t for e in events.got for t in e.token_ids]
+    tokens = job.output_token_ids + [t for e in events.got for t in e.token_ids]
     assert tokens == reference(tiny)
     await sender.close()
