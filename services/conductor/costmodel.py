@@ -46,8 +46,8 @@ class CostModel:
     # decode. Calibrated online from the decode instances' handoff samples.
     handoff_s: float = 0.0
     # The handoff's time per block beyond transfer_s: the offer writes the KV into shared
-    # memory on the prefill's event loop and decode verifies and imports it, copies that
-    # compete with the engines for the cores (a median 70 ms for 1k-token prompts against
+    # memory and decode verifies and imports it, copies that compete with the engines for
+    # the cores (a median 70 ms for 1k-token prompts against
     # 11 ms under 256, on a loaded 2-core stack).
     handoff_s_per_block: float = 0.0
     block_bytes: int = 368_640

@@ -183,24 +183,31 @@ class ShmKVSender(TcpKVSender):
         self, purpose: str, meta: bytes, payload: memoryview | bytes, num_tokens: int, ttl_s: float
     ) -> KVHandle:
         view = memoryview(payload).cast("B")
-        if not (host_id() and self.eager):
-            return self._as_shm(super().offer(purpose, meta, view, num_tokens, ttl_s), "")
-        written = self._write(purpose, view)
-        if written is None:
-            return super().offer(purpose, meta, view, num_tokens, ttl_s)
-        return self._offer_segment(purpose, meta, view, written, num_tokens, ttl_s)
+        written = self._write(purpose, view) if self._writes_at_offer() else None
+        if written is not None:
+            return self._offer_segment(purpose, meta, view, written, num_tokens, ttl_s)
+        return self._without_segment(super().offer(purpose, meta, view, num_tokens, ttl_s))
 
     async def offer_off_loop(
         self, purpose: str, meta: bytes, payload: memoryview | bytes, num_tokens: int, ttl_s: float
     ) -> KVHandle:
         view = memoryview(payload).cast("B")
-        if not (host_id() and self.eager):
-            handle = await super().offer_off_loop(purpose, meta, view, num_tokens, ttl_s)
-            return self._as_shm(handle, "")
-        written = await asyncio.to_thread(self._write, purpose, view)
-        if written is None:
-            return await super().offer_off_loop(purpose, meta, view, num_tokens, ttl_s)
-        return self._offer_segment(purpose, meta, view, written, num_tokens, ttl_s)
+        written = (
+            await asyncio.to_thread(self._write, purpose, view) if self._writes_at_offer() else None
+        )
+        if written is not None:
+            return self._offer_segment(purpose, meta, view, written, num_tokens, ttl_s)
+        handle = await super().offer_off_loop(purpose, meta, view, num_tokens, ttl_s)
+        return self._without_segment(handle)
+
+    def _writes_at_offer(self) -> bool:
+        return self.eager and bool(host_id())
+
+    def _without_segment(self, handle: KVHandle) -> KVHandle:
+        """A TCP offer's handle, marked for shared memory when the segment is written on a
+        same-host receiver's request (eager=False). Plain TCP with no /dev/shm here, or
+        when it was full at offer time."""
+        return self._as_shm(handle, "") if host_id() and not self.eager else handle
 
     @staticmethod
     def _write(purpose: str, view: memoryview) -> tuple[str, int] | None:
@@ -228,9 +235,7 @@ class ShmKVSender(TcpKVSender):
 
     @staticmethod
     def _as_shm(handle: KVHandle, name: str) -> KVHandle:
-        """A handle a same-host receiver maps (no host id here: a plain TCP one)."""
-        if not host_id():
-            return handle
+        """A handle a same-host receiver maps."""
         return handle.model_copy(
             update={"transport": "shm", "shm_name": name, "host_id": host_id()}
         )
