@@ -222,12 +222,27 @@ class KVHandle(BaseModel):
     host_id: str = ""
 
 
+class KVChunk(Message):
+    """Prefill → decode, request/reply, while a long prompt is computed: its next full
+    blocks are offered at `kv`. The first chunk carries the request, and decode reserves
+    the whole prompt's blocks before it fetches anything; decode acks each chunk once it
+    is in place, or refuses it (then the rest goes with the first token, as before)."""
+
+    request_id: str
+    prefill_id: str
+    request: GenerateRequest | None = None  # the first chunk only
+    kv: KVHandle
+
+
 class DecodeJob(Message):
     request: GenerateRequest
     prefill_id: str
     # None: recompute prompt + output_token_ids here (the gateway re-placing a request whose
     # decode instance died, or whose events were lost), with no KV to fetch.
     kv: KVHandle | None
+    # Leading blocks decode acked as streamed chunks (KVChunk): `kv` holds only the rest,
+    # and decode's reservation for the request already holds these.
+    streamed_blocks: int = 0
     output_token_ids: list[int]  # tokens already produced (the first one, by prefill)
     emitted_text: str = ""  # text already streamed, so decode continues the same detokenization
     events_sent: int = 0  # next TokenEvent index

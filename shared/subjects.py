@@ -36,6 +36,11 @@ def decode_submit(instance_id: str) -> str:
     return f"{PREFIX}.decode.{instance_id}.submit"
 
 
+def decode_stream(instance_id: str) -> str:
+    """Request/reply: a long prompt's KV chunk, streamed to decode while prefill runs."""
+    return f"{PREFIX}.decode.{instance_id}.stream"
+
+
 def kv_export(instance_id: str) -> str:
     """Request/reply: offer cached prefix blocks for a pull by another instance."""
     return f"{PREFIX}.kv.{instance_id}.export"

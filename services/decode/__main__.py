@@ -33,6 +33,7 @@ async def serve(settings: DecodeSettings) -> None:
             stack, EngineMetrics(inst).registry, settings.metrics_host, settings.metrics_port
         )
         submit = await nc.subscribe(subjects.decode_submit(settings.instance_id), cb=inst.on_submit)
+        stream = await nc.subscribe(subjects.decode_stream(settings.instance_id), cb=inst.on_chunk)
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
         await inst.publish_cleared()  # a previous incarnation's blocks are gone
         worker = asyncio.create_task(inst.serve(stop))
@@ -43,6 +44,7 @@ async def serve(settings: DecodeSettings) -> None:
         await stop.wait()
         # Stop intake; sequences still running end with a clear error, never silently.
         await submit.unsubscribe()
+        await stream.unsubscribe()
         await asyncio.gather(worker, beat, return_exceptions=True)
         await inst.fail_running("decode instance shut down")
         await inst.publish_cleared()

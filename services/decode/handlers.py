@@ -13,6 +13,12 @@ module doc), not behind the step in flight: a handoff is reserved as it arrives 
 the batch at the next step. On the engine thread it waited for the running step to end
 before its blocks were reserved, and for the next one before its KV went in: two decode
 steps added to every request's first gap, which is most of its TBT when outputs are short.
+
+A long prompt's KV may stream in while it is computed (services/prefill/streaming.py):
+its first chunk reserves the whole prompt's blocks (or is refused, holding nothing, and
+the KV then comes whole with the first token), each chunk is written into them as it
+comes, and the handoff after the first token brings only the rest. A stream whose prefill
+goes quiet gives its blocks back after the transfer timeout.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -34,7 +40,7 @@ from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
-from shared.messages import Ack, CostSample, DecodeJob, Role
+from shared.messages import Ack, CostSample, DecodeJob, KVChunk, Role
 from shared.transfer import KVReceiver, TransferFailed
 
 log = logging.getLogger(__name__)
@@ -54,6 +60,9 @@ class DecodeInstance(EngineInstance):
         self._fetches: set[asyncio.Task] = set()
         self._importer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
         self._admitting = asyncio.Lock()  # one pass over the queue at a time, in order
+        # Streams under way: request id -> when its last chunk came. Their reservations
+        # are the engine's (engine.reserved), made by the first chunk.
+        self.incoming: dict[str, float] = {}
 
     async def run_import(self, fn: Callable[..., T], *args: Any) -> T:
         """Reservations and imports: beside the step in flight, never behind it."""
@@ -82,21 +91,117 @@ class DecodeInstance(EngineInstance):
 
     async def admit(self, job: DecodeJob) -> None:
         """Queue a handoff; admit_queued reserves its blocks and starts its transfer, now
-        if the pool has room, else after a step frees some. A job delivered twice runs
-        once."""
+        if the pool has room, else after a step frees some. A streamed one has its blocks
+        already and goes straight to its transfer. A job delivered twice runs once."""
         req = job.request
         if self.known(req.request_id):
             return
+        streamed = self.incoming.pop(req.request_id, None) is not None
+        if job.streamed_blocks and not streamed:
+            # Its stream's reservation is gone (expired): the rest alone cannot be used.
+            log.warning("request %s: streamed KV no longer held; recomputing", req.request_id)
+            job = job.model_copy(update={"kv": None})
         # With KV handed over, prefill computed the prompt and its cache hits are the usage's;
         # without (a recompute here), this engine's own are.
         computed_elsewhere = job.kv is not None
         cached = job.cached_tokens if computed_elsewhere else None
         self.streams[req.request_id] = Stream(req, job.events_sent, cached)
+        if streamed and job.kv is not None:
+            self._start(self._transfer(job))
+            return
+        if streamed:  # nothing to fetch after all: the reservation goes back
+            await self.run_import(self.engine.release, req.request_id)
         self.queue.append(job)
         self.wake()
 
+    def _start(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._fetches.add(task)
+        task.add_done_callback(self._fetches.discard)
+
+    async def on_chunk(self, msg: Msg) -> None:
+        """A streamed chunk of a long prompt's KV (see the module doc): the first one
+        reserves the prompt's blocks; each is acked once it is written into them."""
+        try:
+            chunk = KVChunk.model_validate_json(msg.data)
+        except ValueError as exc:
+            await bus.respond(msg, errors.InvalidRequest(f"bad KV chunk: {exc}"))
+            return
+        # Off this callback: NATS runs a subscription's callbacks one at a time, and one
+        # stream's fetch must not hold another's chunk. A stream's own chunks come one at
+        # a time anyway (prefill waits for each ack).
+        self._start(self._take_chunk(msg, chunk))
+
+    async def _take_chunk(self, msg: Msg, chunk: KVChunk) -> None:
+        refused = await self._open(chunk) if chunk.request is not None else None
+        if refused is None and chunk.request_id not in self.incoming:
+            refused = "no stream under way for this request"
+        if refused is None:
+            refused = await self._fill(chunk)
+        await bus.respond(msg, Ack() if refused is None else errors.Rejected(refused))
+
+    async def _open(self, chunk: KVChunk) -> str | None:
+        """Reserve a stream's blocks, the whole prompt's; why not, or None."""
+        req = chunk.request
+        assert req is not None
+        rid = req.request_id
+        if self.known(rid) or rid in self.incoming:
+            return "request already here"
+        if self.queue:  # handoffs wait for room: a stream does not jump them
+            return "handoffs are waiting for KV pool room"
+        n = len(req.prompt_token_ids)
+        try:
+            ok = await self.run_import(
+                self.engine.reserve,
+                rid,
+                req.prompt_token_ids,
+                [],
+                SamplingParams.of(req.sampling),
+                n,
+                req.tenant,
+            )
+        except ValueError as exc:
+            return str(exc)
+        if not ok:
+            return "no KV pool room for the stream"
+        if rid in self.cancelled:  # while it was being reserved
+            await self.run_import(self.engine.release, rid)
+            return "cancelled"
+        self.incoming[rid] = time.monotonic()
+        self._stats = self.engine.stats()
+        return None
+
+    async def _fill(self, chunk: KVChunk) -> str | None:
+        """Fetch a chunk into its stream's blocks; why it failed, or None. A failed chunk
+        leaves the reservation: the handoff brings what was not acked."""
+        rid = chunk.request_id
+        try:
+            meta_bytes, payload = await self.receiver.fetch(
+                chunk.kv, self.settings.transfer_timeout_s
+            )
+            export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
+            await self.run_import(self.engine.fill_reserved, rid, export)
+        except (TransferFailed, ValueError) as exc:
+            log.warning("request %s: streamed KV chunk failed (%s)", rid, exc)
+            return str(exc)
+        self.count_transfer(True, len(payload))
+        if rid in self.incoming:
+            self.incoming[rid] = time.monotonic()
+        return None
+
+    async def _expire_streams(self) -> None:
+        """Streams whose prefill went quiet (it died, and the cancel was lost) give their
+        blocks back."""
+        now = time.monotonic()
+        for rid, last in list(self.incoming.items()):
+            if now - last > self.settings.transfer_timeout_s:
+                del self.incoming[rid]
+                await self.run_import(self.engine.release, rid)
+                log.warning("request %s: streamed KV went quiet; its blocks are freed", rid)
+
     async def after_step(self) -> None:
         """Between steps: the queue's head may fit now that the step freed blocks."""
+        await self._expire_streams()
         await self.admit_queued()
 
     async def admit_queued(self) -> None:
@@ -134,9 +239,7 @@ class DecodeInstance(EngineInstance):
                 return  # the pool is full: try again after the next step
             self.queue.popleft()
             self._stats = self.engine.stats()
-            task = asyncio.create_task(self._transfer(job))
-            self._fetches.add(task)
-            task.add_done_callback(self._fetches.discard)
+            self._start(self._transfer(job))
 
     async def _transfer(self, job: DecodeJob) -> None:
         """Fetch into the reserved blocks and join the batch; on a failed transfer give the
@@ -165,8 +268,9 @@ class DecodeInstance(EngineInstance):
         if job.first_token_time:  # the conductor's cost model learns what handoffs take
             self.engine.cost_samples.append(
                 CostSample(
-                    kind="handoff",
-                    tokens=export.meta.num_tokens,
+                    kind="handoff",  # of what moved after the first token, not what streamed
+                    tokens=export.meta.num_tokens
+                    - export.meta.first_block * self.settings.block_size,
                     context=0.0,
                     seconds=max(0.0, time.time() - job.first_token_time),
                 )
@@ -219,7 +323,9 @@ class DecodeInstance(EngineInstance):
         """A cancel: drop it from the queue, or give back its reservation."""
         before = len(self.queue)
         self.queue = deque(j for j in self.queue if j.request.request_id != request_id)
+        self.incoming.pop(request_id, None)
         released = await self.run_import(self.engine.release, request_id)
+        self._stats = self.engine.stats()  # heartbeats show the blocks back at once
         return released or len(self.queue) < before
 
     def leased_blocks(self) -> int:
@@ -228,4 +334,5 @@ class DecodeInstance(EngineInstance):
 
     async def fail_running(self, why: str) -> None:
         self.queue.clear()
+        self.incoming.clear()
         await self.fail_all(why)

@@ -12,6 +12,11 @@ from shared.settings import parse_settings
 
 class PrefillSettings(WorkerSettings):
     max_queue: int = Field(256, gt=0, description="jobs queued before new ones are refused")
+    stream_handoff: bool = Field(
+        True,
+        description="send a prompt of more than one chunk to decode chunk by chunk while "
+        "it is computed (off: all its KV after the first token)",
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> PrefillSettings:

@@ -1,5 +1,7 @@
 """Prefill: prompts through the engine (chunked, prefix-cached); the first token is
 streamed, the prompt's KV is offered on the data plane and decode is told where it is.
+A long prompt's KV goes to decode chunk by chunk while it is computed (streaming.py), so
+its handoff carries only the last chunk's blocks.
 
 With no decode instance named in the job (colocated mode) the instance decodes too.
 """
@@ -15,6 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.prefill.args import PrefillSettings
+from services.prefill.streaming import Outgoing, worth_streaming
 from services.worker.instance import EngineInstance, Stream
 from shared import bus, errors, subjects
 from shared.engine.kv_transfer import KVExport, KVMeta
@@ -23,9 +26,11 @@ from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.messages import (
     Ack,
+    CancelRequest,
     CostSample,
     DecodeJob,
     GenerateRequest,
+    KVChunk,
     KVExportReply,
     KVExportRequest,
     PrefillJob,
@@ -68,6 +73,7 @@ class PrefillInstance(EngineInstance):
         # what it sent at each heartbeat, lost them from the queue and admitted requests
         # at half their real TTFT.
         self.intake: dict[str, int] = {}
+        self.outgoing: dict[str, Outgoing] = {}  # long prompts whose KV streams to decode
 
     def connector(self) -> PrefillInstance:
         return self  # hands_off: the requests a decode instance was named for
@@ -76,6 +82,11 @@ class PrefillInstance(EngineInstance):
         """Engine thread: the KV leaves once the first token exists, unless this instance
         decodes the request too (colocated: no decode instance named in its job)."""
         return bool(self.decode_for.get(request_id))
+
+    def streamed_blocks(self, request_id: str) -> int:
+        """Engine thread: decode has these leading blocks already (acked chunks)."""
+        out = self.outgoing.get(request_id)
+        return out.acked if out is not None else 0
 
     async def on_submit(self, msg: Msg) -> None:
         try:
@@ -94,6 +105,12 @@ class PrefillInstance(EngineInstance):
         self.streams[req.request_id] = Stream(req, 0)
         self.decode_for[req.request_id] = job.decode_id
         self.intake[rid] = len(req.prompt_token_ids)
+        if (
+            job.decode_id
+            and self.settings.stream_handoff
+            and worth_streaming(req, self.settings.chunk_tokens)
+        ):
+            self.outgoing[rid] = Outgoing(job.decode_id, req)
         await bus.respond(msg, Ack())
         if req.arrival_time > 0:  # the way in, for the cost model's overhead_s
             self.engine.cost_samples.append(
@@ -213,14 +230,86 @@ class PrefillInstance(EngineInstance):
         self._watch(handle.transfer_id, handle.nbytes, export.meta.num_blocks)
         await bus.respond(msg, KVExportReply(handle=handle, num_blocks=export.meta.num_blocks))
 
+    # -- streamed handoff: a long prompt's KV goes to decode while it is computed --------
+    async def after_step(self) -> None:
+        """Between steps: each streaming prompt's new full blocks go to its decode instance,
+        beside the next step (one chunk in flight per prompt; the next covers more)."""
+        for rid, out in self.outgoing.items():
+            if out.ready():
+                out.busy = True
+                task = asyncio.create_task(self._send_chunk(rid, out))
+                self._transfers.add(task)
+                task.add_done_callback(self._transfers.discard)
+
+    async def _send_chunk(self, rid: str, out: Outgoing) -> None:
+        try:
+            export = await asyncio.get_running_loop().run_in_executor(
+                self._exporter, self.engine.export_streamable, rid, out.acked
+            )
+            if export is not None and not out.stopped:
+                await self._offer_chunk(rid, out, export)
+        except Exception:  # noqa: BLE001 - the stream ends; the handoff carries the rest
+            log.exception("request %s: streaming its KV failed", rid)
+            out.stopped = True
+        finally:
+            out.busy = False
+
+    async def _offer_chunk(self, rid: str, out: Outgoing, export: KVExport) -> None:
+        handle = await self.sender.offer_off_loop(
+            HANDOFF,
+            export.meta.model_dump_json().encode(),
+            export.payload(),
+            export.meta.num_tokens,
+            ttl_s=self.settings.transfer_timeout_s,
+        )
+        self._watch(handle.transfer_id, handle.nbytes, export.meta.num_blocks)
+        chunk = KVChunk(
+            request_id=rid,
+            prefill_id=self.instance_id,
+            request=None if out.opened else out.request,
+            kv=handle,
+        )
+        try:
+            await bus.request(
+                self.nc,
+                subjects.decode_stream(out.decode_id),
+                chunk,
+                Ack,
+                timeout_s=self.settings.transfer_timeout_s,
+            )
+        except errors.HalfmoonError as exc:
+            await self.sender.withdraw(handle.transfer_id)
+            out.stopped = True
+            log.info(
+                "request %s: decode %s took no streamed KV past block %d (%s); the rest "
+                "goes with the first token",
+                rid,
+                out.decode_id,
+                out.acked,
+                exc.message,
+            )
+            return
+        out.opened = True
+        out.acked = export.meta.first_block + export.meta.num_blocks
+
+    async def _end_stream(self, request_id: str) -> None:
+        """The request ends here (or is cancelled): a decode instance holding a
+        reservation for its stream is told to drop it, through the cancel broadcast."""
+        out = self.outgoing.pop(request_id, None)
+        if out is not None and out.opened:
+            cancel = CancelRequest(request_id=request_id, reason="ended before its handoff")
+            await self.nc.publish(subjects.CANCEL, cancel.encode())
+
     async def on_output(self, out: RequestOutput) -> None:
         decode_id = self.decode_for.get(out.request_id, "")
         stream = self.streams.get(out.request_id)
         await self.publish_output(out)
         if out.finish_reason is not None or out.error is not None:
             self.decode_for.pop(out.request_id, None)
+            await self._end_stream(out.request_id)
         if out.handoff is None or stream is None:
             return
+        self.outgoing.pop(out.request_id, None)
         self.streams.pop(out.request_id, None)
         self.decode_for.pop(out.request_id, None)
         self.finished.add(out.request_id)
@@ -273,6 +362,7 @@ class PrefillInstance(EngineInstance):
             events_sent=stream.next_index,
             cached_tokens=out.num_cached_tokens,
             first_token_time=produced,
+            streamed_blocks=out.handoff.meta.first_block,
         )
         try:
             await bus.request(self.nc, subjects.decode_submit(decode_id), job, Ack, timeout_s=5.0)
@@ -323,6 +413,7 @@ class PrefillInstance(EngineInstance):
 
     async def release(self, request_id: str) -> bool:
         self.intake.pop(request_id, None)
+        self.outgoing.pop(request_id, None)  # decode got the same cancel
         self.decode_for.pop(request_id, None)
         tid = self._handoffs.pop(request_id, None)
         if tid is None:

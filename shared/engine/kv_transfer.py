@@ -1,9 +1,11 @@
 """A sequence's KV by block, as contiguous bytes plus metadata, and back into a pool.
 
 The bytes are the pool's own block layout (see kv_cache.py), so export and import are
-one gather and one scatter. The metadata names everything a receiver must match
-(model, dtype, layers, heads, block size, layout) so a mismatch is refused, not
-silently computed on.
+one gather and one scatter. An export may cover a range of a sequence's blocks, not only
+its start: a streamed handoff sends a long prompt's blocks chunk by chunk while prefill
+computes the rest, and the last export carries what is left. The metadata names
+everything a receiver must match (model, dtype, layers, heads, block size, layout) so a
+mismatch is refused, not silently computed on.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ class KVMeta(BaseModel):
     num_kv_heads: int
     head_dim: int
     block_size: int
-    num_tokens: int
-    num_blocks: int
-    block_hashes: list[int] = []
+    num_tokens: int  # the sequence's tokens covered from position 0 to this export's end
+    num_blocks: int  # blocks in this export: first_block .. first_block + num_blocks - 1
+    block_hashes: list[int] = []  # of this export's full blocks
     layout: str = LAYOUT
+    first_block: int = 0
 
 
 @dataclass
@@ -57,14 +60,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, dt in DTYPES.items() if dt == dtype)
 
 
-def export_sequence(
-    kv: KVCache, blocks: BlockManager, seq: Sequence, model: str, quantization: str = "none"
-) -> KVExport:
-    """The KV of `seq`'s computed tokens (its blocks are read now; callers may free them after)."""
-    n_tokens = seq.num_computed_tokens
-    n_blocks = -(-n_tokens // blocks.block_size)
+def _meta(
+    kv: KVCache,
+    model: str,
+    quantization: str,
+    num_tokens: int,
+    first_block: int,
+    hashes: list[int],
+    num_blocks: int,
+) -> KVMeta:
     s = kv.shape
-    meta = KVMeta(
+    return KVMeta(
         model=model,
         dtype=_dtype_name(s.dtype),
         quantization=quantization,
@@ -72,11 +78,51 @@ def export_sequence(
         num_kv_heads=s.num_kv_heads,
         head_dim=s.head_dim,
         block_size=s.block_size,
-        num_tokens=n_tokens,
-        num_blocks=n_blocks,
-        block_hashes=list(seq.block_hashes),
+        num_tokens=num_tokens,
+        num_blocks=num_blocks,
+        block_hashes=hashes,
+        first_block=first_block,
     )
-    return KVExport(meta, kv.export_blocks(seq.block_table[:n_blocks]))
+
+
+def export_sequence(
+    kv: KVCache,
+    blocks: BlockManager,
+    seq: Sequence,
+    model: str,
+    quantization: str = "none",
+    first_block: int = 0,
+) -> KVExport:
+    """The KV of `seq`'s computed tokens from block `first_block` on (the ones before went
+    ahead in a stream); its blocks are read now, so callers may free them after."""
+    n_tokens = seq.num_computed_tokens
+    n_blocks = -(-n_tokens // blocks.block_size)
+    first = min(first_block, n_blocks)
+    meta = _meta(
+        kv, model, quantization, n_tokens, first, seq.block_hashes[first:], n_blocks - first
+    )
+    return KVExport(meta, kv.export_blocks(seq.block_table[first:n_blocks]))
+
+
+def export_full_blocks(
+    kv: KVCache, seq: Sequence, first_block: int, model: str, quantization: str = "none"
+) -> KVExport | None:
+    """The full (hashed) blocks of `seq` from `first_block` on, of a prompt still being
+    computed: a streamed handoff's next chunk. None when there is none yet. Hashed blocks
+    are complete and never written again, so the forward pass may run meanwhile."""
+    full = len(seq.block_hashes)
+    if full <= first_block:
+        return None
+    meta = _meta(
+        kv,
+        model,
+        quantization,
+        full * kv.shape.block_size,
+        first_block,
+        seq.block_hashes[first_block:full],
+        full - first_block,
+    )
+    return KVExport(meta, kv.export_blocks(seq.block_table[first_block:full]))
 
 
 def export_cached(
@@ -86,19 +132,8 @@ def export_cached(
     block_ids = blocks.cached_chain(hashes)
     if not block_ids:
         return None
-    n, s = len(block_ids), kv.shape
-    meta = KVMeta(
-        model=model,
-        dtype=_dtype_name(s.dtype),
-        quantization=quantization,
-        num_layers=s.num_layers,
-        num_kv_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        block_size=s.block_size,
-        num_tokens=n * s.block_size,
-        num_blocks=n,
-        block_hashes=list(hashes[:n]),
-    )
+    n = len(block_ids)
+    meta = _meta(kv, model, quantization, n * kv.shape.block_size, 0, list(hashes[:n]), n)
     return KVExport(meta, kv.export_blocks(block_ids))
 
 
@@ -120,7 +155,9 @@ def check_compatible(meta: KVMeta, kv: KVCache, model: str, quantization: str = 
     ]
     if differ:
         raise ValueError("KV from an incompatible instance: " + ", ".join(differ))
-    if meta.num_blocks != -(-meta.num_tokens // meta.block_size):
+    if meta.first_block < 0 or meta.first_block + meta.num_blocks != -(
+        -meta.num_tokens // meta.block_size
+    ):
         raise ValueError("KV metadata: block count does not cover the token count")
 
 
@@ -144,18 +181,26 @@ def import_sequence(
 
 def fill_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, export: KVExport) -> None:
     """Write `export` into the blocks `seq` already holds (allocated, or reserved before
-    the transfer started) and register them in the prefix cache."""
+    the transfer started) and register them in the prefix cache.
+
+    The export may start past block 0 (a stream's later chunk, or its tail), but never past
+    the blocks `seq` has in place: a gap would leave KV nobody computed. Blocks it already
+    has (cached here, or from an earlier chunk) are kept as they are, and where they are
+    hashed they must be the very blocks the export names."""
     meta = export.meta
     expected = meta.num_blocks * kv.shape.block_nbytes // kv.shape.dtype.itemsize
     if export.data.numel() != expected:
         raise ValueError(f"KV payload has {export.data.numel()} values, metadata says {expected}")
-    if meta.num_tokens > seq.num_tokens or meta.num_blocks > len(seq.block_table):
+    first, end = meta.first_block, meta.first_block + meta.num_blocks
+    if meta.num_tokens > seq.num_tokens or end > len(seq.block_table):
         raise ValueError("KV covers more tokens than the sequence holds blocks for")
-    # Blocks matched in this pool's prefix cache (a sibling sample's, say) are kept as
-    # they are, and must be the very blocks the export names.
-    cached = len(seq.block_hashes)
-    if seq.block_hashes != list(meta.block_hashes[:cached]):
+    have = seq.num_computed_tokens // kv.shape.block_size
+    if first > have:
+        raise ValueError(f"KV starts at block {first} but only {have} are in place: a gap")
+    hashed = seq.block_hashes[first:end]
+    if hashed != list(meta.block_hashes[: len(hashed)]):
         raise ValueError("the pool's cached prefix blocks are not the exported ones")
-    kv.import_blocks(seq.block_table[cached : meta.num_blocks], export.data, skip=cached)
-    seq.num_computed_tokens = meta.num_tokens
+    if have < end:
+        kv.import_blocks(seq.block_table[have:end], export.data, skip=have - first)
+    seq.num_computed_tokens = max(seq.num_computed_tokens, meta.num_tokens)
     blocks.commit(seq)  # the imported prompt is now this instance's prefix cache too

@@ -125,7 +125,9 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= self.gemv_rows and x.dtype == self.weight.dtype and x.is_contiguous():
+        # 0 < rows: a step whose chunks all leave their prompts unfinished asks no logits,
+        # and a weight the native kernel does not fit has no kernel to call with none.
+        if 0 < rows <= self.gemv_rows and x.dtype == self.weight.dtype and x.is_contiguous():
             y = torch.empty(rows, self.out_features, dtype=x.dtype)
             if (
                 self._gemv_fn(
@@ -204,7 +206,7 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= self.gemv_rows and x.is_contiguous():
+        if 0 < rows <= self.gemv_rows and x.is_contiguous():
             y = torch.empty(rows, self.out_features, dtype=x.dtype)
             rc = kernels.lib().gemv_i8(
                 x.data_ptr(),

@@ -6,9 +6,11 @@ Concurrency contract. Three threads may touch an engine:
   prompt_logprobs;
 - an exporter thread may call export_prefix at any time, so a prefix pull never waits for
   a long prefill chunk;
-- an importer thread (decode) may call reserve, add_reserved and release at any time, so
-  a handed-off request joins the batch at the next step instead of waiting for the step
-  in flight to end before its blocks are even reserved.
+- an exporter thread may also call export_streamable (prefill), so a long prompt's
+  computed blocks go to decode while its next chunk runs;
+- an importer thread (decode) may call reserve, fill_reserved, add_reserved and release
+  at any time, so a handed-off request joins the batch at the next step instead of
+  waiting for the step in flight to end before its blocks are even reserved.
 `_book` guards the block bookkeeping, the scheduler's queues and every KV write into a
 block an export could name (a cached, hashed block). Every method above holds it while it
 changes any of them, and none releases it inside: step() takes it to plan, drops it for
@@ -40,6 +42,7 @@ from shared.engine.kv_transfer import (
     KVExport,
     check_compatible,
     export_cached,
+    export_full_blocks,
     export_sequence,
     fill_sequence,
     import_sequence,
@@ -280,16 +283,32 @@ class LLMEngine:
             self.reserved[request_id] = seq
         return True
 
+    def fill_reserved(self, request_id: str, kv: KVExport) -> int:
+        """Write a streamed chunk of a reserved request's KV into its blocks (the request
+        stays reserved until add_reserved brings the rest); returns the blocks in place.
+        On a bad chunk the reservation is kept: the rest may still come whole."""
+        check_compatible(kv.meta, self.kv, self.lm.name, self.config.quantization)
+        with self._book:
+            seq = self.reserved.get(request_id)
+            if seq is None:
+                raise ValueError(f"request {request_id} has no reservation")
+            fill_sequence(self.kv, self.blocks, seq, kv)
+            return seq.num_computed_tokens // self.config.block_size
+
     def add_reserved(
         self, request_id: str, kv: KVExport, output_token_ids: list[int], emitted_text: str = ""
     ) -> None:
-        """Continue a reserved request with its fetched KV: written into its blocks, then
-        into the running batch. On a bad payload its blocks go back to the pool."""
+        """Continue a reserved request with its fetched KV (all of it, or what a stream
+        left): written into its blocks, then into the running batch. A reservation made
+        before the first token existed (a stream's) takes the tokens now. On a bad payload
+        its blocks go back to the pool."""
         check_compatible(kv.meta, self.kv, self.lm.name, self.config.quantization)
         with self._book:
             seq = self.reserved.pop(request_id, None)
             if seq is None:
                 raise ValueError(f"request {request_id} has no reservation")
+            if seq.num_output_tokens == 0:
+                seq.token_ids.extend(output_token_ids)
             try:
                 fill_sequence(self.kv, self.blocks, seq, kv)
             except ValueError:
@@ -313,6 +332,18 @@ class LLMEngine:
         with self._book:
             return export_cached(
                 self.kv, self.blocks, hashes, self.lm.name, self.config.quantization
+            )
+
+    def export_streamable(self, request_id: str, first_block: int) -> KVExport | None:
+        """The full blocks a prompt still in prefill has computed from `first_block` on
+        (a streamed handoff's next chunk), or None: none new, or the prompt is done or gone.
+        Safe from any thread, as export_prefix is."""
+        with self._book:
+            req = self.requests.get(request_id)
+            if req is None or req.seq.num_output_tokens > 0:
+                return None
+            return export_full_blocks(
+                self.kv, req.seq, first_block, self.lm.name, self.config.quantization
             )
 
     def import_prefix(self, token_ids: list[int], export: KVExport, salt: str = "") -> int:
@@ -635,7 +666,12 @@ class LLMEngine:
             and self.connector.hands_off(seq.request_id)
         ):
             out.handoff = export_sequence(
-                self.kv, self.blocks, seq, self.lm.name, self.config.quantization
+                self.kv,
+                self.blocks,
+                seq,
+                self.lm.name,
+                self.config.quantization,
+                self.connector.streamed_blocks(seq.request_id),
             )
             self._finish(seq)
         return out

@@ -11,6 +11,7 @@ import torch
 
 from shared.engine.batch import build_batch
 from shared.engine.connector import HandOffAll
+from shared.engine.kv_transfer import KVExport
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.params import SamplingParams
 from shared.engine.runner import load_model
@@ -173,14 +174,104 @@ def test_handoff_between_engines_is_exact(lm, prompts, reference):
         _, outs = drain(prefill)
         out = outs[f"r{i}"]
         assert out.handoff is not None and out.handoff.meta.num_tokens == len(prompts[i])
-        from shared.engine.kv_transfer import KVExport
-
         wire = KVExport.from_bytes(out.handoff.meta, bytes(out.handoff.payload()))
         assert decode.add_prefilled(
             f"r{i}", prompts[i], out.new_token_ids, greedy(), wire, out.text
         )
         tokens, _ = drain(decode)
         assert out.new_token_ids + tokens[f"r{i}"] == reference[i]
+
+
+class Streamer:
+    """What a prefill worker that streams tells its engine: every request leaves, and
+    decode holds the blocks it acked."""
+
+    def __init__(self) -> None:
+        self.acked: dict[str, int] = {}
+
+    def hands_off(self, request_id: str) -> bool:
+        return True
+
+    def streamed_blocks(self, request_id: str) -> int:
+        return self.acked.get(request_id, 0)
+
+
+def on_the_wire(export: KVExport) -> KVExport:
+    return KVExport.from_bytes(export.meta, bytes(export.payload()))
+
+
+def stream_prefill(prefill: LLMEngine, decode: LLMEngine, streamer: Streamer, rid: str):
+    """Step `prefill` to the first token; after each step its new full blocks go into
+    decode's reservation, as prefill's worker sends them. Returns (output, steps)."""
+    steps = 0
+    while True:
+        outs = prefill.step()
+        steps += 1
+        if outs:
+            return outs[0], steps
+        chunk = prefill.export_streamable(rid, streamer.acked.get(rid, 0))
+        if chunk is not None:
+            streamer.acked[rid] = decode.fill_reserved(rid, on_the_wire(chunk))
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 9])
+def test_streamed_handoff_is_exact(lm, prompts, reference, chunks):
+    """The prompt's KV streamed into decode chunk by chunk while prefill runs, the rest
+    with the first token: decode's tokens are generate's."""
+    ids, i = prompts[14], 14
+    chunk = -(-len(ids) // chunks)
+    streamer = Streamer()
+    prefill = LLMEngine(
+        lm,
+        EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=chunk),
+        connector=streamer,
+    )
+    decode = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20))
+    assert decode.reserve("r", ids, [], greedy(), len(ids))  # before the first chunk
+    prefill.add_request("r", ids, greedy())
+    out, steps = stream_prefill(prefill, decode, streamer, "r")
+    assert steps == chunks and out.handoff is not None
+    # What goes with the first token: the blocks of the last chunk (and the one the chunk
+    # before left unfinished), not the prompt's.
+    assert out.handoff.meta.first_block == streamer.acked.get("r", 0)
+    assert out.handoff.meta.num_blocks <= -(-chunk // 16) + 1
+    if chunks > 1:
+        assert out.handoff.meta.first_block == (chunks - 1) * chunk // 16
+    decode.add_reserved("r", on_the_wire(out.handoff), out.new_token_ids, out.text)
+    tokens, _ = drain(decode)
+    assert out.new_token_ids + tokens["r"] == reference[i]
+    assert not decode.reserved and decode.stats().kv_blocks_reserved == 0
+
+
+def test_a_streamed_chunk_acked_late_overlaps_the_rest_without_harm(lm, prompts, reference):
+    """A chunk still in flight when the first token exists: the handoff starts at the last
+    acked block, so it overlaps blocks decode has already; those are kept, and a chunk
+    that would leave a gap is refused with the reservation kept."""
+    ids, i = prompts[14], 14
+    chunk = -(-len(ids) // 4)
+    streamer, late = Streamer(), Streamer()
+    prefill = LLMEngine(
+        lm,
+        EngineConfig(kv_cache_bytes=64 << 20, max_num_batched_tokens=chunk),
+        connector=late,  # hears of no ack: the whole KV goes with the first token
+    )
+    decode = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20))
+    assert decode.reserve("r", ids, [], greedy(), len(ids))
+    prefill.add_request("r", ids, greedy())
+    prefill.step()
+    first = prefill.export_streamable("r", 0)
+    assert first is not None
+    gap = prefill.export_streamable("r", 1)
+    assert gap is not None
+    with pytest.raises(ValueError, match="a gap"):
+        decode.fill_reserved("r", on_the_wire(gap))
+    assert "r" in decode.reserved
+    streamer.acked["r"] = decode.fill_reserved("r", on_the_wire(first))
+    out, _ = stream_prefill(prefill, decode, streamer, "r")
+    assert out.handoff is not None and out.handoff.meta.first_block == 0
+    decode.add_reserved("r", on_the_wire(out.handoff), out.new_token_ids, out.text)
+    tokens, _ = drain(decode)
+    assert out.new_token_ids + tokens["r"] == reference[i]
 
 
 def test_seeded_sampling_same_alone_and_split(lm, prompts):
