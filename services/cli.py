@@ -92,6 +92,7 @@ BENCHES = {
     "engine": "services.bench.engine.cli",
     "kv": "services.bench.kv_bench",
     "transfer": "services.bench.transfer_bench",
+    "handoff": "services.bench.handoff_bench",
     "conductor": "services.bench.conductor_bench",
     "serve": "services.bench.serve_bench",
     "replay": "services.bench.replay.cli",

@@ -29,6 +29,17 @@ class ChaosSettings(BaseModel):
         description="tokens each request streams (end of "
         "sequence ignored, so a completed request has exactly this many)",
     )
+    long_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="share of requests with a long prompt (long_words words): more than "
+        "one prefill chunk, so their KV streams to decode and kills land mid-stream",
+    )
+    long_words: int = Field(600, gt=0, description="words in a long prompt")
+    chunk_tokens: int = Field(
+        0, ge=0, description="a started cluster's prefill chunk in tokens (0: the default)"
+    )
     request_deadline_s: float = Field(
         150.0,
         gt=0,

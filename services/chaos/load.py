@@ -20,10 +20,15 @@ WORDS = (
 OUTCOMES = ("completed", "error", "hung", "inconsistent")
 
 
-def make_body(model: str, rng: random.Random, max_tokens: int) -> dict[str, Any]:
+def make_body(
+    model: str, rng: random.Random, max_tokens: int, long_share: float = 0.0, long_words: int = 0
+) -> dict[str, Any]:
     """A short prompt; one in three shares a long opening, so prefix reuse (and prefix
-    pulls between prefill instances) is exercised too."""
-    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40)))
+    pulls between prefill instances) is exercised too. A `long_share` of them are
+    `long_words` long instead: more than one prefill chunk, so their KV streams to decode
+    while prefill runs, and a kill can land mid-stream."""
+    n = long_words if rng.random() < long_share else rng.randint(8, 40)
+    words = " ".join(rng.choice(WORDS) for _ in range(n))
     if rng.random() < 1 / 3:
         words = "Shared opening: " + " ".join(WORDS * 3) + ". " + words
     return {
@@ -58,13 +63,17 @@ class Load:
     max_tokens: int
     deadline_s: float
     rng: random.Random
+    long_share: float = 0.0
+    long_words: int = 0
     results: list[Result] = field(default_factory=list)
     _tasks: set[asyncio.Task] = field(default_factory=set)
 
     async def run(self, until: float, stop: asyncio.Event) -> None:
         """Send until `until` (monotonic) or `stop`, then wait for every request to end."""
         while time.monotonic() < until and not stop.is_set():
-            body = make_body(self.model, self.rng, self.max_tokens)
+            body = make_body(
+                self.model, self.rng, self.max_tokens, self.long_share, self.long_words
+            )
             task = asyncio.create_task(self._one(body))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

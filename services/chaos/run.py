@@ -42,6 +42,8 @@ async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> LocalCluster:
     # The gateway's fault handling, tightened so a lost stream is placed again quickly.
     os.environ["HALFMOON_TOKEN_TIMEOUT_S"] = str(s.token_timeout_s)
     os.environ["HALFMOON_FIRST_TOKEN_TIMEOUT_S"] = str(max(60.0, 3 * s.token_timeout_s))
+    if s.chunk_tokens:  # smaller chunks: more prompts stream, and for longer
+        os.environ["HALFMOON_CHUNK_TOKENS"] = str(s.chunk_tokens)
     up = UpSettings(
         port=free_port(),
         console=False,
@@ -106,7 +108,16 @@ async def chaos(
     nc = await bus.connect(BaseSettings(nats_url=nats_url), "chaos")
     await nc.subscribe(subjects.HEARTBEAT_ALL, cb=beats.on_beat)
     rng = random.Random(s.seed)
-    load = Load(url, model, s.rate, s.max_tokens, s.request_deadline_s, random.Random(s.seed))
+    load = Load(
+        url,
+        model,
+        s.rate,
+        s.max_tokens,
+        s.request_deadline_s,
+        random.Random(s.seed),
+        s.long_share,
+        s.long_words,
+    )
     faults = Faults(s.target_list(), rng, victims or beats)
     since = time.time()
     t0 = time.monotonic()
