@@ -28,6 +28,7 @@ import aiohttp
 
 from services.bench.client import Result, stream_chat
 from services.bench.replay.cluster import ClusterConfig, local_cluster
+from services.bench.request_latency import stack_body
 from services.bench.serve_bench import Messages, PromptMaker
 from shared.engine import cpu
 from shared.model_store import ensure_model
@@ -36,17 +37,9 @@ MODES = {"after-prefill": "false", "streamed": "true"}
 
 
 def body(model: str, messages: Messages, max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        # This measures the handoff, not admission: an 8k prompt alone is served however
-        # slowly the CPU prefills it (the default 30 s TTFT SLO refuses it on some).
-        "ttft_slo_ms": 600_000,
-        "tbt_slo_ms": 60_000,
-    }
+    # This measures the handoff, not admission: an 8k prompt alone is served however
+    # slowly the CPU prefills it (the default 30 s TTFT SLO refuses it on some).
+    return {**stack_body(model, messages, max_tokens), "ttft_slo_ms": 600_000, "tbt_slo_ms": 60_000}
 
 
 def handoff_gap_s(res: Result) -> float:

@@ -33,6 +33,7 @@ from shared.messages import (
     KVChunk,
     KVExportReply,
     KVExportRequest,
+    KVHandle,
     PrefillJob,
     Role,
     TokenLogprob,
@@ -220,13 +221,7 @@ class PrefillInstance(EngineInstance):
             return
         # The reply (over NATS, to the asking instance only) is the one place the new
         # transfer id, a single-use capability, goes.
-        handle = await self.sender.offer_off_loop(
-            PREFIX,
-            export.meta.model_dump_json().encode(),
-            export.payload(),
-            export.meta.num_tokens,
-            ttl_s=self.settings.transfer_timeout_s,
-        )
+        handle = await self._offer(PREFIX, export)
         self._watch(handle.transfer_id, handle.nbytes, export.meta.num_blocks)
         await bus.respond(msg, KVExportReply(handle=handle, num_blocks=export.meta.num_blocks))
 
@@ -255,13 +250,7 @@ class PrefillInstance(EngineInstance):
             out.busy = False
 
     async def _offer_chunk(self, rid: str, out: Outgoing, export: KVExport) -> None:
-        handle = await self.sender.offer_off_loop(
-            HANDOFF,
-            export.meta.model_dump_json().encode(),
-            export.payload(),
-            export.meta.num_tokens,
-            ttl_s=self.settings.transfer_timeout_s,
-        )
+        handle = await self._offer(HANDOFF, export)
         self._watch(handle.transfer_id, handle.nbytes, export.meta.num_blocks)
         chunk = KVChunk(
             request_id=rid,
@@ -341,13 +330,7 @@ class PrefillInstance(EngineInstance):
         req = stream.request
         # The transfer id is the sender's, not the request id clients see: only the decode
         # job below (over NATS) carries it.
-        handle = await self.sender.offer_off_loop(
-            HANDOFF,
-            out.handoff.meta.model_dump_json().encode(),
-            out.handoff.payload(),
-            out.handoff.meta.num_tokens,
-            ttl_s=self.settings.transfer_timeout_s,
-        )
+        handle = await self._offer(HANDOFF, out.handoff)
         tid = handle.transfer_id
         self._watch(tid, handle.nbytes, out.handoff.meta.num_blocks, req.request_id)
         if req.request_id in self.cancelled:  # while the offer was being written
@@ -374,6 +357,16 @@ class PrefillInstance(EngineInstance):
                 f"decode {decode_id} did not take the request: {exc.message}",
                 stream,
             )
+
+    async def _offer(self, purpose: str, export: KVExport) -> KVHandle:
+        """Offer KV on the data plane (the copy off the event loop) for one fetch."""
+        return await self.sender.offer_off_loop(
+            purpose,
+            export.meta.model_dump_json().encode(),
+            export.payload(),
+            export.meta.num_tokens,
+            ttl_s=self.settings.transfer_timeout_s,
+        )
 
     def _watch(
         self, transfer_id: str, nbytes: int, num_blocks: int = 0, request_id: str = ""
