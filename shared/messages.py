@@ -150,6 +150,10 @@ class InstanceInfo(Message):
     # and the costs of work done since the previous heartbeat.
     engine_key: str = ""
     cost_samples: list[CostSample] = Field(default_factory=list)
+    # Engines: CPU seconds of their steps since start (what the cost samples' cpu_seconds
+    # add up to). Against the machine's busy CPU over a run, it tells how much of the
+    # cores everything else took (bench replay --sim).
+    work_cpu_s: float = 0.0
     # Conductors: whether this one holds the lease and places requests (others are standbys),
     # and the lease's term (grows with each new leader; 0 when not leading).
     leader: bool = False

@@ -23,14 +23,20 @@ a window of recent samples:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from services.conductor.costmodel import CostModel, decode_features, prefill_features
 from shared.messages import CostSample
 
+# The CPU-time fits' window: a whole benchmark run (a decode step is a sample; a 2-core
+# stack makes about 20 a second).
+RUN_WINDOW = 8192
+# How finely the handoff's spread is kept: its ratio to the line at 0, 5%, ... 100%.
+SPREAD_POINTS = 21
 # Where the prior speaks: prompt lengths × cached tokens, and batch sizes × contexts.
 PREFILL_ANCHORS = [(n, c) for n in (16, 128, 512, 2048) for c in (0, 1024)]
 DECODE_ANCHORS = [(b, ctx) for b in (1, 8, 32, 64) for ctx in (128, 1024, 4096)]
@@ -71,49 +77,53 @@ class OnlineFit:
     def _fit(self) -> list[float]:
         import numpy as np
 
-        rows, targets, weights = [], [], []
         per_anchor = self.prior_weight / len(self.anchors)
+        prior = np.array(self.prior)
         n = len(self.samples)
-        recency = [0.5 ** ((n - 1 - i) / self.half_life) for i in range(n)]  # newest: 1
-        ratios = [
-            (y / p, r)
-            for (x1, x2, y), r in zip(self.samples, recency)
-            if (p := self.predict(x1, x2, self.prior)) > 0
-        ]
-        level = weighted_median(ratios) if ratios else 1.0
-        for x1, x2 in self.anchors:
-            y = level * self.predict(x1, x2, self.prior)
-            if y > 0:
-                rows.append(self.features(x1, x2))
-                targets.append(y)
-                weights.append(per_anchor / (y * y))
-        for (x1, x2, y), r in zip(self.samples, recency):
-            # Relative error against the model's own scale (not 1/y², which would favour
-            # the fast samples over the slow), and y held within 3x of that scale, so one
-            # stall moves the fit by a few percent, not by its size.
-            scale = level * self.predict(x1, x2, self.prior)
-            if scale <= 0:
-                continue
-            rows.append(self.features(x1, x2))
-            targets.append(min(max(y, scale / 3), 3 * scale))
-            weights.append(r / (scale * scale))
-        a, b, w = np.array(rows), np.array(targets), np.sqrt(np.array(weights))
+        if not n:
+            return list(self.prior)
+        x1, x2, y = (np.array(col, dtype=float) for col in zip(*self.samples))
+        recency = 0.5 ** ((n - 1 - np.arange(n)) / self.half_life)  # newest: 1
+        predicted = np.maximum(self._features(x1, x2) @ prior, 0.0)
+        seen = predicted > 0
+        level = weighted_median(y[seen] / predicted[seen], recency[seen]) if seen.any() else 1.0
+        ax1, ax2 = (np.array(col, dtype=float) for col in zip(*self.anchors))
+        a_rows = self._features(ax1, ax2)
+        a_y = level * np.maximum(a_rows @ prior, 0.0)
+        a_keep = a_y > 0
+        # Relative error against the model's own scale (not 1/y², which would favour the
+        # fast samples over the slow), and y held within 3x of that scale, so one stall
+        # moves the fit by a few percent, not by its size.
+        scale = level * predicted
+        keep = scale > 0
+        a = np.vstack([a_rows[a_keep], self._features(x1, x2)[keep]])
+        b = np.concatenate(
+            [a_y[a_keep], np.clip(y[keep], scale[keep] / 3, 3 * scale[keep])]
+        )  # fmt: skip
+        w = np.sqrt(
+            np.concatenate([per_anchor / a_y[a_keep] ** 2, recency[keep] / scale[keep] ** 2])
+        )  # fmt: skip
         # Scale the columns so their magnitudes (1 .. n²) do not ruin the conditioning.
-        scale = np.abs(a).max(axis=0)
-        scale[scale == 0] = 1.0
-        coef, *_ = np.linalg.lstsq(a / scale * w[:, None], b * w, rcond=None)
-        return [float(c) for c in coef / scale]
+        col = np.abs(a).max(axis=0)
+        col[col == 0] = 1.0
+        coef, *_ = np.linalg.lstsq(a / col * w[:, None], b * w, rcond=None)
+        return [float(c) for c in coef / col]
+
+    def _features(self, x1: Any, x2: Any) -> Any:
+        """The model's terms for arrays of samples, one row each (the constant term
+        broadcast)."""
+        import numpy as np
+
+        return np.stack(np.broadcast_arrays(*self.features(x1, x2)), axis=1)
 
 
-def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
-    """The value at which the (value, weight) pairs' cumulative weight reaches half."""
-    ordered = sorted(pairs)
-    half, acc = sum(w for _, w in ordered) / 2, 0.0
-    for value, weight in ordered:
-        acc += weight
-        if acc >= half:
-            return value
-    return ordered[-1][0]
+def weighted_median(values: Any, weights: Any) -> float:
+    """The value at which the cumulative weight (values in order) reaches half."""
+    import numpy as np
+
+    order = np.argsort(values, kind="stable")
+    acc = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(acc, acc[-1] / 2)])
 
 
 def robust_line(points: Iterable[tuple[int, float]]) -> tuple[float, float]:
@@ -127,13 +137,41 @@ def robust_line(points: Iterable[tuple[int, float]]) -> tuple[float, float]:
     return max(0.0, statistics.median(y - b * x for x, y in pts)), b
 
 
+def spread_around(
+    points: Iterable[tuple[int, float]], a: float, b: float, num: int = SPREAD_POINTS
+) -> list[float]:
+    """The measured / predicted ratios of (x, y) points around the line a + b·x, as `num`
+    quantiles at evenly spaced probabilities 0..1 (costmodel.spread_at reads them back);
+    empty with fewer than two points."""
+    ratios = sorted(y / line for x, y in points if (line := a + b * x) > 0)
+    if len(ratios) < 2:
+        return []
+    last = len(ratios) - 1
+    out = []
+    for k in range(num):
+        pos = k * last / (num - 1)
+        i = min(int(pos), last - 1)
+        out.append(ratios[i] + (ratios[i + 1] - ratios[i]) * (pos - i))
+    return out
+
+
 class Calibrator:
-    def __init__(self, prior: CostModel, window: int = 256, prior_weight: float = 2.0) -> None:
+    def __init__(
+        self,
+        prior: CostModel,
+        window: int = 256,
+        prior_weight: float = 2.0,
+        run_window: int = RUN_WINDOW,
+    ) -> None:
         self.prior = prior
         self.prefill, self.decode = self._fits(prior, window, prior_weight)
         # The same fits on the engines' CPU time (CostSample.cpu_seconds): the work
-        # without the wait for a core, for a simulator that shares cores itself.
-        self.prefill_cpu, self.decode_cpu = self._fits(prior, window, prior_weight)
+        # without the wait for a core, for a simulator that shares cores itself. These
+        # weigh every sample alike over a long window: the simulator replays a whole run,
+        # so it wants the run's average work, not the latest speed (at a run's end the
+        # engines run alone, and a recency-weighted fit then said the prefills cost 6%
+        # more than the run's own samples added up to).
+        self.prefill_cpu, self.decode_cpu = self._fits(prior, run_window, prior_weight, math.inf)
         # Handoffs: (blocks, seconds beyond the transfer); the model fits a line robustly.
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=window)
         # Dispatches (gateway arrival -> job on a prefill instance): overhead_s is their
@@ -142,13 +180,16 @@ class Calibrator:
         self._model: CostModel | None = prior
 
     @staticmethod
-    def _fits(prior: CostModel, window: int, prior_weight: float) -> tuple[OnlineFit, OnlineFit]:
+    def _fits(
+        prior: CostModel, window: int, prior_weight: float, half_life: float = 8.0
+    ) -> tuple[OnlineFit, OnlineFit]:
         prefill = OnlineFit(
             lambda n, c: prefill_features(n, c),
             list(prior.prefill_coef),
             PREFILL_ANCHORS,
             window,
             prior_weight,
+            half_life,
         )
         decode = OnlineFit(
             lambda b, ctx: decode_features(b, ctx),
@@ -156,6 +197,7 @@ class Calibrator:
             DECODE_ANCHORS,
             window,
             prior_weight,
+            half_life,
         )
         return prefill, decode
 
@@ -188,6 +230,7 @@ class Calibrator:
                 decode_coef=self.decode.coef,
                 handoff_s=handoff,
                 handoff_s_per_block=per_block,
+                handoff_spread=spread_around(self.handoffs, handoff, per_block),
                 overhead_s=(
                     statistics.median(self.dispatches) if self.dispatches else self.prior.overhead_s
                 ),

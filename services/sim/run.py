@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -72,6 +73,13 @@ class SimConfig:
     # core), while the policy still predicts with `cost`. None: each has its own hardware.
     cores: float | None = None
     work_cost: CostModel | None = None
+    # What the rest of the machine takes of those cores, on average: the gateway, the
+    # conductor, the bus, the client, the engine processes' threads beside their steps.
+    # The engines then share cores - background_cores. bench replay --sim measures it
+    # over its live run (the cores' busy time less the engines' steps).
+    background_cores: float = 0.0
+    # Seeds the draws from measured spreads (the handoff's: work_cost.handoff_spread).
+    seed: int = 0
     # Prefill runs the engine's chunked steps of this many tokens, packed across prompts
     # (model.ChunkedPrefillInstance); None: one whole prompt at a time, FIFO.
     prefill_chunk_tokens: int | None = None
@@ -86,6 +94,10 @@ class SimConfig:
             )
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("need at least one prefill and one decode instance")
+        if self.cores is not None and not 0 <= self.background_cores < self.cores:
+            raise ValueError(
+                f"background_cores must be in [0, cores={self.cores}), got {self.background_cores}"
+            )
 
 
 def to_sim_requests(trace: Sequence[TraceRequest], time_scale: float) -> list[SimRequest]:
@@ -104,7 +116,8 @@ class Cluster:
         self.cfg, self.policy = cfg, policy
         self.cost = cfg.cost  # what the policy predicts with
         self.work = cfg.work_cost or cfg.cost  # what the instances' work takes
-        self.cores = Cores(cfg.cores) if cfg.cores else None
+        self.cores = Cores(cfg.cores - cfg.background_cores) if cfg.cores else None
+        self.rng = random.Random(cfg.seed)
         self.index = KVIndex()
         self.prefills: dict[str, PrefillInstance | ChunkedPrefillInstance] = {
             f"p{i:02d}": self._prefill(f"p{i:02d}") for i in range(cfg.num_prefill)
@@ -225,7 +238,7 @@ class Cluster:
                 out.finish_s = now
                 self.decodes[out.decode_id].unassign(req.input_length + 1)
             else:
-                ready = now + self.work.handoff_time_s(len(req.hash_ids))
+                ready = now + self.work.handoff_time_s(len(req.hash_ids), self.rng.random())
                 self._push(ready, _KV_ARRIVED, out.decode_id, out)
         self._start(inst, now)
 

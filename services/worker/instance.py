@@ -22,7 +22,7 @@ from services.worker.settings import WorkerSettings
 from shared import subjects
 from shared.engine import cpu
 from shared.engine.connector import KVConnector
-from shared.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from shared.engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepTime
 from shared.engine.runner import LoadedModel
 from shared.messages import (
     CancelRequest,
@@ -146,6 +146,7 @@ class EngineInstance:
             kv_activity=self.kv_activity,
             kv_blocks_leased=self.leased_blocks(),
             engine_key=self._engine_key,
+            work_cpu_s=self.engine.work_cpu_s,
         )
 
     def heartbeat(self) -> InstanceInfo:
@@ -187,22 +188,33 @@ class EngineInstance:
 
     # -- the engine loop ----------------------------------------------------------------
     async def serve(self, stop: asyncio.Event) -> None:
-        """Step while there is work; sleep on the wake event otherwise."""
+        """Step while there is work; sleep on the wake event otherwise. What the loop does
+        between two steps (publishing, admitting) goes to the next step's cost, unless the
+        instance waited for work in between (engine.step's `between`)."""
+        since: StepTime | None = None  # (perf_counter, thread_time) at the last step's end
         while not stop.is_set():
             await self.after_step()
             if not self.engine.has_work():
+                since = None
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.25)
                 except TimeoutError:
                     pass
                 continue
+            between = (
+                StepTime(time.perf_counter() - since.wall_s, time.thread_time() - since.cpu_s)
+                if since is not None
+                else None
+            )
             try:
-                outputs = await self.run_engine(self.engine.step)
+                outputs = await self.run_engine(self.engine.step, between)
             except Exception:  # noqa: BLE001 - fail what ran, keep the instance alive
                 log.exception("engine step failed")
                 await self.fail_all("engine step failed")
+                since = None
                 continue
+            since = StepTime(time.perf_counter(), time.thread_time())
             self._stats = self.engine.stats()
             await self.publish_kv_events()
             for out in outputs:

@@ -134,8 +134,9 @@ class PromptScores:
 
 @dataclass(frozen=True, slots=True)
 class StepTime:
-    """A forward pass's wall time, and the CPU time of the thread that ran it (with one
-    compute thread, its time with a core to itself; see CostSample.cpu_seconds)."""
+    """A step's wall time, and the CPU time of the threads that ran it in turn (the engine
+    thread, and the instance's loop between steps; with one compute thread, its time with
+    a core to itself: see CostSample.cpu_seconds). Also a pair of clock marks."""
 
     wall_s: float
     cpu_s: float
@@ -185,6 +186,10 @@ class LLMEngine:
         # What work cost, for the conductor's online cost model (drained by heartbeats;
         # deque appends and pops are atomic, so the loop thread may drain it).
         self.cost_samples: deque[CostSample] = deque(maxlen=256)
+        # CPU seconds of the steps' cycles since start (step() and the instance's serial
+        # work between steps): what the cost samples' cpu_seconds add up to. A simulator
+        # of a one-machine stack counts the rest of the machine's CPU apart from it.
+        self.work_cpu_s = 0.0
         if config.disk_tier_bytes > 0:
             self.disk = DiskTier(Path(config.disk_tier_dir), config.disk_tier_bytes)
             self.blocks.keep_spills = True
@@ -473,10 +478,18 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # -- one step -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, between: StepTime | None = None) -> list[RequestOutput]:
         """Plan under the lock, run the forward pass without it (an export from another
-        thread never waits for a long prefill chunk), account for the results under it."""
-        t0 = time.perf_counter()
+        thread never waits for a long prefill chunk), account for the results under it.
+
+        `between` is the instance's serial work since its previous step (publishing that
+        step's tokens, admitting handoffs), when it stepped on without waiting for work.
+        A step's cost is its whole cycle, from the previous step's end to this one's
+        tokens: what a running sequence waits between two tokens. (The forward pass alone
+        was about three quarters of a decode cycle on a busy 2-core stack.)"""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        if between is not None:  # the cycle started that much earlier
+            t0, c0 = t0 - between.wall_s, c0 - between.cpu_s
         with self._book:
             try:
                 sched = self._schedule()
@@ -485,11 +498,9 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if sched.scheduled:
             batch, order = build_batch(sched.scheduled, self.config.block_size, self.lm.device)
-            t_forward, c_forward = time.perf_counter(), time.thread_time()
             logits = self.model.forward(batch)
-            spent = StepTime(time.perf_counter() - t_forward, time.thread_time() - c_forward)
             with self._book:
-                outputs = self._finish_step(order, logits, spent)
+                outputs = self._finish_step(order, logits, StepTime(t0, c0))
         with self._book:
             self._record_step(sched, time.perf_counter() - t0)
         return outputs
@@ -570,10 +581,13 @@ class LLMEngine:
         return loaded
 
     def _finish_step(
-        self, order: list[ScheduledSeq], logits: torch.Tensor, spent: StepTime
+        self, order: list[ScheduledSeq], logits: torch.Tensor, started: StepTime
     ) -> list[RequestOutput]:
+        """`started`: the cycle's start (perf_counter, thread_time)."""
         completing = [item for item in order if item.completes]
         sampled = self._sample(completing, logits)
+        spent = StepTime(time.perf_counter() - started.wall_s, time.thread_time() - started.cpu_s)
+        self.work_cpu_s += spent.cpu_s
         self._account(order, spent)
         for item in order:
             self.scheduler.postprocess(item)

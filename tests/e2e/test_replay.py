@@ -50,3 +50,37 @@ def test_replay_a_trace_slice_on_a_colocated_cluster(tmp_path: Path, model_dir: 
     html = (out / "report.html").read_text()
     assert "plotly" in html.lower() and "Effective request capacity" in html
     assert (out / "colo.log").exists()
+
+
+def test_replay_with_the_simulator_on_a_disaggregated_cluster(tmp_path: Path, model_dir: Path):
+    """--sim: after the live run, the simulator replays the same requests with what the
+    cluster measured: its calibrated models (the CPU-time fit, the handoff's spread) and
+    what the rest of the machine took of the cores the engines share."""
+    out = tmp_path / "report"
+    cmd = [
+        sys.executable, "-m", "services.cli", "bench", "replay", "--model", str(model_dir),
+        "--config", "pd=--prefill 1 --decode 1 --threads 1", "--sim",
+        "--max-requests", "12", "--time-scale", "0.02", "--max-input-tokens", "256",
+        "--max-output-tokens", "8", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "simulator against the live run (sim: the mean of 16 draws)" in proc.stdout
+
+    run = json.loads((out / "report.json").read_text())["runs"][0]
+    assert run["summary"]["completed"] == 12
+    # The cores' busy time over the run: the engines' steps (their heartbeats' work_cpu_s)
+    # and the rest, which the simulator takes out of the engines' share.
+    m = run["machine"]
+    assert 0 < m["work_cores"] <= m["busy_cores"] + 0.05 and m["busy_cores"] <= m["cores"]
+    assert m["background_cores"] == max(0.0, m["busy_cores"] - m["work_cores"])
+    sim = run["sim"]
+    assert sim["draws"] == 16 and sim["background_cores"] == m["background_cores"]
+    assert sim["work_model"].startswith("the live conductor's, fit on CPU time")
+    # 11 handoffs at least (a one-token answer has none): a spread of 21 points, rising
+    spread = sim["work_params"]["handoff_spread"]
+    assert len(spread) == 21 and spread == sorted(spread) and spread[0] <= 1.0 <= spread[-1]
+    rows = {r["figure"]: r for r in sim["side_by_side"]}
+    assert {"mean TTFT ms", "TBT p99 ms", "hit ratio"} <= set(rows)
+    assert all("within" in rows[f] for f in ("mean TTFT ms", "TBT p99 ms", "hit ratio"))
+    assert sim["summary"]["completed"] == 12 and len(rows["TBT p99 ms"]["sim_range"]) == 2

@@ -12,7 +12,7 @@ import torch
 from shared.engine.batch import build_batch
 from shared.engine.connector import HandOffAll
 from shared.engine.kv_transfer import KVExport
-from shared.engine.llm_engine import EngineConfig, LLMEngine
+from shared.engine.llm_engine import EngineConfig, LLMEngine, StepTime
 from shared.engine.params import SamplingParams
 from shared.engine.runner import load_model
 from shared.engine.scheduler import ScheduledSeq
@@ -79,6 +79,26 @@ def drain(engine):
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             outputs[out.request_id] = out
     return tokens, outputs
+
+
+def test_a_steps_cost_is_its_whole_cycle_with_the_work_between_steps(lm, prompts):
+    """A running sequence waits for the whole cycle between two tokens: the step and what
+    the instance did between steps (publishing, admitting), which the loop hands in."""
+    engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=64 << 20))
+    engine.add_request("r", prompts[0], greedy(4))
+    engine.step()  # the prompt
+    prefill = engine.cost_samples.pop()
+    assert prefill.kind == "prefill" and prefill.cpu_seconds and prefill.cpu_seconds > 0
+    work0 = engine.work_cpu_s
+    engine.step()
+    plain = engine.cost_samples.pop()
+    engine.step(StepTime(wall_s=0.5, cpu_s=0.25))  # the loop took 0.5 s, 0.25 s of CPU
+    cycle = engine.cost_samples.pop()
+    assert plain.kind == cycle.kind == "decode" and plain.cpu_seconds is not None
+    assert cycle.cpu_seconds is not None and 0.5 < cycle.seconds < 0.5 + 20 * plain.seconds
+    assert 0.25 < cycle.cpu_seconds < 0.25 + 20 * plain.cpu_seconds
+    # what the heartbeats report as the engines' work: the samples' CPU, nothing else
+    assert engine.work_cpu_s - work0 == pytest.approx(plain.cpu_seconds + cycle.cpu_seconds)
 
 
 def test_prompt_lengths_are_varied(prompts):

@@ -103,11 +103,11 @@ def hold_after(inst: EngineInstance, steps: int) -> threading.Event:
     the event is set."""
     gate, real, count = threading.Event(), inst.engine.step, [0]
 
-    def step():  # type: ignore[no-untyped-def]
+    def step(between=None):  # type: ignore[no-untyped-def]
         count[0] += 1
         if count[0] > steps:
             gate.wait(30)
-        return real()
+        return real(between)
 
     inst.engine.step = step  # type: ignore[method-assign]
     return gate
@@ -119,12 +119,12 @@ def paced(pre: PrefillInstance) -> None:
     steps take a millisecond, and the stream would coalesce chunks at random.)"""
     real = pre.engine.step
 
-    def step():  # type: ignore[no-untyped-def]
+    def step(between=None):  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + 30
         while any(out.busy for out in list(pre.outgoing.values())):
             assert time.monotonic() < deadline, "a chunk was never acked"
             time.sleep(0.001)
-        return real()
+        return real(between)
 
     pre.engine.step = step  # type: ignore[method-assign]
 

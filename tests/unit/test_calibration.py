@@ -5,8 +5,10 @@ from __future__ import annotations
 import random
 import statistics
 
+import pytest
+
 from services.conductor.calibration import Calibrator
-from services.conductor.costmodel import CostModel
+from services.conductor.costmodel import CostModel, spread_at
 from shared.messages import CostSample
 
 
@@ -166,3 +168,54 @@ def test_dispatches_set_the_overhead_to_their_median():
     assert abs(model.overhead_s - 0.011) < 1e-12
     assert model.prefill_coef == prior.prefill_coef and model.handoff_s == prior.handoff_s
     assert "overhead on 5 dispatches" in model.source
+
+
+def test_the_handoffs_spread_is_their_measured_ratio_to_the_line():
+    """The policy predicts a handoff with the line; a simulator draws from the spread around
+    it, which on a busy stack is long-tailed (a hop waiting for a core)."""
+    prior = CostModel(transfer_latency_s=0.001, transfer_bytes_per_s=1e9, block_bytes=1_000_000)
+    cal = Calibrator(prior)
+    assert cal.model().handoff_spread == []  # nothing measured: no spread
+    # 64 tokens = 4 blocks = 5 ms of transfer; beyond it 10, 20, 30, 40 and 100 ms
+    beyond = [0.010, 0.020, 0.030, 0.040, 0.100]
+    cal.observe(
+        CostSample(kind="handoff", tokens=64, context=0.0, seconds=0.005 + b) for b in beyond
+    )
+    model = cal.model()
+    assert abs(model.handoff_s - 0.030) < 1e-9  # the line: their median
+    spread = model.handoff_spread
+    assert len(spread) == 21
+    assert spread[0] == pytest.approx(1 / 3) and spread[-1] == pytest.approx(10 / 3)
+    assert spread[10] == pytest.approx(1.0) and spread == sorted(spread)
+    # 5% in: five ratios sit at 0, 25, .. 100%, so a fifth of the way from the smallest
+    # (1/3) to the next (2/3)
+    assert spread[1] == pytest.approx(0.4)
+    assert model.handoff_time_s(4) == pytest.approx(0.035)  # the line, for the policy
+    assert model.handoff_time_s(4, 1.0) == pytest.approx(0.105)  # the slowest measured
+    assert model.handoff_time_s(4, 0.0) == pytest.approx(0.015)
+    assert model.handoff_time_s(4, 0.5) == pytest.approx(0.035)
+
+
+def test_spread_at_interpolates_the_quantile_function():
+    points = [1.0, 2.0, 4.0]  # at 0, 0.5 and 1
+    assert [spread_at(points, q) for q in (0.0, 0.25, 0.5, 0.75, 1.0)] == [1, 1.5, 2, 3, 4]
+    assert spread_at(points, -1.0) == 1.0 and spread_at(points, 2.0) == 4.0
+    assert spread_at([1.7], 0.3) == 1.7
+
+
+def test_the_cpu_time_model_weighs_the_whole_run_alike():
+    """The simulator replays a whole run: its work model is the run's average, while the
+    policy's model follows the latest speed (here, a run that ends twice as slow)."""
+    prior = CostModel()
+    cal = Calibrator(prior)
+    rng = random.Random(5)
+    for i in range(400):
+        b, factor = rng.randrange(1, 32), (1.0 if i < 200 else 2.0)
+        t = prior.decode_step_s(b, 400) * factor
+        cal.observe([CostSample(kind="decode", tokens=b, context=400, seconds=t, cpu_seconds=t)])
+    cal.observe([CostSample(kind="prefill", tokens=100, context=0, seconds=0.2, cpu_seconds=0.2)])
+    cpu, wall = cal.cpu_model(), cal.model()
+    assert cpu is not None
+    at = prior.decode_step_s(8, 400)
+    assert 1.9 < wall.decode_step_s(8, 400) / at < 2.1  # the latest speed
+    assert 1.3 < cpu.decode_step_s(8, 400) / at < 1.7  # the run's

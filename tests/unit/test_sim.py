@@ -145,6 +145,35 @@ def test_a_decode_step_beside_a_prefill_on_one_core_takes_twice_its_work():
     assert outs[1].predicted_ttft_s == pytest.approx(1.0)
 
 
+def test_background_cores_are_taken_out_of_the_engines_share():
+    # Two 1.0 s prefills at t=0 on two instances and two cores: a core each, unless the
+    # rest of the machine takes one of them on average; then they share the other.
+    reqs = [req(0, 0.0, range(1, 11), output=2), req(1, 0.0, range(11, 21), output=2)]
+    own, _, _ = simulate(reqs, cfg(num_prefill=2, cores=2), "least_loaded")
+    assert [o.ttft_s for o in own] == pytest.approx([1.0, 1.0])
+    busy, _, _ = simulate(reqs, cfg(num_prefill=2, cores=2, background_cores=1.0), "least_loaded")
+    assert [o.ttft_s for o in busy] == pytest.approx([2.0, 2.0])
+    for bad in (-0.1, 2.0):
+        with pytest.raises(ValueError, match="background_cores"):
+            cfg(cores=2, background_cores=bad)
+
+
+def test_handoffs_are_drawn_from_the_measured_spread_by_seed():
+    # One 0.2 s prefill, a 0.1 s decode step: the first gap is the handoff plus the step.
+    # A handoff line of 0.5 s with a spread from 1x to 3x: each seed draws 0.5-1.5 s.
+    line = replace(cost(), handoff_s=0.5)
+    spread = replace(line, handoff_spread=[1.0, 3.0])
+    reqs = [req(0, 0.0, [1, 2], output=2)]
+    plain = simulate(reqs, cfg(cost=line, seed=3), "kvcentric")[0][0]
+    assert plain.tbt_s == pytest.approx(0.6)  # no spread: the line, whatever the seed
+    gaps = [simulate(reqs, cfg(cost=spread, seed=s), "kvcentric")[0][0].tbt_s for s in range(8)]
+    assert all(0.6 <= g <= 1.6 for g in gaps) and len(set(gaps)) == 8
+    again = simulate(reqs, cfg(cost=spread, seed=5), "kvcentric")[0][0].tbt_s
+    assert again == gaps[5]  # a seed is a run: the same draws
+    u = random.Random(5).random()  # the seed's first draw, as the loop takes it
+    assert gaps[5] == pytest.approx(0.5 * (1 + 2 * u) + 0.1)
+
+
 def test_work_cost_is_what_instances_take_and_cost_what_the_policy_predicts():
     reqs = [req(0, 0.0, range(1, 11), output=2)]
     slow = cost(prefill_per_token=0.02)

@@ -3,10 +3,13 @@ run, on round numbers where every figure is known."""
 
 from dataclasses import replace
 
+import pytest
+
 from services.bench.replay.metrics import ReplayedRequest, Slos
 from services.bench.replay.prompts import PromptPlan
 from services.bench.replay.sim_compare import (
     ClusterFacts,
+    mean_summary,
     side_by_side,
     sim_requests,
     simulate_replay,
@@ -95,7 +98,52 @@ def test_side_by_side_marks_the_checked_figures():
             "cache_hit_ratio": 0.3, "rejected": 0, "goodput_rps": 2.0}  # fmt: skip
     sim = {"ttft": {"mean_ms": 110.0, "p99_ms": 200.0}, "tbt": {"p99_ms": 60.0},
            "cache_hit_ratio": 0.3, "rejected": 0, "goodput_rps": 2.0}  # fmt: skip
-    rows = {r["figure"]: r for r in side_by_side(live, sim)}
+    rows = {r["figure"]: r for r in side_by_side(live, {"summary": sim})}
     assert rows["mean TTFT ms"]["within"] and not rows["TBT p99 ms"]["within"]
     assert rows["hit ratio"]["within"] and "within" not in rows["p99 TTFT ms"]
     assert rows["rejected"]["sim_over_live"] is None  # 0 live: no ratio
+
+
+def test_the_simulator_runs_its_draws_and_reports_their_mean_and_range():
+    """Handoffs drawn from the measured spread: each draw is a run with its own seed, the
+    summary their mean, and each figure's range over them."""
+    plans = [PromptPlan("", 32, 3, (i,)) for i in range(6)]
+    records = [
+        ReplayedRequest(i, float(i), 0.0, 32, 3, "completed", prompt_tokens=32) for i in range(6)
+    ]
+    reqs = sim_requests(plans, [float(i) for i in range(6)], records, 16)
+    base = facts()
+    cost = replace(base.cost, handoff_s=0.1, handoff_spread=[1.0, 5.0])
+    sim = simulate_replay(replace(base, cost=cost), reqs, 16, SLOS, 0.0, True, draws=5)
+    assert sim["draws"] == 5
+    lo, hi = sim["ranges"]["TBT p99 ms"]
+    assert 200.0 <= lo < hi <= 600.0  # handoffs of 0.1-0.5 s, then a 0.1 s step
+    assert lo < sim["summary"]["tbt"]["p99_ms"] < hi
+    assert sim["ranges"]["hit ratio"][0] == sim["ranges"]["hit ratio"][1]  # not drawn
+    one = [simulate_replay(replace(base, cost=cost), reqs, 16, SLOS, 0.0, True, draws=1)]
+    assert one[0]["ranges"]["TBT p99 ms"][0] == one[0]["ranges"]["TBT p99 ms"][1]
+
+
+def test_mean_summary_averages_every_number_and_keeps_the_rest():
+    a = {"ttft": {"mean_ms": 100.0, "n": 2}, "label": "x", "ok": True, "gone": None}
+    b = {"ttft": {"mean_ms": 300.0, "n": 4}, "label": "y", "ok": False, "gone": 1.0}
+    assert mean_summary([a, b]) == {
+        "ttft": {"mean_ms": 200.0, "n": 3.0},
+        "label": "x",
+        "ok": True,
+        "gone": None,
+    }
+
+
+def test_the_background_takes_its_cores_out_of_the_engines_share():
+    # One 1.0 s prefill (CPU time) on a cluster sharing 2 cores: alone it has a core;
+    # with 1.5 cores taken by the rest of the machine it runs at half a core.
+    plans = [PromptPlan("", 100, 2, (1,))]
+    records = [ReplayedRequest(0, 0.0, 0.0, 100, 2, "completed", prompt_tokens=100)]
+    reqs = sim_requests(plans, [0.0], records, 16)
+    base = replace(facts(), cpu_cost=facts().cost, cores=2.0)
+    free = simulate_replay(base, reqs, 16, SLOS, 0.0, True, draws=1)
+    busy = simulate_replay(replace(base, background_cores=1.5), reqs, 16, SLOS, 0.0, True, 1)
+    assert free["summary"]["ttft"]["mean_ms"] == pytest.approx(1000.0)
+    assert busy["summary"]["ttft"]["mean_ms"] == pytest.approx(2000.0)
+    assert busy["background_cores"] == 1.5 and "less 1.50" in busy["cores_text"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from services.bench.replay import report, sim_compare
+from services.bench.replay import machine, report, sim_compare
 from services.bench.replay.cluster import ClusterConfig, local_cluster
 from services.bench.replay.metrics import ReplayedRequest, Slos, records_json, summarize
 from services.bench.replay.prompts import (
@@ -182,6 +182,34 @@ async def run_one(name: str, url: str, work: Workload, args: argparse.Namespace)
     return {"name": name, "summary": summary, "records": records_json(records)}
 
 
+async def measured_run(
+    name: str, url: str, work: Workload, args: argparse.Namespace, cores: float | None
+) -> tuple[dict[str, Any], sim_compare.ClusterFacts | None]:
+    """One live run and, with --sim, what the simulator needs of it. With shared cores
+    (the stack on this machine), that includes what the rest of the machine took of
+    them during the run (machine.py)."""
+    before = await machine.mark(url) if args.sim and cores else None
+    run = await run_one(name, url, work, args)
+    if not args.sim:
+        return run, None
+    background = 0.0
+    if before is not None:
+        use = machine.core_use(before, await machine.mark_after(url))
+        background = use.background_cores
+        run["machine"] = {
+            "cores": cores,
+            "busy_cores": use.busy_cores,
+            "work_cores": use.work_cores,
+            "background_cores": background,
+        }
+        print(
+            f"[{name}] the cores were busy {use.busy_cores:.2f} of {cores:g}: the engines' "
+            f"steps {use.work_cores:.2f}, the rest {background:.2f}",
+            flush=True,
+        )
+    return run, await sim_compare.cluster_facts(url, cores, background)
+
+
 def with_sim(
     run: dict[str, Any],
     facts: sim_compare.ClusterFacts | None,
@@ -199,15 +227,17 @@ def with_sim(
     sim = sim_compare.simulate_replay(
         facts, requests, args.block_tokens, work.slos, work.ideal_hit_ratio, args.send_slos
     )
-    rows = sim_compare.side_by_side(run["summary"], sim["summary"])
-    print(sim_compare.table(run["name"], rows), flush=True)
+    rows = sim_compare.side_by_side(run["summary"], sim)
+    print(sim_compare.table(run["name"], rows, sim["draws"]), flush=True)
     c, w = sim["cost_params"], sim["work_params"]
     print(
         f"  (policy's cost model: {sim['cost_model']}: prefill {c['prefill_coef']}, decode "
         f"{c['decode_coef']}, overhead {c['overhead_s']:.3f}s, handoff {c['handoff_s']:.3f}s"
         f" + {c.get('handoff_s_per_block', 0.0) * 1e3:.2f} ms/block;"
         f" the work: {sim['work_model']}: prefill {w['prefill_coef']}, decode "
-        f"{w['decode_coef']}; {sim['cores_text']}; simulated in {sim['wall_s']:.2f}s)",
+        f"{w['decode_coef']}; handoff spread (measured / line at 0, 5%, .. 100%) "
+        f"{[round(x, 2) for x in w.get('handoff_spread', [])]}; {sim['cores_text']}; "
+        f"simulated in {sim['wall_s']:.2f}s)",
         flush=True,
     )
     return {**run, "sim": {**sim, "side_by_side": rows}}
@@ -245,15 +275,13 @@ async def main_async(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     if not configs:
-        run = await run_one("live", args.url, work, args)
-        facts = await sim_compare.cluster_facts(args.url, args.sim_cores) if args.sim else None
+        run, facts = await measured_run("live", args.url, work, args, args.sim_cores)
         runs.append(with_sim(run, facts, work, args))
     for cfg in configs:
         print(f"[{cfg.name}] starting a local cluster: halfmoon up {cfg.describe()}", flush=True)
         async with local_cluster(cfg, model_dir, out) as url:
-            run = await run_one(cfg.name, url, work, args)
             cores = args.sim_cores or float(len(os.sched_getaffinity(0)))
-            facts = await sim_compare.cluster_facts(url, cores) if args.sim else None
+            run, facts = await measured_run(cfg.name, url, work, args, cores)
         run = with_sim(run, facts, work, args)
         runs.append({**run, "config": cfg.describe()})
     desc = (

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import aiohttp
@@ -46,6 +46,8 @@ FIGURES = (
 )
 CHECKED = ("mean TTFT ms", "TBT p99 ms", "hit ratio")
 TOLERANCE = 0.15
+# Simulated runs per comparison, each with its own draws from the measured spreads.
+DRAWS = 16
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,12 @@ class ClusterFacts:
     placement: dict[str, Any]
     cpu_cost: CostModel | None = None  # the model fit on the engines' CPU time
     cores: float | None = None  # the cores the engines share (None: one each)
+    background_cores: float = 0.0  # what the rest took of them (machine.background_cores)
 
 
-async def cluster_facts(url: str, cores: float | None = None) -> ClusterFacts:
+async def cluster_facts(
+    url: str, cores: float | None = None, background_cores: float = 0.0
+) -> ClusterFacts:
     """What the live cluster knew at the end of its run (GET /admin/state)."""
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/admin/state") as resp:
@@ -81,6 +86,7 @@ async def cluster_facts(url: str, cores: float | None = None) -> ClusterFacts:
         lead.get("placement", {}),
         CostModel.from_params(cpu, "the live conductor's, fit on CPU time") if cpu else None,
         cores,
+        background_cores,
     )
 
 
@@ -148,21 +154,14 @@ def summarize_outcomes(
     return summarize(records, end - start, slos, ideal_hit_ratio)
 
 
-def simulate_replay(
-    facts: ClusterFacts,
-    requests: Sequence[SimRequest],
-    block_tokens: int,
-    slos: Slos,
-    ideal_hit_ratio: float,
-    send_slos: bool,
-) -> dict[str, Any]:
-    """The simulator's summary of the same workload, in the replay's terms."""
+def replay_config(facts: ClusterFacts, block_tokens: int, slos: Slos, send_slos: bool) -> SimConfig:
+    """The simulated cluster: the live one's shape, settings and models."""
     p = facts.placement
     threshold = p.get("balancing_threshold")
     # Shared cores only with the work they share: the CPU-time model (engines that report it).
     cpu = facts.cpu_cost if facts.cores is not None else None
     work = with_block_tokens(cpu, block_tokens) if cpu is not None else None
-    cfg = SimConfig(
+    return SimConfig(
         num_prefill=facts.num_prefill,
         num_decode=facts.num_decode,
         cache_blocks=facts.prefill_blocks or None,
@@ -177,22 +176,47 @@ def simulate_replay(
         prewarm=False,  # the live pools start empty
         cores=facts.cores if work is not None else None,
         work_cost=work,
+        background_cores=facts.background_cores if work is not None else 0.0,
         # The live engine's steps: its scheduler packs this many prompt tokens per step.
         prefill_chunk_tokens=SchedulerConfig().max_num_batched_tokens,
     )
-    outcomes, wall, _ = simulate(requests, cfg, str(p.get("policy", "kvcentric")))
-    summary = summarize_outcomes(outcomes, block_tokens, slos, ideal_hit_ratio)
-    work_model = work or cfg.cost
+
+
+def simulate_replay(
+    facts: ClusterFacts,
+    requests: Sequence[SimRequest],
+    block_tokens: int,
+    slos: Slos,
+    ideal_hit_ratio: float,
+    send_slos: bool,
+    draws: int = DRAWS,
+) -> dict[str, Any]:
+    """The simulator's summary of the same workload, in the replay's terms: the mean of
+    `draws` runs, each drawing its handoffs from the measured spread with its own seed
+    (a run's TBT p99 is its two or three slowest first gaps, so one draw is noisy), with
+    each figure's range over the draws."""
+    cfg = replay_config(facts, block_tokens, slos, send_slos)
+    policy = str(facts.placement.get("policy", "kvcentric"))
+    summaries, wall = [], 0.0
+    for seed in range(max(1, draws)):
+        outcomes, took, _ = simulate(requests, replace(cfg, seed=seed), policy)
+        summaries.append(summarize_outcomes(outcomes, block_tokens, slos, ideal_hit_ratio))
+        wall += took
+    work_model = cfg.work_cost or cfg.cost
     return {
-        "summary": summary,
+        "summary": mean_summary(summaries),
+        "ranges": {name: figure_range(summaries, path) for name, path in FIGURES},
+        "draws": len(summaries),
         "wall_s": wall,
         "cost_model": facts.cost.source,
         "cost_params": facts.cost.params(),
         "work_model": work_model.source,
         "work_params": work_model.params(),
         "cores": cfg.cores,
+        "background_cores": cfg.background_cores,
         "cores_text": (
-            f"the instances share {cfg.cores:g} cores"
+            f"the instances share {cfg.cores:g} cores, less {cfg.background_cores:.2f} "
+            "that the rest of the machine took"
             if cfg.cores
             else "each instance on its own cores"
         ),
@@ -204,24 +228,54 @@ def simulate_replay(
     }
 
 
+def mean_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Every number averaged over the summaries (same keys), the rest from the first."""
+    first = summaries[0]
+    out: dict[str, Any] = {}
+    for key, value in first.items():
+        values = [s.get(key) for s in summaries]
+        if isinstance(value, dict):
+            out[key] = mean_summary([v for v in values if isinstance(v, dict)])
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            nums = [v for v in values if isinstance(v, (int, float))]
+            out[key] = sum(nums) / len(nums) if len(nums) == len(values) else value
+        else:
+            out[key] = value
+    return out
+
+
+def figure_range(summaries: Sequence[dict[str, Any]], path: tuple[str, ...]) -> list[float]:
+    """[min, max] of one figure over the summaries (empty if some lack it)."""
+    values = [report.lookup(s, path) for s in summaries]
+    nums = [float(v) for v in values if v is not None]
+    return [min(nums), max(nums)] if nums and len(nums) == len(values) else []
+
+
 def side_by_side(live: dict[str, Any], sim: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each figure live and simulated, their ratio, and for the checked ones whether the
-    simulator is within the tolerance."""
+    """Each figure live and simulated (the mean over the simulator's draws, and their
+    range), their ratio, and for the checked ones whether the simulator is within the
+    tolerance. `sim` is simulate_replay's result."""
     rows = []
     for name, path in FIGURES:
-        a, b = report.lookup(live, path), report.lookup(sim, path)
+        a, b = report.lookup(live, path), report.lookup(sim["summary"], path)
         ratio = b / a if a and b is not None else None
-        row: dict[str, Any] = {"figure": name, "live": a, "sim": b, "sim_over_live": ratio}
+        row: dict[str, Any] = {
+            "figure": name,
+            "live": a,
+            "sim": b,
+            "sim_range": sim.get("ranges", {}).get(name, []),
+            "sim_over_live": ratio,
+        }
         if name in CHECKED:
             row["within"] = ratio is not None and abs(ratio - 1) <= TOLERANCE
         rows.append(row)
     return rows
 
 
-def table(name: str, rows: Sequence[dict[str, Any]]) -> str:
+def table(name: str, rows: Sequence[dict[str, Any]], draws: int = 1) -> str:
     lines = [
-        f"[{name}] simulator against the live run:",
-        f"{'':16s}{'live':>12s}{'sim':>12s}  sim/live",
+        f"[{name}] simulator against the live run (sim: the mean of {draws} draws):",
+        f"{'':16s}{'live':>12s}{'sim':>12s}  sim/live{'':20s}sim's range over the draws",
     ]
     for r in rows:
         a, b, q = r["live"], r["sim"], r["sim_over_live"]
@@ -229,8 +283,8 @@ def table(name: str, rows: Sequence[dict[str, Any]]) -> str:
         fmt = (lambda v: "n/a" if v is None else f"{v:.3f}") if r["figure"] == "hit ratio" else (
             lambda v: "n/a" if v is None else f"{v:.1f}"
         )  # fmt: skip
-        lines.append(
-            f"{r['figure']:16s}{fmt(a):>12s}{fmt(b):>12s}  "
-            f"{'n/a' if q is None else f'{q:.2f}x'}{mark}"
-        )
+        lo_hi = r.get("sim_range") or []
+        span = f"{fmt(lo_hi[0])} - {fmt(lo_hi[1])}" if lo_hi else ""
+        ratio = "n/a" if q is None else f"{q:.2f}x"
+        lines.append(f"{r['figure']:16s}{fmt(a):>12s}{fmt(b):>12s}  {ratio + mark:26s}{span}")
     return "\n".join(lines)
