@@ -33,6 +33,7 @@ from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import _runs
 from services.kvmanager.traces import TraceRequest
 from services.sim.model import (
+    BACKGROUND,
     ChunkedPrefillInstance,
     Cores,
     DecodeInstance,
@@ -73,11 +74,15 @@ class SimConfig:
     # core), while the policy still predicts with `cost`. None: each has its own hardware.
     cores: float | None = None
     work_cost: CostModel | None = None
-    # What the rest of the machine takes of those cores, on average: the gateway, the
-    # conductor, the bus, the client, the engine processes' threads beside their steps.
-    # The engines then share cores - background_cores. bench replay --sim measures it
-    # over its live run (the cores' busy time less the engines' steps).
-    background_cores: float = 0.0
+    # The rest of the machine's work on those cores (the gateway, the conductor, the bus,
+    # the client, the engine processes' threads beside their steps): this many CPU
+    # seconds come with each request as it arrives, and run beside the engines with
+    # `background_weight` times an engine's share (engines niced n below it: 1.25^n, as
+    # the kernel's fair scheduler weighs them), on at most `background_cap` cores.
+    # bench replay --sim measures them over its live run.
+    background_s_per_request: float = 0.0
+    background_weight: float = 1.0
+    background_cap: float = 1.0
     # Seeds the draws from measured spreads (the handoff's: work_cost.handoff_spread).
     seed: int = 0
     # Prefill runs the engine's chunked steps of this many tokens, packed across prompts
@@ -94,10 +99,8 @@ class SimConfig:
             )
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("need at least one prefill and one decode instance")
-        if self.cores is not None and not 0 <= self.background_cores < self.cores:
-            raise ValueError(
-                f"background_cores must be in [0, cores={self.cores}), got {self.background_cores}"
-            )
+        if self.background_s_per_request < 0:
+            raise ValueError(f"background_s_per_request < 0: {self.background_s_per_request}")
 
 
 def to_sim_requests(trace: Sequence[TraceRequest], time_scale: float) -> list[SimRequest]:
@@ -116,7 +119,9 @@ class Cluster:
         self.cfg, self.policy = cfg, policy
         self.cost = cfg.cost  # what the policy predicts with
         self.work = cfg.work_cost or cfg.cost  # what the instances' work takes
-        self.cores = Cores(cfg.cores - cfg.background_cores) if cfg.cores else None
+        self.cores = (
+            Cores(cfg.cores, cfg.background_weight, cfg.background_cap) if cfg.cores else None
+        )
         self.rng = random.Random(cfg.seed)
         self.index = KVIndex()
         self.prefills: dict[str, PrefillInstance | ChunkedPrefillInstance] = {
@@ -146,6 +151,8 @@ class Cluster:
 
     def arrive(self, req: SimRequest) -> None:
         now = req.arrival_s
+        if self.cores is not None:
+            self.cores.add_background(now, self.cfg.background_s_per_request)
         for d in self.decodes.values():
             d.advance(now)
         matches = self.index.match(req.hash_ids).per_instance
@@ -220,9 +227,12 @@ class Cluster:
                 return
 
     def _shared_done(self, now: float, instance_id: str) -> None:
-        """A prefill job or decode step on the shared cores is done."""
+        """A prefill job or decode step on the shared cores is done (or the background
+        ran dry, which changes the instances' rates)."""
         assert self.cores is not None
-        if instance_id in self.prefills:
+        if instance_id == BACKGROUND:
+            self.cores.settle(now)
+        elif instance_id in self.prefills:
             self.cores.end(instance_id, now)
             self._prefill_done(self.prefills[instance_id], now)
         else:

@@ -74,8 +74,12 @@ def test_replay_with_the_simulator_on_a_disaggregated_cluster(tmp_path: Path, mo
     m = run["machine"]
     assert 0 < m["work_cores"] <= m["busy_cores"] + 0.05 and m["busy_cores"] <= m["cores"]
     assert m["background_cores"] == max(0.0, m["busy_cores"] - m["work_cores"])
+    per_request = m["background_cores"] * m["span_s"] / 12
+    assert abs(m["background_s_per_request"] - per_request) < 1e-9
+    # halfmoon up nices the engines by 10: the rest weighs 1.25^10 as much in the kernel
+    assert abs(m["background_weight"] - 1.25**10) < 0.01
     sim = run["sim"]
-    assert sim["draws"] == 16 and sim["background_cores"] == m["background_cores"]
+    assert sim["draws"] == 16 and sim["background_s_per_request"] == per_request
     assert sim["work_model"].startswith("the live conductor's, fit on CPU time")
     # 11 handoffs at least (a one-token answer has none): a spread of 21 points, rising
     spread = sim["work_params"]["handoff_spread"]
@@ -84,3 +88,6 @@ def test_replay_with_the_simulator_on_a_disaggregated_cluster(tmp_path: Path, mo
     assert {"mean TTFT ms", "TBT p99 ms", "hit ratio"} <= set(rows)
     assert all("within" in rows[f] for f in ("mean TTFT ms", "TBT p99 ms", "hit ratio"))
     assert sim["summary"]["completed"] == 12 and len(rows["TBT p99 ms"]["sim_range"]) == 2
+    # and again without each measured input, to show what it moves
+    assert "what each measured input moves" in proc.stdout
+    assert "the handoff's spread (its line only)" in [r["without"] for r in sim["without"]]

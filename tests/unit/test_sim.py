@@ -12,7 +12,7 @@ from services.conductor.costmodel import CostModel
 from services.kvmanager.replay import replay_requests
 from services.kvmanager.traces import SAMPLE_TRACE, load_trace, replicate
 from services.sim import cli, report
-from services.sim.model import Cores, SimRequest, slowest_tenth_mean
+from services.sim.model import BACKGROUND, Cores, SimRequest, slowest_tenth_mean
 from services.sim.run import LOCAL, SimConfig, run_policy, simulate
 
 BS = 10  # tokens per block in the synthetic traces
@@ -145,17 +145,37 @@ def test_a_decode_step_beside_a_prefill_on_one_core_takes_twice_its_work():
     assert outs[1].predicted_ttft_s == pytest.approx(1.0)
 
 
-def test_background_cores_are_taken_out_of_the_engines_share():
-    # Two 1.0 s prefills at t=0 on two instances and two cores: a core each, unless the
-    # rest of the machine takes one of them on average; then they share the other.
+def test_the_background_runs_beside_the_instances_by_its_weight_and_cap():
+    cores = Cores(1, background_weight=1.0, background_cap=1.0)
+    cores.begin("a", 0.0, 1.0)
+    cores.add_background(0.0, 0.5)  # an equal share: each at half a core
+    assert cores.rate() == pytest.approx(0.5) and cores.background_rate() == pytest.approx(0.5)
+    assert cores.next_done() == pytest.approx((1.0, BACKGROUND))  # dry first, at 1.0
+    cores.settle(1.0)
+    assert cores.backlog == 0.0 and cores.next_done() == pytest.approx((1.5, "a"))
+    # weighed 3x an instance on 2 cores, beside 2 instances: 2·3/5 = 1.2, capped at 1
+    two = Cores(2, background_weight=3.0, background_cap=1.0)
+    two.begin("a", 0.0, 1.0)
+    two.begin("b", 0.0, 1.0)
+    two.add_background(0.0, 0.1)
+    assert two.background_rate() == pytest.approx(1.0) and two.rate() == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        Cores(1, background_weight=0.0)
+
+
+def test_the_rest_of_the_machines_work_comes_with_each_request_ahead_of_the_engines():
+    # Two 1.0 s prefills at t=0 on two instances and two cores: a core each, unless each
+    # request brings 1.0 s of other work weighing 9.3x an engine (on at most one core):
+    # then for 2 s the engines share the other core, and end at 2.0.
     reqs = [req(0, 0.0, range(1, 11), output=2), req(1, 0.0, range(11, 21), output=2)]
     own, _, _ = simulate(reqs, cfg(num_prefill=2, cores=2), "least_loaded")
     assert [o.ttft_s for o in own] == pytest.approx([1.0, 1.0])
-    busy, _, _ = simulate(reqs, cfg(num_prefill=2, cores=2, background_cores=1.0), "least_loaded")
+    rest = dict(background_s_per_request=1.0, background_weight=9.3)
+    busy, _, cluster = simulate(reqs, cfg(num_prefill=2, cores=2, **rest), "least_loaded")
     assert [o.ttft_s for o in busy] == pytest.approx([2.0, 2.0])
-    for bad in (-0.1, 2.0):
-        with pytest.raises(ValueError, match="background_cores"):
-            cfg(cores=2, background_cores=bad)
+    assert cluster.cores is not None and cluster.cores.backlog == 0.0  # all of it ran
+    with pytest.raises(ValueError, match="background_s_per_request"):
+        cfg(cores=2, background_s_per_request=-1.0)
 
 
 def test_handoffs_are_drawn_from_the_measured_spread_by_seed():

@@ -9,6 +9,7 @@ from services.bench.replay.metrics import ReplayedRequest, Slos
 from services.bench.replay.prompts import PromptPlan
 from services.bench.replay.sim_compare import (
     ClusterFacts,
+    ablations,
     mean_summary,
     side_by_side,
     sim_requests,
@@ -135,15 +136,40 @@ def test_mean_summary_averages_every_number_and_keeps_the_rest():
     }
 
 
-def test_the_background_takes_its_cores_out_of_the_engines_share():
-    # One 1.0 s prefill (CPU time) on a cluster sharing 2 cores: alone it has a core;
-    # with 1.5 cores taken by the rest of the machine it runs at half a core.
+def test_the_rest_of_the_machines_work_shares_the_cores_with_the_engines():
+    # One 1.0 s prefill (CPU time) on one shared core: alone it has the core; with 1.0 s
+    # of other work per request, weighing as much as an engine, they share it half and
+    # half, and both are done at 2.0 s.
     plans = [PromptPlan("", 100, 2, (1,))]
     records = [ReplayedRequest(0, 0.0, 0.0, 100, 2, "completed", prompt_tokens=100)]
     reqs = sim_requests(plans, [0.0], records, 16)
-    base = replace(facts(), cpu_cost=facts().cost, cores=2.0)
+    base = replace(facts(), cpu_cost=facts().cost, cores=1.0)
     free = simulate_replay(base, reqs, 16, SLOS, 0.0, True, draws=1)
-    busy = simulate_replay(replace(base, background_cores=1.5), reqs, 16, SLOS, 0.0, True, 1)
+    rest = replace(base, background_s_per_request=1.0, background_weight=1.0)
+    busy = simulate_replay(rest, reqs, 16, SLOS, 0.0, True, draws=1)
     assert free["summary"]["ttft"]["mean_ms"] == pytest.approx(1000.0)
     assert busy["summary"]["ttft"]["mean_ms"] == pytest.approx(2000.0)
-    assert busy["background_cores"] == 1.5 and "less 1.50" in busy["cores_text"]
+    assert busy["background_s_per_request"] == 1.0 and "1000 ms of CPU" in busy["cores_text"]
+
+
+def test_ablations_leave_out_each_measured_input_in_turn():
+    plans = [PromptPlan("", 100, 2, (1,))]
+    records = [ReplayedRequest(0, 0.0, 0.0, 100, 2, "completed", prompt_tokens=100)]
+    reqs = sim_requests(plans, [0.0], records, 16)
+    cost = replace(facts().cost, handoff_s=0.1, handoff_spread=[1.0, 3.0])
+    # on one core, 1.0 s of other work per request weighing as much as the engine
+    measured = replace(
+        facts(), cost=cost, cpu_cost=cost, cores=1.0, background_s_per_request=1.0
+    )  # fmt: skip
+    live = {"ttft": {"mean_ms": 2000.0}, "tbt": {"p99_ms": 400.0}, "cache_hit_ratio": 0.5}
+    rows = ablations(measured, reqs, 16, SLOS, 0.0, True, live)
+    by = {r["without"]: r["sim_over_live"] for r in rows}
+    assert list(by) == ["the rest of the machine's work", "the handoff's spread (its line only)"]
+    # without the other work the prefill has the core to itself: 1.0 s of the live 2.0
+    assert by["the rest of the machine's work"]["mean TTFT ms"] == pytest.approx(0.5)
+    # without the spread the handoff is its line, 0.1 s, then a 0.1 s step alone (the
+    # other work ran dry at 2.0 s): 200 of the live 400 ms
+    assert by["the handoff's spread (its line only)"]["TBT p99 ms"] == pytest.approx(0.5)
+    assert by["the handoff's spread (its line only)"]["mean TTFT ms"] == pytest.approx(1.0)
+    # what the run did not measure is not left out
+    assert ablations(facts(), reqs, 16, SLOS, 0.0, True, live) == []

@@ -192,22 +192,29 @@ async def measured_run(
     run = await run_one(name, url, work, args)
     if not args.sim:
         return run, None
-    background = 0.0
+    per_request, weight = 0.0, 1.0
     if before is not None:
-        use = machine.core_use(before, await machine.mark_after(url))
-        background = use.background_cores
+        after, state = await machine.mark_after(url)
+        use = machine.core_use(before, after)
+        per_request = use.background_s_per_request(len(work.plans))
+        weight = machine.background_weight(state)
         run["machine"] = {
             "cores": cores,
+            "span_s": use.span_s,
             "busy_cores": use.busy_cores,
             "work_cores": use.work_cores,
-            "background_cores": background,
+            "background_cores": use.background_cores,
+            "background_s_per_request": per_request,
+            "background_weight": weight,
         }
         print(
             f"[{name}] the cores were busy {use.busy_cores:.2f} of {cores:g}: the engines' "
-            f"steps {use.work_cores:.2f}, the rest {background:.2f}",
+            f"steps {use.work_cores:.2f}, the rest {use.background_cores:.2f} "
+            f"({per_request * 1e3:.0f} ms of CPU per request, weighing {weight:.1f}x "
+            "an engine)",
             flush=True,
         )
-    return run, await sim_compare.cluster_facts(url, cores, background)
+    return run, await sim_compare.cluster_facts(url, cores, per_request, weight)
 
 
 def with_sim(
@@ -229,6 +236,11 @@ def with_sim(
     )
     rows = sim_compare.side_by_side(run["summary"], sim)
     print(sim_compare.table(run["name"], rows, sim["draws"]), flush=True)
+    left_out = sim_compare.ablations(
+        facts, requests, args.block_tokens, work.slos, work.ideal_hit_ratio, args.send_slos,
+        run["summary"],
+    )  # fmt: skip
+    print(sim_compare.ablation_table(rows, left_out), flush=True)
     c, w = sim["cost_params"], sim["work_params"]
     print(
         f"  (policy's cost model: {sim['cost_model']}: prefill {c['prefill_coef']}, decode "
@@ -240,7 +252,7 @@ def with_sim(
         f"simulated in {sim['wall_s']:.2f}s)",
         flush=True,
     )
-    return {**run, "sim": {**sim, "side_by_side": rows}}
+    return {**run, "sim": {**sim, "side_by_side": rows, "without": left_out}}
 
 
 def comparisons(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -59,11 +59,17 @@ class ClusterFacts:
     placement: dict[str, Any]
     cpu_cost: CostModel | None = None  # the model fit on the engines' CPU time
     cores: float | None = None  # the cores the engines share (None: one each)
-    background_cores: float = 0.0  # what the rest took of them (machine.background_cores)
+    # The rest of the machine's CPU per request, and its weight against an engine
+    # (machine.py): the simulator's background on the shared cores.
+    background_s_per_request: float = 0.0
+    background_weight: float = 1.0
 
 
 async def cluster_facts(
-    url: str, cores: float | None = None, background_cores: float = 0.0
+    url: str,
+    cores: float | None = None,
+    background_s_per_request: float = 0.0,
+    background_weight: float = 1.0,
 ) -> ClusterFacts:
     """What the live cluster knew at the end of its run (GET /admin/state)."""
     async with aiohttp.ClientSession() as http:
@@ -86,7 +92,8 @@ async def cluster_facts(
         lead.get("placement", {}),
         CostModel.from_params(cpu, "the live conductor's, fit on CPU time") if cpu else None,
         cores,
-        background_cores,
+        background_s_per_request,
+        background_weight,
     )
 
 
@@ -176,7 +183,8 @@ def replay_config(facts: ClusterFacts, block_tokens: int, slos: Slos, send_slos:
         prewarm=False,  # the live pools start empty
         cores=facts.cores if work is not None else None,
         work_cost=work,
-        background_cores=facts.background_cores if work is not None else 0.0,
+        background_s_per_request=facts.background_s_per_request if work is not None else 0.0,
+        background_weight=facts.background_weight,
         # The live engine's steps: its scheduler packs this many prompt tokens per step.
         prefill_chunk_tokens=SchedulerConfig().max_num_batched_tokens,
     )
@@ -213,10 +221,12 @@ def simulate_replay(
         "work_model": work_model.source,
         "work_params": work_model.params(),
         "cores": cfg.cores,
-        "background_cores": cfg.background_cores,
+        "background_s_per_request": cfg.background_s_per_request,
+        "background_weight": cfg.background_weight,
         "cores_text": (
-            f"the instances share {cfg.cores:g} cores, less {cfg.background_cores:.2f} "
-            "that the rest of the machine took"
+            f"the instances share {cfg.cores:g} cores with the rest of the machine's work, "
+            f"{cfg.background_s_per_request * 1e3:.0f} ms of CPU per request weighing "
+            f"{cfg.background_weight:.1f}x an instance"
             if cfg.cores
             else "each instance on its own cores"
         ),
@@ -226,6 +236,60 @@ def simulate_replay(
             "prefill_blocks": facts.prefill_blocks,
         },  # fmt: skip
     }
+
+
+def without_background(facts: ClusterFacts) -> ClusterFacts:
+    return replace(facts, background_s_per_request=0.0)
+
+
+def without_spread(facts: ClusterFacts) -> ClusterFacts:
+    cpu = replace(facts.cpu_cost, handoff_spread=[]) if facts.cpu_cost is not None else None
+    return replace(facts, cost=replace(facts.cost, handoff_spread=[]), cpu_cost=cpu)
+
+
+# What each input measured in the live run moves: the simulator again without it.
+WITHOUT = (
+    ("the rest of the machine's work", without_background),
+    ("the handoff's spread (its line only)", without_spread),
+)
+
+
+def ablations(
+    facts: ClusterFacts,
+    requests: Sequence[SimRequest],
+    block_tokens: int,
+    slos: Slos,
+    ideal_hit_ratio: float,
+    send_slos: bool,
+    live: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """The checked figures' sim/live ratios with each measured input left out in turn
+    (the inputs the run did not measure are skipped)."""
+    rows = []
+    for what, leave_out in WITHOUT:
+        changed = leave_out(facts)
+        if changed == facts:
+            continue
+        sim = simulate_replay(changed, requests, block_tokens, slos, ideal_hit_ratio, send_slos)
+        ratios = {r["figure"]: r["sim_over_live"] for r in side_by_side(live, sim)}
+        rows.append({"without": what, "sim_over_live": {f: ratios[f] for f in CHECKED}})
+    return rows
+
+
+def ablation_table(full: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> str:
+    """`full`: side_by_side's rows; `rows`: ablations'."""
+    ratio = lambda q: "n/a" if q is None else f"{q:.2f}x"  # noqa: E731
+    as_measured = {r["figure"]: r["sim_over_live"] for r in full}
+    lines = [f"  sim/live of {', '.join(CHECKED)}: what each measured input moves"]
+    lines.append(
+        f"    {'with every input':52s}" + " / ".join(ratio(as_measured[f]) for f in CHECKED)
+    )
+    for r in rows:
+        q = r["sim_over_live"]
+        lines.append(
+            f"    {'without ' + r['without']:52s}" + " / ".join(ratio(q[f]) for f in CHECKED)
+        )
+    return "\n".join(lines)
 
 
 def mean_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
