@@ -282,12 +282,12 @@ def ablation_table(full: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]
     as_measured = {r["figure"]: r["sim_over_live"] for r in full}
     lines = [f"  sim/live of {', '.join(CHECKED)}: what each measured input moves"]
     lines.append(
-        f"    {'with every input':52s}" + " / ".join(ratio(as_measured[f]) for f in CHECKED)
+        f"    {'with every input':54s}" + " / ".join(ratio(as_measured[f]) for f in CHECKED)
     )
     for r in rows:
         q = r["sim_over_live"]
         lines.append(
-            f"    {'without ' + r['without']:52s}" + " / ".join(ratio(q[f]) for f in CHECKED)
+            f"    {'without ' + r['without']:54s}" + " / ".join(ratio(q[f]) for f in CHECKED)
         )
     return "\n".join(lines)
 
