@@ -435,3 +435,16 @@ def test_report_runs_the_four_studies_and_writes_an_offline_page(tmp_path):
     page = (tmp_path / "report.html").read_text()
     assert page.count("<div id=") >= 4 and "<script src=" not in page  # plotly inlined
     assert json.loads((tmp_path / "report.json").read_text())["description"] == "synthetic"
+
+
+def test_a_background_that_runs_dry_between_events_changes_the_rate_there():
+    # One core, equal weights: an item of 1.0 s and 0.2 s of background at t=0. The
+    # background is dry at 0.4 (the item at half speed has done 0.2); asked at 1.0
+    # without that event, the item has still run at half speed only until 0.4.
+    cores = Cores(1, background_weight=1.0)
+    cores.begin("a", 0.0, 1.0)
+    cores.add_background(0.0, 0.2)
+    assert cores.next_done() == pytest.approx((0.4, BACKGROUND))
+    assert cores.remaining_s("a", 0.0) == pytest.approx(2.0)  # at the current rate
+    cores.settle(1.0)  # 0.2 done by 0.4, then 0.6 alone
+    assert cores.backlog == 0.0 and cores.next_done() == pytest.approx((1.2, "a"))

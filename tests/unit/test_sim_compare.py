@@ -162,7 +162,11 @@ def test_ablations_leave_out_each_measured_input_in_turn():
         facts(), cost=cost, cpu_cost=cost, cores=1.0, background_s_per_request=1.0
     )  # fmt: skip
     live = {"ttft": {"mean_ms": 2000.0}, "tbt": {"p99_ms": 400.0}, "cache_hit_ratio": 0.5}
-    rows = ablations(measured, reqs, 16, SLOS, 0.0, True, live)
+
+    def run_sim(f):
+        return simulate_replay(f, reqs, 16, SLOS, 0.0, True)
+
+    rows = ablations(measured, run_sim, live)
     by = {r["without"]: r["sim_over_live"] for r in rows}
     assert list(by) == ["the rest of the machine's work", "the handoff's spread (its line only)"]
     # without the other work the prefill has the core to itself: 1.0 s of the live 2.0
@@ -172,4 +176,4 @@ def test_ablations_leave_out_each_measured_input_in_turn():
     assert by["the handoff's spread (its line only)"]["TBT p99 ms"] == pytest.approx(0.5)
     assert by["the handoff's spread (its line only)"]["mean TTFT ms"] == pytest.approx(1.0)
     # what the run did not measure is not left out
-    assert ablations(facts(), reqs, 16, SLOS, 0.0, True, live) == []
+    assert ablations(facts(), run_sim, live) == []

@@ -231,15 +231,16 @@ def with_sim(
         return run
     records = [ReplayedRequest(**r) for r in run["records"]]
     requests = sim_compare.sim_requests(work.plans, work.arrivals, records, args.block_tokens)
-    sim = sim_compare.simulate_replay(
-        facts, requests, args.block_tokens, work.slos, work.ideal_hit_ratio, args.send_slos
-    )
+
+    def run_sim(f: sim_compare.ClusterFacts) -> dict[str, Any]:
+        return sim_compare.simulate_replay(
+            f, requests, args.block_tokens, work.slos, work.ideal_hit_ratio, args.send_slos
+        )
+
+    sim = run_sim(facts)
     rows = sim_compare.side_by_side(run["summary"], sim)
     print(sim_compare.table(run["name"], rows, sim["draws"]), flush=True)
-    left_out = sim_compare.ablations(
-        facts, requests, args.block_tokens, work.slos, work.ideal_hit_ratio, args.send_slos,
-        run["summary"],
-    )  # fmt: skip
+    left_out = sim_compare.ablations(facts, run_sim, run["summary"])
     print(sim_compare.ablation_table(rows, left_out), flush=True)
     c, w = sim["cost_params"], sim["work_params"]
     print(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import aiohttp
 
@@ -256,21 +256,18 @@ WITHOUT = (
 
 def ablations(
     facts: ClusterFacts,
-    requests: Sequence[SimRequest],
-    block_tokens: int,
-    slos: Slos,
-    ideal_hit_ratio: float,
-    send_slos: bool,
+    run_sim: Callable[[ClusterFacts], dict[str, Any]],
     live: dict[str, Any],
 ) -> list[dict[str, Any]]:
     """The checked figures' sim/live ratios with each measured input left out in turn
-    (the inputs the run did not measure are skipped)."""
+    (the inputs the run did not measure are skipped). `run_sim`: simulate_replay on the
+    live run's requests."""
     rows = []
     for what, leave_out in WITHOUT:
         changed = leave_out(facts)
         if changed == facts:
             continue
-        sim = simulate_replay(changed, requests, block_tokens, slos, ideal_hit_ratio, send_slos)
+        sim = run_sim(changed)
         ratios = {r["figure"]: r["sim_over_live"] for r in side_by_side(live, sim)}
         rows.append({"without": what, "sim_over_live": {f: ratios[f] for f in CHECKED}})
     return rows
