@@ -5,6 +5,7 @@ whose numbers agree with each other."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,8 +77,10 @@ def test_replay_with_the_simulator_on_a_disaggregated_cluster(tmp_path: Path, mo
     assert m["background_cores"] == max(0.0, m["busy_cores"] - m["work_cores"])
     per_request = m["background_cores"] * m["span_s"] / 12
     assert abs(m["background_s_per_request"] - per_request) < 1e-9
-    # halfmoon up nices the engines by 10: the rest weighs 1.25^10 as much in the kernel
-    assert abs(m["background_weight"] - 1.25**10) < 0.01
+    # halfmoon up nices the engines by 10 (below the rest, started at this process's
+    # niceness): the rest weighs 1.25^10 as much in the kernel's fair scheduler
+    if os.nice(0) + 10 <= 19:
+        assert abs(m["background_weight"] - 1.25**10) < 0.01
     sim = run["sim"]
     assert sim["draws"] == 16 and sim["background_s_per_request"] == per_request
     assert sim["work_model"].startswith("the live conductor's, fit on CPU time")
