@@ -73,7 +73,8 @@ def test_replay_with_the_simulator_on_a_disaggregated_cluster(tmp_path: Path, mo
     # The cores' busy time over the run: the engines' steps (their heartbeats' work_cpu_s)
     # and the rest, which the simulator takes out of the engines' share.
     m = run["machine"]
-    assert 0 < m["work_cores"] <= m["busy_cores"] + 0.05 and m["busy_cores"] <= m["cores"]
+    # (the kernel counts CPU time in ticks of 10 ms per CPU: a hair of slack)
+    assert 0 < m["work_cores"] <= m["busy_cores"] + 0.05 and m["busy_cores"] <= m["cores"] + 0.05
     assert m["background_cores"] == max(0.0, m["busy_cores"] - m["work_cores"])
     per_request = m["background_cores"] * m["span_s"] / 12
     assert abs(m["background_s_per_request"] - per_request) < 1e-9
