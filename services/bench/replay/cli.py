@@ -193,7 +193,9 @@ async def measured_run(
     if not args.sim:
         return run, None
     per_request, weight = 0.0, 1.0
-    if before is not None:
+    if before is None:
+        state = await machine.admin_state(url)
+    else:
         after, state = await machine.mark_after(url)
         use = machine.core_use(before, after)
         per_request = use.background_s_per_request(len(work.plans))
@@ -214,7 +216,7 @@ async def measured_run(
             "an engine)",
             flush=True,
         )
-    return run, await sim_compare.cluster_facts(url, cores, per_request, weight)
+    return run, sim_compare.cluster_facts(state, cores, per_request, weight)
 
 
 def with_sim(

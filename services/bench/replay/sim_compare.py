@@ -25,8 +25,6 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-import aiohttp
-
 from services.bench.replay import report
 from services.bench.replay.metrics import ReplayedRequest, Slos, summarize
 from services.bench.replay.prompts import PromptPlan
@@ -65,17 +63,13 @@ class ClusterFacts:
     background_weight: float = 1.0
 
 
-async def cluster_facts(
-    url: str,
+def cluster_facts(
+    state: dict[str, Any],
     cores: float | None = None,
     background_s_per_request: float = 0.0,
     background_weight: float = 1.0,
 ) -> ClusterFacts:
-    """What the live cluster knew at the end of its run (GET /admin/state)."""
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"{url}/admin/state") as resp:
-            resp.raise_for_status()
-            state = await resp.json()
+    """What the live cluster knew at the end of its run, from its GET /admin/state."""
     infos = state["instances"]
     conductors = [i for i in infos if i["role"] == "conductor" and i.get("cost_params")]
     if not conductors:
