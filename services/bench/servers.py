@@ -12,6 +12,7 @@ process, gets that total through OMP_NUM_THREADS, and llama-server, one process,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -135,6 +136,24 @@ def process_tree(root: int) -> list[int]:
         out.append(pid)
         todo.extend(children.get(pid, []))
     return sorted(out)
+
+
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie that only waits for its parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _all_gone(pids: list[int], deadline: float) -> bool:
+    """Polls until every one of `pids` has exited, or `deadline` (monotonic) passes."""
+    while not all(_gone(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _name(pid: int) -> str:
@@ -264,14 +283,25 @@ class Server:
             if self.ready_line(line):
                 self._ready.set()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM the server's process group; return once its whole process tree is gone
+        (SIGKILL for what is left after `timeout_s`): the bench starts the next server on
+        these cores only when this one has let go of them. Tree, not group: `halfmoon up`
+        puts each child in a group of its own, and stops them itself."""
         if self.proc and self.proc.poll() is None:
+            tree = process_tree(self.proc.pid)
+            deadline = time.monotonic() + timeout_s
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+            if not _all_gone(tree, deadline):
+                for pid in tree:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                _all_gone(tree, time.monotonic() + 10.0)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

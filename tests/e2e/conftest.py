@@ -15,6 +15,14 @@ import pytest
 
 from tests.conftest import backends, drop_database, free_port, make_database
 
+# The conductor refuses what it predicts would miss its SLOs, and its predictions follow
+# this machine's speed: the default SLOs (TTFT 30 s, TBT 300 ms) refuse, on a slow CPU,
+# load that a fast one serves. So a stack under test admits all it has room for, and a
+# test's outcome never hangs on the CPU it runs on; a test about admission puts the SLOs
+# it means on its requests (a request's own SLOs win over these defaults). Tools started
+# as commands (`halfmoon chaos`, `halfmoon bench replay`) get the same through their env.
+ADMIT_ALL = {"HALFMOON_TTFT_SLO_MS": "3600000", "HALFMOON_TBT_SLO_MS": "60000"}
+
 
 @dataclass
 class Stack:
@@ -37,7 +45,13 @@ def start_stack(
     env: dict[str, str] | None = None,
 ) -> Stack:
     port = free_port()
-    env = dict(os.environ, HALFMOON_HOME=str(tmp / "home"), PYTHONUNBUFFERED="1", **(env or {}))
+    env = {
+        **os.environ,
+        "HALFMOON_HOME": str(tmp / "home"),
+        "PYTHONUNBUFFERED": "1",
+        **ADMIT_ALL,
+        **(env or {}),
+    }
     extra = list(extra or [])
     if "--metrics-base-port" not in extra:  # no fixed ports: stacks may run side by side
         extra += ["--metrics-base-port", "0"]

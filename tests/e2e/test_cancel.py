@@ -54,10 +54,9 @@ def body(i: int, max_tokens: int = 400) -> dict:
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
-        # About freeing what a cancel leaves, not admission: on an AVX2 CPU in fp32 the
-        # conductor predicted a 241 ms TBT for 100 streams and refused some against the
-        # default 300 ms SLO.
-        "tbt_slo_ms": 30_000,
+        # About freeing what a cancel leaves, not admission: the stack admits all it has
+        # room for (conftest.ADMIT_ALL). Against the default SLOs, an AVX2 CPU in fp32
+        # refused some of the 100 streams (a predicted TTFT of 24 s against 80% of 30 s).
     }
 
 

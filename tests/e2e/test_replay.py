@@ -10,6 +10,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.e2e.conftest import ADMIT_ALL
+
+RUN_TIMEOUT_S = 600  # a bench run: starting a cluster, the slice, the report (a hang, if hit)
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+
+
+def bench(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Runs `halfmoon bench replay`. The replay sends no SLOs, so the clusters it starts
+    refuse by their conductor's defaults: they admit all they have room for here, since
+    these tests are about the bench's report, not admission."""
+    env = {**os.environ, **ADMIT_ALL}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
+
 
 def test_replay_a_trace_slice_on_a_colocated_cluster(tmp_path: Path, model_dir: Path):
     out = tmp_path / "report"
@@ -34,7 +49,7 @@ def test_replay_a_trace_slice_on_a_colocated_cluster(tmp_path: Path, model_dir: 
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = bench(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TBT p99 ms" in proc.stdout and "effective capacity" in proc.stdout
 
@@ -64,7 +79,7 @@ def test_replay_with_the_simulator_on_a_disaggregated_cluster(tmp_path: Path, mo
         "--max-requests", "12", "--time-scale", "0.02", "--max-input-tokens", "256",
         "--max-output-tokens", "8", "--out", str(out),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = bench(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "simulator against the live run (sim: the mean of 16 draws)" in proc.stdout
 
