@@ -27,6 +27,7 @@ function option(name, fallback) {
 
 const url = option('url', 'http://127.0.0.1:8501');
 const outDir = path.resolve(option('out', path.join(repo, 'reports', 'console')));
+// How long any one wait may take (a failure bound: each ends once its condition holds).
 const timeout = Number(option('timeout-ms', '60000'));
 const CHART = '[data-testid="stPlotlyChart"] .main-svg';
 // Streamlit keeps every tab's panel in the page; only the selected one is shown.
@@ -146,7 +147,7 @@ async function main() {
 
     // Overview: the first tab.
     await settle(page, PANEL);
-    summary.overview_hit_rate = await readHitRate(page, 20000);
+    summary.overview_hit_rate = await readHitRate(page, timeout);
     summary.overview_metrics = await metrics(page);
     await shoot(page, 'overview');
 
@@ -177,9 +178,9 @@ async function main() {
 
     // KV cache: the cluster hit rate and its chart.
     await openTab(page, 'KV cache');
-    summary.kv_hit_rate = await readHitRate(page, 10000);
+    summary.kv_hit_rate = await readHitRate(page, timeout);
     // The conductor samples heartbeats every few seconds: wait for one with the handoffs.
-    summary.kv_transfers_in = await readPositive(page, 'Transfers in', 15000);
+    summary.kv_transfers_in = await readPositive(page, 'Transfers in', timeout);
     summary.kv_metrics = await metrics(page);
     const kv = await panelText(page);
     summary.kv_headers = kv.headers;
