@@ -143,7 +143,10 @@ async def test_cancelling_100_streams_frees_every_slot_lease_and_block(stack):
     print(f"busiest pool seen: {busy}")
     assert busy and sum(v["held"] for v in busy.values()) > 0  # they did hold blocks
 
-    deadline = time.monotonic() + 60
+    # A failure bound, not a speed target: on a 0.6-CPU quota the pool was back 21 s after
+    # the last drop (the engines finish the step in flight, then heartbeat).
+    settle_s = 180.0
+    deadline = time.monotonic() + settle_s
     while True:
         after, in_flight = await pool(stack.url)
         fresh = {k: v for k, v in after.items() if v["sent_at"] > dropped_at + 2}
@@ -154,7 +157,7 @@ async def test_cancelling_100_streams_frees_every_slot_lease_and_block(stack):
             break
         assert time.monotonic() < deadline, f"not back at baseline: {snap}, in flight {in_flight}"
         await asyncio.sleep(0.5)
-    print(f"back at baseline {time.monotonic() - deadline + 60:.1f}s after the last drop")
+    print(f"back at baseline {time.monotonic() - deadline + settle_s:.1f}s after the last drop")
 
     engine = make_engine(stack.database_url)
     try:
