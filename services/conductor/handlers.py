@@ -46,7 +46,7 @@ class Conductor:
         self.calibrator = Calibrator(load_cost_model(settings.cost_model))
         self._prior_key: str | None = None
         self._recorded_at: dict[str, float] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         # Active/standby: whether this conductor still holds the leader lease (see leader.py).
         self.leading: Callable[[], bool] = lambda: True
 

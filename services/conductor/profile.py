@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -119,7 +119,7 @@ async def profile_transfer(mib: int = 16) -> tuple[float, float]:
     return latency, (mib << 20) / max(min(big) - latency, 1e-6)
 
 
-def fit(args: argparse.Namespace) -> tuple[CostModel, dict]:
+def fit(args: argparse.Namespace) -> tuple[CostModel, dict[str, dict[str, float]]]:
     lm = load_model(ensure_model(args.model), args.dtype, "cpu", args.threads)
     engine = LLMEngine(
         lm,
@@ -156,7 +156,12 @@ def fit(args: argparse.Namespace) -> tuple[CostModel, dict]:
     return model, errors
 
 
-def _errors(predict, rows, times, args_of) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def _errors(
+    predict: Callable[[float, float], float],
+    rows: list[list[float]],
+    times: list[float],
+    args_of: Callable[[list[float]], tuple[float, float]],
+) -> dict[str, float]:
     rel = [abs(predict(*args_of(r)) - t) / t for r, t in zip(rows, times)]
     return {
         "median_rel_error": statistics.median(rel),

@@ -13,7 +13,7 @@ over 64 instances, whatever the number of replicas.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Literal, NewType, Sequence, get_args
+from typing import Iterable, Iterator, Literal, NewType, Sequence, cast, get_args
 
 from shared.hashing import BlockHash
 
@@ -270,13 +270,14 @@ class KVIndex:
         per_inst: dict[int, int] = {}
         if not hashes:
             return per_slot, per_inst
-        blocks = self._blocks
-        first = blocks.get(hashes[0])  # type: ignore[call-overload]
+        # A BlockHash is an int at run time: the hot loop looks raw hashes up unwrapped.
+        blocks = cast("dict[int, BlockMeta]", self._blocks)
+        first = blocks.get(hashes[0])
         if first is None:
             return per_slot, per_inst
         alive_slots, alive_insts = first.slot_mask, first.instance_mask
         for i, h in enumerate(hashes):
-            meta = blocks.get(h)  # type: ignore[call-overload]
+            meta = blocks.get(h)
             slots, insts = (meta.slot_mask, meta.instance_mask) if meta else (0, 0)
             if alive_slots & ~slots:
                 for bit in _bits(alive_slots & ~slots):

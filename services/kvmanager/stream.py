@@ -11,9 +11,12 @@ finds nothing and recomputes), never invent a wrong one (pulled blocks are hash-
 from __future__ import annotations
 
 import logging
+from typing import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy, StreamConfig
+from nats.js.client import JetStreamContext
 from nats.js.errors import BadRequestError
 
 from shared import subjects
@@ -39,7 +42,9 @@ async def ensure_stream(nc: NATS, max_age_s: float, max_bytes: int) -> None:
         await js.update_stream(config)
 
 
-async def replay_and_follow(nc: NATS, cb) -> object:  # type: ignore[no-untyped-def]
+async def replay_and_follow(
+    nc: NATS, cb: Callable[[Msg], Awaitable[None]]
+) -> JetStreamContext.PushSubscription:
     """An ordered consumer from the first stored event on: the replay, then live events."""
     js = nc.jetstream()
     info = await js.stream_info(STREAM)

@@ -13,7 +13,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 import torch
 from nats.aio.client import Client as NATS
@@ -26,6 +26,7 @@ from shared.engine.llm_engine import EngineStats, LLMEngine, RequestOutput, Step
 from shared.engine.runner import LoadedModel
 from shared.messages import (
     CancelRequest,
+    CostSample,
     ErrorBody,
     FinishReason,
     GenerateRequest,
@@ -151,7 +152,7 @@ class EngineInstance:
 
     def heartbeat(self) -> InstanceInfo:
         """info(), plus the cost samples of work done since the previous heartbeat."""
-        samples = []
+        samples: list[CostSample] = []
         while self.engine.cost_samples and len(samples) < 64:
             samples.append(self.engine.cost_samples.popleft())
         return self.info().model_copy(update={"cost_samples": samples})
@@ -209,7 +210,7 @@ class EngineInstance:
             )
             try:
                 outputs = await self.run_engine(self.engine.step, between)
-            except Exception:  # noqa: BLE001 - fail what ran, keep the instance alive
+            except Exception:  # fail what ran, keep the instance alive
                 log.exception("engine step failed")
                 await self.fail_all("engine step failed")
                 since = None
@@ -338,12 +339,13 @@ class EngineInstance:
         a.blocks_evicted += len(step.kv_evicted)
         a.disk_stored += len(step.disk_stored)
         a.disk_removed += len(step.disk_removed)
-        for kind, tier, hashes in (
+        changes: list[tuple[KVEventKind, Literal["dram", "disk"], list[int]]] = [
             (KVEventKind.STORED, "dram", step.kv_stored),
             (KVEventKind.REMOVED, "dram", step.kv_evicted),
             (KVEventKind.STORED, "disk", step.disk_stored),
             (KVEventKind.REMOVED, "disk", step.disk_removed),
-        ):
+        ]
+        for kind, tier, hashes in changes:
             if hashes:
                 event = KVEvent(
                     kind=kind,

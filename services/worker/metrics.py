@@ -8,7 +8,7 @@ handlers carry no metrics code.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import Metric
@@ -60,7 +60,7 @@ class EngineMetrics:
             if end is not None:
                 end.states.on_end = self._transfer_ended(direction)
 
-    def _transfer_ended(self, direction: str):  # type: ignore[no-untyped-def]
+    def _transfer_ended(self, direction: str) -> Callable[[str, TransferState, float, str], None]:
         # The purpose comes from the offer (or fetch) that labelled it: transfer ids are
         # random capabilities and say nothing.
         def ended(transfer_id: str, state: TransferState, seconds: float, purpose: str) -> None:
@@ -115,6 +115,10 @@ class EngineMetrics:
             "DRAM-tier blocks evicted from the cache",
             s.evicted_blocks,
         )
+        yield from self._transfer_families()
+
+    def _transfer_families(self) -> Iterable[Metric]:
+        inst = self.inst
         a = inst.kv_activity
         yield counter(
             "halfmoon_kv_transfer_bytes",
