@@ -119,7 +119,8 @@ def pool_from_sql(instances: list[dict[str, Any]], now: float) -> list[dict[str,
     for inst in instances:
         if inst.get("role") not in POOL_ROLES:
             continue
-        info = inst.get("info") if isinstance(inst.get("info"), dict) else {}
+        raw = inst.get("info")
+        info: dict[str, Any] = raw if isinstance(raw, dict) else {}
         age = now - _number(inst.get("last_heartbeat"), now)
         alive = inst.get("status") != "dead" and age <= SQL_STALE_AFTER_S
         rows.append(

@@ -1,4 +1,5 @@
-"""Read-only data for the console: SQL snapshots, derived metrics, benchmark reports.
+"""Read-only data for the console: SQL snapshots and the metrics derived from them.
+(Settings: console/settings.py; benchmark reports: console/reports.py.)
 
 Everything here is plain Python over plain dicts so it can be tested without Streamlit.
 SQL runs through SQLAlchemy async; Streamlit runs the app as a synchronous script, so each
@@ -10,14 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ipaddress
-import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Awaitable, Callable, Coroutine, Iterable, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
@@ -25,10 +23,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from console import history
 from shared.db.schema import InstanceRecord, RequestRecord, RequestStatus
-from shared.db.session import default_url, make_engine, resolve_url
+from shared.db.session import make_engine, resolve_url
 
-DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
-DEFAULT_REFRESH_S = 3.0
 DB_TIMEOUT_S = 10.0  # a blackholed database host must not hang the page for a minute
 STATUSES = [s.value for s in RequestStatus]
 MAX_ROWS = 50_000  # newest first; the console is for operations, not for archives
@@ -42,58 +38,6 @@ WINDOWS: dict[str, float | None] = {
 
 class DatabaseUnavailable(Exception):
     """The database cannot be read; the message is meant for a human."""
-
-
-@dataclass(frozen=True)
-class ConsoleSettings:
-    database_url: str
-    gateway_url: str
-    refresh_s: float
-    # For the gateway's /admin/* when API keys are on, and what a visitor must type when
-    # the console listens beyond loopback (`host`).
-    admin_key: str = ""
-    host: str = "127.0.0.1"
-
-    @classmethod
-    def from_env(cls) -> ConsoleSettings:
-        try:
-            refresh = float(os.environ.get("HALFMOON_CONSOLE_REFRESH_S") or DEFAULT_REFRESH_S)
-        except ValueError:
-            refresh = DEFAULT_REFRESH_S
-        return cls(
-            database_url=os.environ.get("HALFMOON_DATABASE_URL") or default_url(),
-            gateway_url=os.environ.get("HALFMOON_GATEWAY_URL") or DEFAULT_GATEWAY_URL,
-            refresh_s=max(refresh, 0.5),
-            admin_key=admin_key_from_env(),
-            host=os.environ.get("HALFMOON_CONSOLE_HOST") or "127.0.0.1",
-        )
-
-    @property
-    def needs_login(self) -> bool:
-        return not is_loopback(self.host)
-
-
-def admin_key_from_env() -> str:
-    """HALFMOON_ADMIN_KEY, else the first line of HALFMOON_ADMIN_KEY_FILE ("" if neither;
-    an unreadable file counts as none, and the console then refuses visitors)."""
-    key = os.environ.get("HALFMOON_ADMIN_KEY", "")
-    path = os.environ.get("HALFMOON_ADMIN_KEY_FILE", "")
-    if key or not path:
-        return key
-    try:
-        return Path(path).expanduser().read_text().strip()
-    except OSError:
-        return ""
-
-
-def is_loopback(host: str) -> bool:
-    """Only this machine can reach `host`. "" and 0.0.0.0 mean every interface: not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name that resolves elsewhere
 
 
 @dataclass
@@ -140,7 +84,12 @@ def _check_sqlite_file(url: str) -> None:
             raise DatabaseUnavailable(f"no SQLite database at {path}")
 
 
-async def _connected(url: str, read) -> Any:  # type: ignore[no-untyped-def]
+T = TypeVar("T")
+# What a snapshot runs on its connection: read(conn) -> coroutine.
+Read = Callable[[AsyncConnection], Awaitable[T]]
+
+
+async def _connected(url: str, read: Read[T]) -> T:
     """await read(conn) on a fresh engine (bound to this event loop), disposed afterwards."""
     engine = make_engine(url)
     try:
@@ -170,7 +119,7 @@ async def _read(conn: AsyncConnection, since: float | None, now: float) -> Snaps
     )
 
 
-def _run_sync(coro_factory) -> Any:  # type: ignore[no-untyped-def]
+def _run_sync(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """asyncio.run, or the same in a worker thread if this thread already runs a loop."""
     try:
         asyncio.get_running_loop()
@@ -180,7 +129,7 @@ def _run_sync(coro_factory) -> Any:  # type: ignore[no-untyped-def]
         return pool.submit(lambda: asyncio.run(coro_factory())).result()
 
 
-def _guarded(url: str, read) -> Any:  # type: ignore[no-untyped-def]
+def _guarded(url: str, read: Read[T]) -> T:
     """read(conn) -> coroutine, run with a deadline; any failure is one clear message."""
     try:
         url = resolve_url(url)
@@ -188,7 +137,7 @@ def _guarded(url: str, read) -> Any:  # type: ignore[no-untyped-def]
         return _run_sync(lambda: asyncio.wait_for(_connected(url, read), DB_TIMEOUT_S))
     except DatabaseUnavailable:
         raise
-    except Exception as exc:  # noqa: BLE001 - any driver error becomes one clear message
+    except Exception as exc:  # any driver error becomes one clear message
         raise DatabaseUnavailable(f"{safe_url(url)}: {_describe(exc)}") from exc
 
 
@@ -206,7 +155,7 @@ def load_decision(url: str, request_id: str) -> dict[str, Any] | None:
 
 
 # -- derived metrics --------------------------------------------------------------------
-def percentile(values: Iterable[float], q: float) -> float | None:
+def percentile(values: Iterable[float | None], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None when empty."""
     data = sorted(v for v in values if v is not None)
     if not data:
@@ -392,54 +341,3 @@ def request_timeline(row: dict[str, Any]) -> list[dict[str, Any]]:
     if finish is not None:
         phases.append({"phase": "decode", "start_ms": ms(handoff or first), "end_ms": ms(finish)})
     return phases
-
-
-# -- benchmark reports ---------------------------------------------------------------------
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def load_report(path: str) -> Any:
-    """A JSON document, or JSON Lines (one object per line, as `kv replay --json` prints)."""
-    text = Path(path).expanduser().read_text()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def report_sections(report: Any) -> tuple[dict[str, float], dict[str, list[dict[str, Any]]]]:
-    """Numeric top-level metrics (one level of nesting flattened) and tables of rows."""
-    if isinstance(report, list):
-        report = {"runs": report}
-    if not isinstance(report, dict):
-        return {}, {}
-    metrics: dict[str, float] = {}
-    tables: dict[str, list[dict[str, Any]]] = {}
-    for key, value in report.items():
-        if _is_number(value):
-            metrics[str(key)] = value
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            tables[str(key)] = [_flat(v) for v in value]
-        elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
-            tables[str(key)] = [{"name": str(k), **_flat(v)} for k, v in value.items()]
-        elif isinstance(value, dict):
-            metrics.update({f"{key}.{k}": v for k, v in value.items() if _is_number(v)})
-    return metrics, tables
-
-
-def _flat(row: dict[str, Any]) -> dict[str, Any]:
-    """Scalars kept, one level of nested dicts flattened with dotted names, the rest dropped."""
-    out: dict[str, Any] = {}
-    for k, v in row.items():
-        if isinstance(v, dict):
-            out.update(
-                {
-                    f"{k}.{kk}": vv
-                    for kk, vv in v.items()
-                    if isinstance(vv, (str, int, float, bool)) or vv is None
-                }
-            )
-        elif isinstance(v, (str, int, float, bool)) or v is None:
-            out[str(k)] = v
-    return out

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from console.queries import admin_key_from_env, is_loopback
+from console.settings import admin_key_from_env, is_loopback
 
 APP = Path(__file__).resolve().parent / "app.py"
 ROOT = APP.parents[1]

@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 from streamlit.testing.v1 import AppTest
 
-from console import queries, serve
+from console import serve
+from console.settings import is_loopback
 from services.gateway.args import GatewaySettings
 from services.gateway.auth import Auth
 from services.gateway.keys_cli import main as keys_main
@@ -56,8 +57,8 @@ async def test_the_gateway_takes_its_admin_key_from_the_file(tmp_path):
 
 
 def test_loopback_is_only_this_machine():
-    assert all(queries.is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
-    assert not any(queries.is_loopback(h) for h in ("0.0.0.0", "", "::", "10.0.0.5", "console"))
+    assert all(is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "", "::", "10.0.0.5", "console"))
 
 
 @pytest.fixture

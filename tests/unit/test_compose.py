@@ -26,7 +26,7 @@ SETTINGS = {
     "prefill": PrefillSettings,
     "decode": DecodeSettings,
 }
-# Read by the console (console/queries.py) and by every process (shared.settings, db).
+# Read by the console (console/settings.py) and by every process (shared.settings, db).
 CONSOLE_ENV = {
     "HALFMOON_DATABASE_URL",
     "HALFMOON_GATEWAY_URL",

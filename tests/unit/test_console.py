@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from console import charts, history, live, queries, serve
+from console import charts, history, live, queries, reports, serve
 from services.conductor.args import ConductorSettings
 from services.conductor.handlers import Conductor
 from services.conductor.policy import Candidate, Decision
@@ -513,14 +513,14 @@ def test_report_sections_are_defensive(tmp_path):
         "configs": {"global": {"ttft": 3.07}, "lb": {"ttft": 5.27}},
         "runs": [{"policy": "lru", "hit": 0.37, "nested": {"a": 1, "b": [1]}}],
     }
-    metrics, tables = queries.report_sections(report)
+    metrics, tables = reports.report_sections(report)
     assert metrics == {"requests": 12, "ttft_ms.p50": 3.0}
     assert tables["configs"] == [{"name": "global", "ttft": 3.07}, {"name": "lb", "ttft": 5.27}]
     assert tables["runs"] == [{"policy": "lru", "hit": 0.37, "nested.a": 1}]
-    assert queries.report_sections("nonsense") == ({}, {})
+    assert reports.report_sections("nonsense") == ({}, {})
     lines = tmp_path / "r.jsonl"
     lines.write_text('{"policy": "lru", "hit_ratio": 0.1}\n{"policy": "lfu", "hit_ratio": 0.2}\n')
-    _, tables = queries.report_sections(queries.load_report(str(lines)))
+    _, tables = reports.report_sections(reports.load_report(str(lines)))
     assert tables["runs"][1] == {"policy": "lfu", "hit_ratio": 0.2}
 
 
