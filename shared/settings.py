@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 ENV_PREFIX = "HALFMOON_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-S = TypeVar("S", bound="BaseSettings")
+S = TypeVar("S", bound=BaseModel)  # any flag set: a service's settings, or halfmoon up's
 
 
 def halfmoon_home() -> Path:

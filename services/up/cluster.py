@@ -1,14 +1,6 @@
-"""`halfmoon up`: the whole local cluster on embedded defaults, one command.
-
-Starts an embedded nats-server (unless HALFMOON_NATS_URL is given), applies migrations to
-SQLite (unless HALFMOON_DATABASE_URL is given), then each service as its own process. It
-waits until every service reports ready, prints the URLs, and on Ctrl-C / SIGTERM stops
-them in order: intake first (gateway), then scheduling, workers, the rest, NATS last.
-
-It supervises: a service (or the embedded nats-server) that dies is started again, with a
-backoff that doubles while it keeps dying young, so a local cluster survives a crash
-(`--no-restart`: a death stops the cluster instead).
-"""
+"""The local cluster `halfmoon up` runs: one process per service, started in order, watched
+until ready, supervised (a child that dies starts again after a backoff) and stopped in
+order: intake first (gateway), then scheduling, workers, the rest, NATS last."""
 
 from __future__ import annotations
 
@@ -22,107 +14,20 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
 
 import aiohttp
 import nats
-from pydantic import BaseModel, Field, field_validator
+from nats.aio.msg import Msg
 
+from services.up.settings import UpSettings
 from shared import bus, subjects
-from shared.db import session as db
-from shared.engine import cpu
-from shared.lifecycle import child_preexec, install_stop_signals, setup_logging
+from shared.lifecycle import child_preexec
 from shared.messages import InstanceInfo
-from shared.model_store import ensure_model
 from shared.natsd import EmbeddedNats
-from shared.settings import (
-    DEFAULT_MODEL_NAME,
-    BaseSettings,
-    halfmoon_home,
-    parse_settings,
-    settings_from,
-)
+from shared.settings import BaseSettings, halfmoon_home, settings_from
 
 log = logging.getLogger("halfmoon.up")
 STOP_ORDER = ("gateway", "conductor", "prefill", "decode", "kvmanager", "console")
-
-
-class UpSettings(BaseModel):
-    host: str = Field("127.0.0.1", description="address the gateway and console bind")
-    port: int = Field(8000, ge=1, le=65535, description="gateway HTTP port")
-    console: bool = Field(True, description="start the Streamlit console")
-    console_port: int = Field(8501, ge=1, le=65535, description="console HTTP port")
-    prefill: int = Field(1, ge=1, description="prefill instances")
-    decode: int = Field(1, ge=1, description="decode instances")
-    conductors: int = Field(
-        1,
-        ge=1,
-        description="conductors: one leads (places requests), the "
-        "others are warm standbys that take over within ~4 s",
-    )
-    colocated: int = Field(
-        0,
-        ge=0,
-        description="colocated instances that prefill and decode "
-        "alike (the usual single-process layout, for comparison); when set, "
-        "--prefill/--decode are ignored",
-    )
-    policy: str = Field("kvcentric", description="the conductor's placement policy")
-
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, v: str) -> str:
-        from services.conductor.policy import make_policy
-
-        make_policy(v)  # raises ValueError naming the choices
-        return v
-
-    model: str = Field(
-        DEFAULT_MODEL_NAME, description="model folder or name in HALFMOON_HOME/models"
-    )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
-        description="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)",
-    )
-    quantization: Literal["none", "int8"] = Field(
-        "none",
-        description="engine weights: none, or int8 (per-channel weights, per-token activations)",
-    )
-    threads: int = Field(
-        0, ge=0, description="torch threads per engine instance (0: cores / instances)"
-    )
-    engine_nice: int = Field(
-        10,
-        ge=0,
-        le=19,
-        description="niceness of engine processes, so the "
-        "control plane stays responsive when the cores are busy",
-    )
-    nats_url: str = Field("", description="external NATS (empty: embedded nats-server)")
-    database_url: str = Field("", description="SQLAlchemy URL (empty: SQLite in HALFMOON_HOME)")
-    ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready by then")
-    log_level: str = Field("INFO", description="logging level for every service")
-    restart: bool = Field(
-        True, description="start a service that dies again (off: stop the cluster when one dies)"
-    )
-    restart_backoff_s: float = Field(
-        1.0,
-        gt=0,
-        description="first restart delay; it doubles "
-        "each time the same service dies young, up to the max",
-    )
-    restart_backoff_max_s: float = Field(30.0, gt=0, description="longest restart delay")
-    metrics_base_port: int = Field(
-        9100,
-        ge=0,
-        le=65535,
-        description="Prometheus /metrics: "
-        "conductor, kvmanager and each engine get one port each from "
-        "here up, in start order (listed in the banner); 0: off. "
-        "The gateway serves /metrics on its API port",
-    )
-
-
 STABLE_S = 30.0  # a child that ran this long before dying starts its backoff afresh
 
 
@@ -154,7 +59,7 @@ class LocalCluster:
         self.database_url = settings.database_url
         self.metrics_ports: dict[str, int] = {}  # child name -> its /metrics port
 
-    def expected(self) -> Counter:
+    def expected(self) -> Counter[str]:
         prefill, decode = self.engines()
         return Counter(
             {
@@ -219,13 +124,13 @@ class LocalCluster:
                 self.metrics_ports[name] = port
         return {"HALFMOON_METRICS_HOST": self.s.host, "HALFMOON_METRICS_PORT": str(port)}
 
-    async def start(self, model_dir: Path) -> None:
+    def _engine_args(self, model_dir: Path) -> list[str]:
+        """Flags every prefill, decode or colocated instance gets."""
         n_prefill, n_decode = self.engines()
-        engines = n_prefill + n_decode
-        threads = self.s.threads or max(1, (os.cpu_count() or 1) // engines)
-        common = ["--model", str(model_dir)]
-        engine = [
-            *common,
+        threads = self.s.threads or max(1, (os.cpu_count() or 1) // (n_prefill + n_decode))
+        return [
+            "--model",
+            str(model_dir),
             "--dtype",
             self.s.dtype,
             "--quantization",
@@ -235,6 +140,11 @@ class LocalCluster:
             "--nice",
             str(self.s.engine_nice),
         ]
+
+    async def start(self, model_dir: Path) -> None:
+        n_prefill, n_decode = self.engines()
+        common = ["--model", str(model_dir)]
+        engine = self._engine_args(model_dir)
         layout = "colocated" if self.s.colocated else "disaggregated"
         conductor = ["--policy", self.s.policy, "--layout", layout]
         for i in range(self.s.conductors):
@@ -264,35 +174,38 @@ class LocalCluster:
             ["-m", "services.gateway", "--host", self.s.host, "--port", str(self.s.port), *common],
         )
         if self.s.console:
-            app = Path(__file__).resolve().parents[1] / "console" / "app.py"
-            await self._spawn(
-                "console",
-                "console",
-                [
-                    "-m",
-                    "streamlit",
-                    "run",
-                    str(app),
-                    "--server.headless",
-                    "true",
-                    "--server.address",
-                    self.s.host,
-                    "--server.port",
-                    str(self.s.console_port),
-                    "--browser.gatherUsageStats",
-                    "false",
-                ],
-                # The console asks for the admin key when it listens beyond loopback.
-                env={
-                    "HALFMOON_GATEWAY_URL": f"http://{self.s.host}:{self.s.port}",
-                    "HALFMOON_CONSOLE_HOST": self.s.host,
-                },
-            )
+            await self._start_console()
+
+    async def _start_console(self) -> None:
+        app = Path(__file__).resolve().parents[2] / "console" / "app.py"
+        await self._spawn(
+            "console",
+            "console",
+            [
+                "-m",
+                "streamlit",
+                "run",
+                str(app),
+                "--server.headless",
+                "true",
+                "--server.address",
+                self.s.host,
+                "--server.port",
+                str(self.s.console_port),
+                "--browser.gatherUsageStats",
+                "false",
+            ],
+            # The console asks for the admin key when it listens beyond loopback.
+            env={
+                "HALFMOON_GATEWAY_URL": f"http://{self.s.host}:{self.s.port}",
+                "HALFMOON_CONSOLE_HOST": self.s.host,
+            },
+        )
 
     async def wait_ready(self, stop: asyncio.Event) -> bool:
         seen: dict[str, str] = {}
 
-        async def on_beat(msg) -> None:  # type: ignore[no-untyped-def]
+        async def on_beat(msg: Msg) -> None:
             info = InstanceInfo.model_validate_json(msg.data)
             seen[info.instance_id] = info.role.value
 
@@ -429,86 +342,3 @@ class LocalCluster:
                     await child.proc.wait()
         if self.nats is not None:
             self.nats.stop()
-
-
-def _banner(s: UpSettings, cluster: LocalCluster) -> str:
-    lines = [
-        "",
-        "Halfmoon is up.",
-        f"  API      http://{s.host}:{s.port}/v1   (OpenAI-compatible; model: see /v1/models)",
-    ]
-    if s.console:
-        lines.append(f"  console  http://{s.host}:{s.console_port}")
-    lines += _metrics_lines(s, cluster)
-    lines += [
-        f"  NATS     {cluster.nats_url}",
-        f"  SQL      {db.resolve_url(cluster.database_url).split('@')[-1]}",
-        f"  workers  {_workers(s)}",
-        f"  engines  {_engines(s)}",
-        "Ctrl-C stops everything.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _metrics_lines(s: UpSettings, cluster: LocalCluster) -> list[str]:
-    urls = [(f"http://{s.host}:{s.port}/metrics", "gateway")]
-    urls += [
-        (f"http://{s.host}:{port}/metrics", name) for name, port in cluster.metrics_ports.items()
-    ]
-    return [
-        f"  {'metrics' if i == 0 else '':8} {url} ({name})" for i, (url, name) in enumerate(urls)
-    ]
-
-
-def _engines(s: UpSettings) -> str:
-    """The dtype and kernels each engine picks on this CPU, and why."""
-    info = cpu.detect()
-    dtype, why = cpu.resolve_dtype(s.dtype)
-    capped = f", capped by {cpu.ISA_ENV}={info.isa}" if info.isa != "native" else ""
-    return (
-        f"{dtype} ({why}), quantization {s.quantization}; CPU {info.model}: "
-        f"kernels for {info.level}{capped}"
-    )
-
-
-def _workers(s: UpSettings) -> str:
-    if s.colocated:
-        return f"{s.colocated} colocated (prefill + decode each), policy {s.policy}"
-    return f"{s.prefill} prefill, {s.decode} decode, policy {s.policy}"
-
-
-async def run(s: UpSettings) -> int:
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    cluster = LocalCluster(s)
-    model_dir = await asyncio.to_thread(ensure_model, s.model)
-    if not cluster.nats_url:
-        cluster.nats = EmbeddedNats(cluster.home / "nats")
-        cluster.nats_url = await asyncio.to_thread(cluster.nats.start)
-    await db.upgrade_async(cluster.database_url)
-    rc = 1
-    try:
-        await cluster.start(model_dir)
-        if not await cluster.wait_ready(stop):
-            if not stop.is_set():
-                log.error("the cluster did not become ready; stopping")
-            return 0 if stop.is_set() else 1
-        print(_banner(s, cluster), flush=True)
-        rc = await cluster.watch(stop)
-    finally:
-        log.info("stopping the cluster")
-        await cluster.stop()
-        log.info("stopped")
-    return rc
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    s = parse_settings(
-        UpSettings, argv, "halfmoon up", "Start the whole local cluster on embedded defaults."
-    )
-    setup_logging(s.log_level, "up")
-    try:
-        return asyncio.run(run(s))
-    except KeyboardInterrupt:
-        return 130

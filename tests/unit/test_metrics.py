@@ -217,7 +217,8 @@ async def test_kvmanager_metrics_read_the_index_and_match_totals():
 
 
 def test_up_gives_each_child_its_own_metrics_port():
-    from services.up import LocalCluster, UpSettings, _metrics_lines
+    from services.up import LocalCluster, UpSettings
+    from services.up.banner import metrics_lines
 
     c = LocalCluster(UpSettings(metrics_base_port=9200))
     ports = [
@@ -233,7 +234,7 @@ def test_up_gives_each_child_its_own_metrics_port():
     assert ports == ["9200", "9201", "9202", "9203", "0"]
     assert c._metrics_env("prefill-0", "prefill")["HALFMOON_METRICS_PORT"] == "9202"  # restart
     assert c._metrics_env("console", "console") == {}
-    lines = "\n".join(_metrics_lines(c.s, c))
+    lines = "\n".join(metrics_lines(c.s, c))
     assert "http://127.0.0.1:8000/metrics (gateway)" in lines
     assert "http://127.0.0.1:9203/metrics (decode-0)" in lines
     off = LocalCluster(UpSettings(metrics_base_port=0))

@@ -1,0 +1,86 @@
+"""`halfmoon up`'s settings: each field is a flag (and a HALFMOON_* variable), parsed by
+shared.settings like every service's."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from shared.settings import DEFAULT_MODEL_NAME
+
+
+class UpSettings(BaseModel):
+    host: str = Field("127.0.0.1", description="address the gateway and console bind")
+    port: int = Field(8000, ge=1, le=65535, description="gateway HTTP port")
+    console: bool = Field(True, description="start the Streamlit console")
+    console_port: int = Field(8501, ge=1, le=65535, description="console HTTP port")
+    prefill: int = Field(1, ge=1, description="prefill instances")
+    decode: int = Field(1, ge=1, description="decode instances")
+    conductors: int = Field(
+        1,
+        ge=1,
+        description="conductors: one leads (places requests), the "
+        "others are warm standbys that take over within ~4 s",
+    )
+    colocated: int = Field(
+        0,
+        ge=0,
+        description="colocated instances that prefill and decode "
+        "alike (the usual single-process layout, for comparison); when set, "
+        "--prefill/--decode are ignored",
+    )
+    policy: str = Field("kvcentric", description="the conductor's placement policy")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from services.conductor.policy import make_policy
+
+        make_policy(v)  # raises ValueError naming the choices
+        return v
+
+    model: str = Field(
+        DEFAULT_MODEL_NAME, description="model folder or name in HALFMOON_HOME/models"
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="auto | float32 | bfloat16 (auto: bfloat16 where the CPU computes it natively)",
+    )
+    quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="engine weights: none, or int8 (per-channel weights, per-token activations)",
+    )
+    threads: int = Field(
+        0, ge=0, description="torch threads per engine instance (0: cores / instances)"
+    )
+    engine_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="niceness of engine processes, so the "
+        "control plane stays responsive when the cores are busy",
+    )
+    nats_url: str = Field("", description="external NATS (empty: embedded nats-server)")
+    database_url: str = Field("", description="SQLAlchemy URL (empty: SQLite in HALFMOON_HOME)")
+    ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready by then")
+    log_level: str = Field("INFO", description="logging level for every service")
+    restart: bool = Field(
+        True, description="start a service that dies again (off: stop the cluster when one dies)"
+    )
+    restart_backoff_s: float = Field(
+        1.0,
+        gt=0,
+        description="first restart delay; it doubles "
+        "each time the same service dies young, up to the max",
+    )
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="longest restart delay")
+    metrics_base_port: int = Field(
+        9100,
+        ge=0,
+        le=65535,
+        description="Prometheus /metrics: "
+        "conductor, kvmanager and each engine get one port each from "
+        "here up, in start order (listed in the banner); 0: off. "
+        "The gateway serves /metrics on its API port",
+    )
