@@ -8,7 +8,7 @@ fresh block, evicting the least recently freed block when none is empty), then r
 them all. The release order is the eviction order:
 - tail first (the engines' order, and the watermark policy's default): a chain's tail is
   evicted before its parents, which stay matchable;
-- head first (plain LRU, DESIGN.md's reference figures): exactly least recently used, a
+- head first (plain LRU, docs/design.md's reference figures): exactly least recently used, a
   chain's blocks having been used in order.
 A block of the chain is never evicted while the chain holds it, so a chain longer than
 the pool is partly rejected. An unlimited pool (capacity None) grows instead of evicting.

@@ -4,7 +4,7 @@
 One global pool of C blocks, requests in file order. For each request the hit is
 prefix-continuous (leading hash_ids already cached, stopping at the first miss), weighted
 by tokens (matched blocks x block_tokens, capped at the input length); then every block
-of the request is touched or inserted. DESIGN.md's reference figures use exactly this.
+of the request is touched or inserted. docs/design.md's reference figures use exactly this.
 
     halfmoon kv replay --trace FILE --capacity-blocks inf 100000 1000 [--policy lru|watermark|both]
     python -m services.kvmanager.replay ...
@@ -24,7 +24,7 @@ from services.kvmanager.pool import POLICIES, HashPool
 from services.kvmanager.traces import TraceRequest, default_trace, is_conversation_trace, load_trace
 
 DEFAULT_CAPACITIES: tuple[int | None, ...] = (None, 100_000, 50_000, 30_000, 10_000, 1_000)
-# DESIGN.md "Reference figures": plain LRU, one global pool, the whole conversation trace
+# docs/design.md "Reference figures": plain LRU, one global pool, the whole conversation trace
 # at its 512-token blocks (shown next to a replay of that trace only).
 REFERENCE_LRU_HIT_PCT: dict[int | None, float] = {
     None: 37.4,
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_capacity,
         metavar="C",
         default=list(DEFAULT_CAPACITIES),
-        help="pool sizes in blocks, or inf/unlimited (default: the DESIGN.md set)",
+        help="pool sizes in blocks, or inf/unlimited (default: the docs/design.md set)",
     )
     p.add_argument("--policy", choices=(*POLICIES, "both"), default="both")
     p.add_argument(
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-at-occupancy",
         action="store_true",
         help="also replay plain LRU with capacity = each watermark run's warm "
-        "occupancy (DESIGN.md: compare a watermark policy at what it holds)",
+        "occupancy (docs/design.md: compare a watermark policy at what it holds)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per run")
     return p
@@ -229,7 +229,7 @@ class _Row:
 
 
 def reference_pct(result: ReplayResult, tail_first: str) -> float | None:
-    """DESIGN.md's figure for a plain-LRU row of the conversation trace (caller checks the
+    """docs/design.md's figure for a plain-LRU row of the conversation trace (caller checks the
     trace); None for the other rows."""
     if result.policy != "lru" or tail_first == "on":
         return None
@@ -252,7 +252,7 @@ def _fmt_row(row: _Row, ref: str | None) -> str:
 
 def format_table(rows: Sequence[_Row], references: Sequence[float | None] | None = None) -> str:
     """The replay table; with `references` (one per row, None where none applies),
-    DESIGN.md's column beside the measured hit ratio."""
+    docs/design.md's column beside the measured hit ratio."""
     ref_head = "" if references is None else f"{'ref %':>6} "
     head = (
         f"{'capacity':>9} {'policy':>9} {'hit %':>7} {ref_head}{'evicted':>8} "

@@ -1,5 +1,5 @@
 """Mooncake traces: the format, where the default one comes from, and which trace is the
-conversation trace (the one DESIGN.md's reference figures were measured on).
+conversation trace (the one docs/design.md's reference figures were measured on).
 
 The repository ships a sample (data/conversation_2pct.jsonl): the requests of 2% of
 the conversation trace's conversations, whole and in file order, chosen as `halfmoon

@@ -68,7 +68,7 @@ class Outcome:
     finish_s: float = math.nan
 
     def hit_tokens(self, block_tokens: int) -> int:
-        """DESIGN.md's hit: reused leading blocks x block tokens, capped at the input."""
+        """docs/design.md's hit: reused leading blocks x block tokens, capped at the input."""
         return min(self.reused_blocks * block_tokens, self.request.input_length)
 
 

@@ -15,7 +15,7 @@ import pytest
 from tests.e2e.conftest import ADMIT_ALL
 
 RUN_TIMEOUT_S = 600  # a bench run: starting a cluster, the slice, the report (a hang, if hit)
-pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
 
 
 def bench(cmd: list[str]) -> subprocess.CompletedProcess:

@@ -6,7 +6,6 @@ under test is the conductor's registry, placement and dispatch.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import nats
@@ -17,24 +16,13 @@ from services.conductor.handlers import Conductor
 from shared import bus, errors, subjects
 from shared.messages import (
     Ack,
-    GenerateRequest,
     InstanceInfo,
     Placement,
     PrefillJob,
     Role,
-    SamplingParams,
 )
+from tests.factories import request
 from tests.waiting import until
-
-
-def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(
-        request_id=rid,
-        model="m",
-        prompt_token_ids=[1, 2, 3],
-        sampling=SamplingParams(max_tokens=4),
-        arrival_time=time.time(),
-    )
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Sized
 
 import pytest
@@ -32,11 +31,12 @@ from tests.integration.test_instance_faults import (
     Events,
     gen,
     nc,
-    params,  # noqa: F401
+    params,
     reference,
     running,
     tiny,
 )
+from tests.waiting import until
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x dim x block x fp32
 
@@ -83,14 +83,6 @@ def offered_handoff(maker: LLMEngine, sender: TcpKVSender, rid: str) -> DecodeJo
     )
 
 
-async def wait_until(cond, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
 async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_free(nc, tiny):
     # Six different prompts, so no request shares another's blocks and the pool's room is
     # exact: 40 tokens + 8 are 3 blocks each, and 7 blocks hold two requests at a time.
@@ -131,8 +123,8 @@ async def test_a_full_pool_queues_handoffs_unfetched_and_takes_them_as_blocks_fr
         # Decode is not stepping yet: the two that fit are reserved and fetched as they
         # arrive, the other four queue up unfetched. (Were it stepping, the tiny model
         # would finish each before prefill sent the next, and the pool would never fill.)
-        await wait_until(lambda: len(receiver.fetched) == 2 and len(dec.queue) == 4)
-        await wait_until(lambda: dec.engine.blocks.num_free_blocks == 1)  # 2 x 3 blocks
+        await until(lambda: len(receiver.fetched) == 2 and len(dec.queue) == 4, 60.0)
+        await until(lambda: dec.engine.blocks.num_free_blocks == 1, 60.0)  # 2 x 3 blocks
         assert all(j.kv is not None and j.kv.transfer_id not in receiver.fetched for j in dec.queue)
 
         async def watch_until_all_finish() -> None:
@@ -196,7 +188,7 @@ async def test_a_full_handoff_queue_refuses_with_a_clear_error(nc, tiny):
     # f0 was reserved on arrival; its fetch and import end with it in the batch. (Read
     # without the engine's lock, so only its final state is waited for: mid-import it is
     # briefly in neither dict.)
-    await wait_until(lambda: "f0" in dec.engine.requests, timeout_s=30.0)
+    await until(lambda: "f0" in dec.engine.requests, timeout_s=30.0)
     assert [j.request.request_id for j in dec.queue] == ["f1"]
     dec.close_engine()
     await sender.close()
@@ -250,7 +242,7 @@ async def test_a_handoff_goes_in_beside_the_step_in_flight(nc, tiny):
         await nc.subscribe(subjects.decode_submit("decode-beside"), cb=dec.on_submit)
         held = asyncio.create_task(dec.run_engine(gate.wait, 30.0))  # the "long step"
         await bus.request(nc, subjects.decode_submit("decode-beside"), job, Ack, 5.0)
-        await wait_until(lambda: "h0" in dec.engine.requests, timeout_s=30.0)
+        await until(lambda: "h0" in dec.engine.requests, timeout_s=30.0)
         assert not gate.is_set() and not held.done()  # in, while the engine thread is held
         assert not dec.queue and not dec.engine.reserved
         gate.set()

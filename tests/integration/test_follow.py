@@ -32,9 +32,9 @@ from shared.messages import (
     InstanceInfo,
     Placement,
     Role,
-    SamplingParams,
     TokenEvent,
 )
+from tests.factories import request
 from tests.waiting import until
 
 SETTINGS = GatewaySettings(
@@ -45,16 +45,6 @@ SETTINGS = GatewaySettings(
     first_token_timeout_s=10.0,
     token_timeout_s=10.0,
 )
-
-
-def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(
-        request_id=rid,
-        model="m",
-        prompt_token_ids=[1, 2, 3],
-        sampling=SamplingParams(max_tokens=6),
-        arrival_time=time.time(),
-    )
 
 
 async def emit(
@@ -129,7 +119,7 @@ async def follow(nc, rid: str, live: Liveness, place=None, settings=SETTINGS):
         raise AssertionError("no conductor placement expected")
 
     stream = await TokenStream(nc, rid, settings.gap_timeout_s).open()
-    f = Follower(nc, settings, live, stream, request(rid), place or no_place)
+    f = Follower(nc, settings, live, stream, request(rid, max_tokens=6), place or no_place)
     f.placed(Placement(request_id=rid, prefill_id="p0", decode_id="d0"))
     return f, stream
 

@@ -22,18 +22,9 @@ from services.gateway import handlers
 from services.gateway.args import GatewaySettings
 from services.gateway.handlers import Gateway
 from shared import bus, errors, subjects
-from shared.messages import GenerateRequest, Placement, SamplingParams
+from shared.messages import GenerateRequest, Placement
+from tests.factories import request
 from tests.waiting import until
-
-
-def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(
-        request_id=rid,
-        model="m",
-        prompt_token_ids=[1, 2, 3],
-        sampling=SamplingParams(max_tokens=4),
-        arrival_time=time.time(),
-    )
 
 
 @pytest.fixture

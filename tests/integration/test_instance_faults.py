@@ -13,8 +13,6 @@ import time
 
 import nats
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.decode.args import DecodeSettings
 from services.decode.handlers import DecodeInstance
@@ -23,7 +21,6 @@ from services.prefill.handlers import PrefillInstance
 from shared import bus, subjects
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.params import SamplingParams as EngineParams
-from shared.engine.runner import LoadedModel
 from shared.messages import (
     Ack,
     CancelRequest,
@@ -35,6 +32,7 @@ from shared.messages import (
     TokenEvent,
 )
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
+from tests.factories import tiny_llama
 from tests.waiting import until
 
 PROMPT = list(range(1, 41))  # 40 tokens: 2 full blocks of 16 and a partial one
@@ -43,20 +41,7 @@ TOKENS = 8
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=96,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    return LoadedModel(
-        "tiny", LlamaForCausalLM(cfg).eval(), None, torch.float32, "cpu", 512, frozenset()
-    )
+    return tiny_llama()
 
 
 def params() -> SamplingParams:

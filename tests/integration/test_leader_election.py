@@ -22,8 +22,10 @@ from services.conductor.args import ConductorSettings
 from services.conductor.handlers import Conductor
 from services.conductor.leader import KEY, Election
 from shared import bus, errors, subjects
-from shared.messages import Ack, GenerateRequest, InstanceInfo, Placement, Role, SamplingParams
+from shared.messages import Ack, InstanceInfo, Placement, Role
 from shared.natsd import EmbeddedNats
+from tests.factories import request
+from tests.waiting import until
 
 TTL_S, RENEW_S = 2.0, 0.5
 STARTED: list = []  # elections still running, stopped after each test whatever happened
@@ -125,16 +127,6 @@ class Candidate:
         return [t for k, t in self.events if k == kind]
 
 
-async def wait_for(cond, timeout_s: float, step_s: float = 0.02) -> float:
-    """Poll `cond` until true; returns the monotonic time it became true."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return time.monotonic()
-        await asyncio.sleep(step_s)
-    raise AssertionError(f"condition not met within {timeout_s}s")
-
-
 @pytest.fixture
 def bucket() -> str:
     return f"lease_test_{uuid.uuid4().hex[:8]}"
@@ -184,7 +176,8 @@ async def test_a_standby_takes_over_when_the_leader_stops_renewing(conns, bucket
     assert frozen.election.is_leader
     last_write = time.monotonic()
     others = [Candidate(await conns(), f"s{i}", bucket).start() for i in range(2)]
-    taken_at = await wait_for(lambda: any(c.election.is_leader for c in others), TTL_S + 2.5)
+    await until(lambda: any(c.election.is_leader for c in others), TTL_S + 2.5)
+    taken_at = time.monotonic()
     print(f"takeover {taken_at - last_write:.2f}s after the leader's last write (TTL {TTL_S}s)")
     # Safety: the lease was not taken while it lived (the server stored it after last_write).
     assert taken_at - last_write >= TTL_S - 0.05
@@ -201,16 +194,17 @@ async def test_a_standby_takes_over_when_the_leader_stops_renewing(conns, bucket
 
 async def test_a_graceful_leader_hands_over_without_waiting_for_the_ttl(conns, bucket):
     first = Candidate(await conns(), "first", bucket).start()
-    await wait_for(lambda: first.election.is_leader, TTL_S)
+    await until(lambda: first.election.is_leader, TTL_S)
     second = Candidate(await conns(), "second", bucket).start()
-    await wait_for(lambda: second.steps >= 2, TTL_S * 5)  # it campaigned, and lost
+    await until(lambda: second.steps >= 2, TTL_S * 5)  # it campaigned, and lost
     assert not second.election.is_leader
     # The server keeps first's entry until ttl after its last renewal was sent, which is
     # no earlier than half a renewal period past first's own deadline.
     expires = first.deadlines[-1] + RENEW_S / 2
     t0 = time.monotonic()
     await first.halt()  # resigns: deletes its lease
-    took = await wait_for(lambda: second.election.is_leader, TTL_S * 5) - t0
+    await until(lambda: second.election.is_leader, TTL_S * 5)
+    took = time.monotonic() - t0
     print(
         f"handover after resign: {took:.2f}s; the lease would have lived {expires - t0:.2f}s more"
     )
@@ -220,18 +214,18 @@ async def test_a_graceful_leader_hands_over_without_waiting_for_the_ttl(conns, b
 
 async def test_a_leader_whose_lease_is_overwritten_steps_down_at_once(conns, bucket):
     leader = Candidate(await conns(), "leader", bucket).start()
-    await wait_for(lambda: leader.election.is_leader, TTL_S)
+    await until(lambda: leader.election.is_leader, TTL_S)
     old_term = leader.election.term
     kv = await (await conns()).jetstream().key_value(bucket)
     put_at_step = leader.steps
     await kv.put(KEY, b"intruder")  # as if our lease had lapsed and someone else took it
-    await wait_for(lambda: not leader.election.is_leader, TTL_S * 5)
+    await until(lambda: not leader.election.is_leader, TTL_S * 5)
     # At its next renewal (the one on its way meanwhile may still have gone through), not
     # by its clock when the lease runs out.
     assert leader.deposed_at_step[0] - put_at_step <= 2, (put_at_step, leader.deposed_at_step)
     assert leader.when("deposed")[0] < leader.deadlines[-1]
     # It waits for the intruder's entry to expire, then wins a new, later term.
-    await wait_for(lambda: leader.election.is_leader, TTL_S * 5)
+    await until(lambda: leader.election.is_leader, TTL_S * 5)
     assert leader.election.term > old_term
     await leader.halt()
 
@@ -247,12 +241,12 @@ async def test_a_leader_that_cannot_reach_nats_steps_down_by_its_clock(tmp_path,
     nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet)
     try:
         leader = Candidate(nc, "leader", bucket).start()
-        await wait_for(lambda: leader.election.is_leader, TTL_S * 5)
-        await wait_for(lambda: len(leader.deadlines) >= 3, TTL_S * 5)  # a few renewals in
+        await until(lambda: leader.election.is_leader, TTL_S * 5)
+        await until(lambda: len(leader.deadlines) >= 3, TTL_S * 5)  # a few renewals in
         lag = TimerLag()
         server.stop()
         killed = time.monotonic()
-        await wait_for(lambda: not leader.election.is_leader, TTL_S * 5)
+        await until(lambda: not leader.election.is_leader, TTL_S * 5)
         late_s = await lag.stop()
         deadline, gone = leader.deadlines[-1], leader.when("deposed")[0]
         print(
@@ -266,11 +260,11 @@ async def test_a_leader_that_cannot_reach_nats_steps_down_by_its_clock(tmp_path,
         assert deadline <= gone <= deadline + 2 * late_s + 0.05
         assert gone < deadline + RENEW_S / 2
         campaigns = leader.steps
-        await wait_for(lambda: leader.steps >= campaigns + 2, 60)
+        await until(lambda: leader.steps >= campaigns + 2, 60)
         assert not leader.election.is_leader  # no campaign can succeed without the server
         # The server comes back (its in-memory lease bucket lost): leading resumes.
         server.start()
-        await wait_for(lambda: leader.election.is_leader, 60)
+        await until(lambda: leader.election.is_leader, 60)
         assert len(leader.when("elected")) == 2
         await leader.halt()
     finally:
@@ -291,16 +285,6 @@ async def test_a_bucket_with_a_shorter_ttl_shortens_the_leaders_deadline(conns, 
 
 
 # -- the conductor: only the leader takes schedule requests ------------------------------
-
-
-def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(
-        request_id=rid,
-        model="m",
-        prompt_token_ids=[1, 2, 3],
-        sampling=SamplingParams(max_tokens=4),
-        arrival_time=time.time(),
-    )
 
 
 class RunningConductor:
@@ -341,7 +325,7 @@ async def test_only_the_leader_places_and_a_standby_takes_over(conns, bucket):
 
     await client.subscribe(subjects.prefill_submit("p0"), cb=on_submit)
     a = await RunningConductor(await conns(), "a", bucket).start()
-    await wait_for(lambda: a.election.is_leader, TTL_S)
+    await until(lambda: a.election.is_leader, TTL_S)
     b = await RunningConductor(await conns(), "b", bucket).start()
 
     async def beat_forever():  # the workers' heartbeats, every conductor hears them
@@ -359,7 +343,7 @@ async def test_only_the_leader_places_and_a_standby_takes_over(conns, bucket):
 
 
 async def placing_and_taking_over(client, a: RunningConductor, b: RunningConductor) -> None:
-    await wait_for(lambda: a.heard("p0", "d0") and b.heard("p0", "d0"), 30)
+    await until(lambda: a.heard("p0", "d0") and b.heard("p0", "d0"), 30)
     for i in range(5):
         placed = await bus.request(
             client, subjects.CONDUCTOR_SCHEDULE, request(f"r{i}"), Placement, 2
@@ -382,7 +366,8 @@ async def placing_and_taking_over(client, a: RunningConductor, b: RunningConduct
             gap = exc
     assert not b.election.is_leader
     assert gap.code == "no_responders"  # what the gateway retries on
-    took = await wait_for(lambda: b.election.is_leader, TTL_S + 2.5) - died
+    await until(lambda: b.election.is_leader, TTL_S + 2.5)
+    took = time.monotonic() - died
     print(f"standby leads {took:.2f}s after the leader died")
     placed = await bus.request(client, subjects.CONDUCTOR_SCHEDULE, request("after"), Placement, 2)
     assert placed.prefill_id == "p0" and b.served == ["after"]  # its registry was warm

@@ -4,7 +4,6 @@ follow of the KV event stream picks up again, missing nothing published meanwhil
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -14,15 +13,7 @@ from shared import bus, subjects
 from shared.messages import Ack, CancelRequest
 from shared.natsd import EmbeddedNats
 from shared.settings import BaseSettings
-
-
-async def until(cond, timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"not within {timeout_s}s")
-        await asyncio.sleep(0.05)
-    return time.monotonic() - t0
+from tests.waiting import until
 
 
 @pytest.fixture
@@ -59,7 +50,9 @@ async def test_connections_subscriptions_and_the_kv_stream_resume(server):
     await client.publish(subjects.KV_EVENTS, b"during")
     server.port = int(server.url.rsplit(":", 1)[1])
     server.start()
-    back = await until(lambda: all(c.is_connected for c in (worker, client, kvm)), 30)
+    t0 = time.monotonic()
+    await until(lambda: all(c.is_connected for c in (worker, client, kvm)), 30)
+    back = time.monotonic() - t0
     # A reconnect writes the subscriptions again before anything else; a flush's PONG comes
     # after the server has taken them, so the ping below finds its responder.
     await worker.flush(timeout=30)
@@ -68,7 +61,9 @@ async def test_connections_subscriptions_and_the_kv_stream_resume(server):
         Ack,
     )
     await client.publish(subjects.KV_EVENTS, b"after")
-    resumed = await until(lambda: b"after" in events, 30)
+    t0 = time.monotonic()
+    await until(lambda: b"after" in events, 30)
+    resumed = time.monotonic() - t0
     assert events == [b"before", b"during", b"after"]  # in order, none twice
     print(f"reconnected in {back:.2f}s; KV stream followed again {resumed:.1f}s later")
     for c in (worker, client, kvm):

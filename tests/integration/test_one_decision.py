@@ -9,7 +9,6 @@ decode instance's heartbeat and a KV manager that answers the prefix match.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from dataclasses import dataclass
@@ -31,14 +30,14 @@ from shared.db.schema import DecisionRecord
 from shared.db.session import make_engine, sessionmaker
 from shared.messages import (
     Ack,
-    GenerateRequest,
     InstanceInfo,
     KVMatchReply,
     Placement,
     PrefillJob,
     Role,
-    SamplingParams,
 )
+from tests.factories import request
+from tests.waiting import until
 
 BS = 16
 # Round numbers: 1 ms per new prefill token, 2 ms per transferred block, 40 ms overhead.
@@ -74,25 +73,6 @@ CASES = [
     # on its own cache (the live conductor used to add a pull here whatever the policy).
     Case("own_cache", {"p00": 6, "p01": 5}, "p01", "", 5),
 ]
-
-
-def request(rid: str) -> GenerateRequest:
-    return GenerateRequest(
-        request_id=rid,
-        model="m",
-        prompt_token_ids=list(range(PROMPT)),
-        block_hashes=HASHES,
-        sampling=SamplingParams(max_tokens=MAX_TOKENS),
-        arrival_time=time.time(),
-    )
-
-
-async def wait_for(cond, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -173,14 +153,21 @@ async def test_prediction_record_dispatch_and_simulator_agree(live, case):
     await beat(nc, "p00", Role.PREFILL, queue_depth=1, queue_prompts=[QUEUED_TOKENS])
     await beat(nc, "p01", Role.PREFILL)
     await beat(nc, "d00", Role.DECODE, kv_blocks_total=64, kv_blocks_free=64)
-    await wait_for(
+    await until(
         lambda: (
             len(conductor.registry.alive(Role.PREFILL, time.time())) == 2
             and conductor.registry.alive(Role.DECODE, time.time())
-        )
+        ),
+        5.0,
     )
 
-    placement = await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, request(case.name), Placement, 5)
+    placement = await bus.request(
+        nc,
+        subjects.CONDUCTOR_SCHEDULE,
+        request(case.name, prompt=range(PROMPT), max_tokens=MAX_TOKENS, block_hashes=HASHES),
+        Placement,
+        5,
+    )
     await records.flush()
     async with sessionmaker(engine)() as s:
         row = (
@@ -224,11 +211,13 @@ async def test_a_later_sample_follows_the_first_to_its_prefill(live):
     await beat(nc, "p00", Role.PREFILL)
     await beat(nc, "p01", Role.PREFILL)
     await beat(nc, "d00", Role.DECODE, kv_blocks_total=64, kv_blocks_free=64)
-    await wait_for(lambda: len(conductor.registry.alive(Role.PREFILL, time.time())) == 2)
-    await wait_for(lambda: bool(conductor.registry.alive(Role.DECODE, time.time())))
+    await until(lambda: len(conductor.registry.alive(Role.PREFILL, time.time())) == 2, 5.0)
+    await until(lambda: bool(conductor.registry.alive(Role.DECODE, time.time())), 5.0)
 
     async def place(rid: str, follow: str = "") -> Placement:
-        req = request(rid).model_copy(update={"follow_prefill": follow})
+        req = request(
+            rid, prompt=range(PROMPT), max_tokens=MAX_TOKENS, block_hashes=HASHES
+        ).model_copy(update={"follow_prefill": follow})
         return await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, req, Placement, 5)
 
     first = await place("r-0")

@@ -15,13 +15,13 @@ import threading
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.hashing import block_hashes
+from tests.factories import tiny_llama
 
 BLOCK = 16
 PREFIX_BLOCKS = 4
@@ -29,19 +29,8 @@ PREFIX_BLOCKS = 4
 
 def tiny_model() -> LoadedModel:
     # Big blocks (8 layers x 8 KV heads x 64 dims) make each copy long enough to race.
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=64,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    return LoadedModel(
-        "tiny", LlamaForCausalLM(cfg).eval(), None, torch.float32, "cpu", 512, frozenset()
+    return tiny_llama(
+        vocab=512, hidden=64, intermediate=64, layers=8, heads=8, kv_heads=8, head_dim=64
     )
 
 

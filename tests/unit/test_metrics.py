@@ -10,10 +10,8 @@ import time
 
 import aiohttp
 import pytest
-import torch
 from prometheus_client import REGISTRY, Counter
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.messages import (
     FinishReason,
@@ -30,6 +28,7 @@ from shared.messages import (
 from shared.metrics import exposition, new_registry, start_metrics_server
 from shared.settings import parse_settings
 from tests.conftest import free_port
+from tests.factories import tiny_llama
 
 
 def scrape(registry) -> dict[str, float]:
@@ -247,22 +246,7 @@ def test_up_gives_each_child_its_own_metrics_port():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from shared.engine.runner import LoadedModel
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=96,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    return LoadedModel(
-        "tiny", LlamaForCausalLM(cfg).eval(), None, torch.float32, "cpu", 512, frozenset()
-    )
+    return tiny_llama()
 
 
 async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_path):

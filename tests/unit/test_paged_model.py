@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.engine import kernels
 from shared.engine.batch import build_batch
@@ -14,26 +13,15 @@ from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.engine.scheduler import ScheduledSeq
 from shared.engine.sequence import Sequence
+from tests.factories import tiny_llama
 
 
 # hidden 96: the fused ops with torch's matmuls; hidden 128 (a multiple of 64): the GEMV
 # too, at every row count the decode steps bring (and a group of 4 query heads per KV head).
 @pytest.fixture(scope="module", params=[(96, 6), (128, 8)])
 def tiny(request):
-    torch.manual_seed(0)
     hidden, heads = request.param
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=hidden,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    return LoadedModel("tiny", model, None, torch.float32, "cpu", 512, frozenset())
+    return tiny_llama(hidden=hidden, heads=heads)
 
 
 def greedy_run(lm, native, prompts, n=12):

@@ -358,7 +358,7 @@ def test_reference_column_only_for_the_conversation_trace(
     argv = ["--trace", str(synthetic), "--capacity-blocks", "inf", "1000"]
     assert main(argv) == 0
     assert "ref %" not in capsys.readouterr().out
-    # Pretend the synthetic trace is the conversation trace: DESIGN.md's figures appear
+    # Pretend the synthetic trace is the conversation trace: docs/design.md's figures appear
     # beside plain LRU, and only there (not for watermark, nor tail-first LRU).
     monkeypatch.setattr(
         traces, "CONVERSATION_TRACE_DIGEST", traces.trace_digest(load_trace(str(synthetic)))

@@ -326,7 +326,7 @@ def test_single_instance_unlimited_cache_hit_ratio_is_exact_on_a_synthetic_trace
 
 def test_single_instance_unlimited_cache_hit_ratio_matches_the_trace():
     # Full trace (12,031 requests): 37.36%, the same as `halfmoon kv replay --capacity-blocks
-    # inf` and DESIGN.md's 37.4%. Here the repository's 2% sample of it, exactly.
+    # inf` and docs/design.md's 37.4%. Here the repository's 2% sample of it, exactly.
     trace = load_trace(str(SAMPLE_TRACE))
     reqs = [
         SimRequest(i, r.timestamp_ms / 1e3, r.input_length, r.output_length, r.hash_ids)

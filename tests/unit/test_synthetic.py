@@ -22,7 +22,7 @@ def test_each_seed_has_the_papers_averages(seed):
     assert len(trace) == 3_993
     mean_in = statistics.mean(r.input_length for r in trace)
     mean_out = statistics.mean(r.output_length for r in trace)
-    hit = replay_requests(trace, None).hit_ratio  # DESIGN.md's rule, unlimited pool
+    hit = replay_requests(trace, None).hit_ratio  # docs/design.md's rule, unlimited pool
     assert abs(mean_in / PAPER_MEAN_INPUT - 1) < 0.08, mean_in
     assert abs(mean_out / PAPER_MEAN_OUTPUT - 1) < 0.08, mean_out
     assert abs(hit - PAPER_CACHE_RATIO) < 0.03, hit
