@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from services.bench import llama_cpp
-from services.bench import serve_bench as sb
-from services.bench.servers import HalfmoonServer, LlamaCppServer, Placement, placements
+from services.tools.bench import llama_cpp
+from services.tools.bench import serve_bench as sb
+from services.tools.bench.servers import HalfmoonServer, LlamaCppServer, Placement, placements
 from tests.unit.test_serve_bench import ROW, args_for
 
 

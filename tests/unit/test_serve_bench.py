@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from services.bench import serve_bench as sb
-from services.bench.servers import (
+from services.tools.bench import serve_bench as sb
+from services.tools.bench.servers import (
     HalfmoonServer,
     Placement,
     Server,

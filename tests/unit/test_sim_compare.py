@@ -5,9 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from services.bench.replay.metrics import ReplayedRequest, Slos
-from services.bench.replay.prompts import PromptPlan
-from services.bench.replay.sim_compare import (
+from services.conductor.costmodel import CostModel
+from services.tools.bench.replay.metrics import ReplayedRequest, Slos
+from services.tools.bench.replay.prompts import PromptPlan
+from services.tools.bench.replay.sim_compare import (
     ClusterFacts,
     ablations,
     mean_summary,
@@ -15,7 +16,6 @@ from services.bench.replay.sim_compare import (
     sim_requests,
     simulate_replay,
 )
-from services.conductor.costmodel import CostModel
 
 SLOS = Slos(10.0, 1.0, (0.5, 1.0))
 

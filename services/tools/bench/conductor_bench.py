@@ -29,11 +29,11 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from services.bench.stats import percentile
 from services.conductor import snapshot
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import make_policy
 from services.conductor.registry import Registry
+from services.tools.bench.stats import percentile
 from shared.messages import GenerateRequest, InstanceInfo, Role, SamplingParams
 
 

@@ -26,10 +26,10 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from services.bench.client import Result, stream_chat
-from services.bench.replay.cluster import ClusterConfig, local_cluster
-from services.bench.request_latency import stack_body
-from services.bench.serve_bench import Messages, PromptMaker
+from services.tools.bench.client import Result, stream_chat
+from services.tools.bench.replay.cluster import ClusterConfig, local_cluster
+from services.tools.bench.request_latency import stack_body
+from services.tools.bench.serve_bench import Messages, PromptMaker
 from shared.engine import cpu
 from shared.model_store import ensure_model
 

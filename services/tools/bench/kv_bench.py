@@ -13,8 +13,8 @@ import random
 import time
 from typing import Sequence
 
-from services.bench.stats import percentile
 from services.kvmanager.index import KVIndex
+from services.tools.bench.stats import percentile
 
 
 def build(instances: int, blocks: int, background: int, seed: int) -> tuple[KVIndex, list[int]]:

@@ -46,9 +46,9 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from services.bench import llama_cpp
-from services.bench.client import Result, stream_chat
-from services.bench.servers import (
+from services.tools.bench import llama_cpp
+from services.tools.bench.client import Result, stream_chat
+from services.tools.bench.servers import (
     HalfmoonServer,
     LlamaCppServer,
     Placement,
@@ -58,7 +58,7 @@ from services.bench.servers import (
     parse_cpus,
     placements,
 )
-from services.bench.stats import percentile
+from services.tools.bench.stats import percentile
 from shared.engine import cpu
 from shared.model_store import ensure_model
 

@@ -417,7 +417,7 @@ class LlamaCppServer(Server):
         self.url = f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        from services.bench.llama_cpp import server_argv
+        from services.tools.bench.llama_cpp import server_argv
 
         threads = self.placement.total_threads
         return server_argv(self.exe, self.gguf, self.port, threads, self.parallel, self.slot_ctx)

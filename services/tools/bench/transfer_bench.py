@@ -197,7 +197,7 @@ async def run(mib: int, rounds: int, frame: int) -> dict[str, Any]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.bench.transfer_bench",
+        "services.tools.bench.transfer_bench",
         "--child",
         "--mib",
         str(mib),

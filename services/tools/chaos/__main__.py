@@ -1,6 +1,6 @@
-"""`python -m services.chaos` / `halfmoon chaos`."""
+"""`python -m services.tools.chaos` / `halfmoon chaos`."""
 
-from services.chaos.run import main
+from services.tools.chaos.run import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from services.bench.client import Result, stream_chat
+from services.tools.bench.client import Result, stream_chat
 
 WORDS = (
     "moon tide harbor lantern river stone garden winter signal orbit copper meadow "

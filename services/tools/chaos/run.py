@@ -16,12 +16,12 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from services.bench.client import stream_chat
-from services.bench.servers import free_port
-from services.chaos.args import ChaosSettings, parse_args
-from services.chaos.audit import Audit, audit
-from services.chaos.faults import Faults, HeartbeatVictims, cluster_victims
-from services.chaos.load import Load, make_body
+from services.tools.bench.client import stream_chat
+from services.tools.bench.servers import free_port
+from services.tools.chaos.args import ChaosSettings, parse_args
+from services.tools.chaos.audit import Audit, audit
+from services.tools.chaos.faults import Faults, HeartbeatVictims, cluster_victims
+from services.tools.chaos.load import Load, make_body
 from services.up import LocalCluster, UpSettings
 from shared import bus, subjects
 from shared.db import session as db

@@ -1,6 +1,6 @@
-"""`python -m services.sim` (same as `halfmoon sim`)."""
+"""`python -m services.tools.sim` (same as `halfmoon sim`)."""
 
-from services.sim.cli import main
+from services.tools.sim.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

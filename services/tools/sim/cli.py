@@ -1,7 +1,7 @@
 """`halfmoon sim`: replay a Mooncake trace through a simulated cluster, per policy.
 
 halfmoon sim --trace FILE --prefill 16 --decode 16 --policy all
-python -m services.sim --policy kvcentric --cache-blocks inf --json
+python -m services.tools.sim --policy kvcentric --cache-blocks inf --json
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from services.conductor.costmodel import CostModel, load_cost_model
 from services.conductor.policy import POLICIES
 from services.kvmanager.replay import _capacity
 from services.kvmanager.traces import default_trace, load_trace, replicate
-from services.sim import report
-from services.sim.model import PRESETS, with_block_tokens
-from services.sim.run import LOCAL, SimConfig, SimResult, run_policy, to_sim_requests
+from services.tools.sim import report
+from services.tools.sim.model import PRESETS, with_block_tokens
+from services.tools.sim.run import LOCAL, SimConfig, SimResult, run_policy, to_sim_requests
 
 # The paper's comparison order, worst first (Mooncake FAST'25, conversation trace).
 ALL_POLICIES = ("random", "round_robin", "least_loaded", "largest_prefix", "kvcentric")
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="instead of the policy table: the paper's studies (scheduler ablation, hit "
         "ratio by capacity, capacity by TBT threshold, prefill:decode sweep) as "
-        "DIR/report.json and DIR/report.html (services/sim/report.py)",
+        "DIR/report.json and DIR/report.html (services/tools/sim/report.py)",
     )
     p.add_argument("--prefill", type=int, default=16, help="prefill instances (%(default)s)")
     p.add_argument("--decode", type=int, default=16, help="decode instances (%(default)s)")

@@ -1,6 +1,6 @@
 """Simulated prefill and decode instances: pure bookkeeping, no I/O, no wall clock.
 
-Times are simulated seconds handed in by the event loop (services/sim/run.py). The KV
+Times are simulated seconds handed in by the event loop (services/tools/sim/run.py). The KV
 cache of a prefill instance is the engines' own block pool (shared/engine/block_manager.py,
 driven by hash through services/kvmanager/pool.py); the loop mirrors every pool change
 into the real KVIndex, as the live KV manager does from instance events.
@@ -35,10 +35,10 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from services.bench.stats import slowest_tenth_mean
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import InstanceView
 from services.kvmanager.pool import HashPool
+from services.tools.bench.stats import slowest_tenth_mean
 
 
 @dataclass(slots=True)

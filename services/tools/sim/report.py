@@ -19,10 +19,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from services.bench.replay.metrics import Slos
-from services.bench.replay.sim_compare import summarize_outcomes
-from services.sim.model import Outcome, SimRequest
-from services.sim.run import LOCAL, SimConfig, simulate, summarize
+from services.tools.bench.replay.metrics import Slos
+from services.tools.bench.replay.sim_compare import summarize_outcomes
+from services.tools.sim.model import Outcome, SimRequest
+from services.tools.sim.run import LOCAL, SimConfig, simulate, summarize
 
 ABLATION = ("random", "least_loaded", LOCAL, "kvcentric")
 LABELS = {

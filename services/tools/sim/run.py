@@ -25,14 +25,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from services.bench.stats import percentile
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import Policy, RequestView, Snapshot, make_policy
 from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import _runs
 from services.kvmanager.traces import TraceRequest
-from services.sim.model import (
+from services.tools.bench.stats import percentile
+from services.tools.sim.model import (
     BACKGROUND,
     ChunkedPrefillInstance,
     Cores,

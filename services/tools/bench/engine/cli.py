@@ -26,10 +26,10 @@ from typing import Any, Sequence
 
 import torch
 
-from services.bench.engine import baselines as hf
-from services.bench.engine import machine, quality, workloads
-from services.bench.engine.report import render
-from services.bench.engine.roofline import ModelShape, decode_step_bound
+from services.tools.bench.engine import baselines as hf
+from services.tools.bench.engine import machine, quality, workloads
+from services.tools.bench.engine.report import render
+from services.tools.bench.engine.roofline import ModelShape, decode_step_bound
 from shared.engine import cpu, kernels
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.runner import LoadedModel, load_model

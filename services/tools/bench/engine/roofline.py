@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.bench.engine.machine import Limits
+from services.tools.bench.engine.machine import Limits
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import random
 import time
 from typing import Any
 
-from services.bench.stats import percentile
+from services.tools.bench.stats import percentile
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.params import SamplingParams
 

@@ -20,18 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from services.bench.replay import machine, report, sim_compare
-from services.bench.replay.cluster import ClusterConfig, local_cluster
-from services.bench.replay.metrics import ReplayedRequest, Slos, records_json, summarize
-from services.bench.replay.prompts import (
+from services.kvmanager.traces import default_trace, load_trace
+from services.tools.bench.replay import machine, report, sim_compare
+from services.tools.bench.replay.cluster import ClusterConfig, local_cluster
+from services.tools.bench.replay.metrics import ReplayedRequest, Slos, records_json, summarize
+from services.tools.bench.replay.prompts import (
     PromptMaker,
     PromptPlan,
     ideal_hit_ratio,
     single_token_words,
 )
-from services.bench.replay.runner import RunOptions, replay
-from services.bench.replay.workload import SliceSpec, arrivals, select
-from services.kvmanager.traces import default_trace, load_trace
+from services.tools.bench.replay.runner import RunOptions, replay
+from services.tools.bench.replay.workload import SliceSpec, arrivals, select
 from shared.model_store import ensure_model
 from shared.settings import DEFAULT_MODEL_NAME, halfmoon_home
 

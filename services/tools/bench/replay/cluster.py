@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
-from services.bench.servers import HalfmoonServer, parse_cpus, placements
 from services.conductor.costmodel import default_path as default_cost_model
+from services.tools.bench.servers import HalfmoonServer, parse_cpus, placements
 
 _ENV_TOKEN = re.compile(r"^HALFMOON_[A-Z0-9_]+=")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from services.bench.client import Result
-from services.bench.stats import percentile
+from services.tools.bench.client import Result
+from services.tools.bench.stats import percentile
 
 REJECTED_STATUSES = (429, 503)
 

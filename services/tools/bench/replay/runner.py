@@ -11,10 +11,10 @@ from typing import Sequence
 
 import aiohttp
 
-from services.bench.client import stream_chat
-from services.bench.replay.metrics import ReplayedRequest, record_from
-from services.bench.replay.prompts import PromptPlan
-from services.bench.serve_bench import model_id
+from services.tools.bench.client import stream_chat
+from services.tools.bench.replay.metrics import ReplayedRequest, record_from
+from services.tools.bench.replay.prompts import PromptPlan
+from services.tools.bench.serve_bench import model_id
 
 log = logging.getLogger(__name__)
 

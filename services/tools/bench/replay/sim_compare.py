@@ -25,12 +25,12 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from services.bench.replay import report
-from services.bench.replay.metrics import ReplayedRequest, Slos, summarize
-from services.bench.replay.prompts import PromptPlan
 from services.conductor.costmodel import CostModel
-from services.sim.model import Outcome, SimRequest, with_block_tokens
-from services.sim.run import SimConfig, simulate
+from services.tools.bench.replay import report
+from services.tools.bench.replay.metrics import ReplayedRequest, Slos, summarize
+from services.tools.bench.replay.prompts import PromptPlan
+from services.tools.sim.model import Outcome, SimRequest, with_block_tokens
+from services.tools.sim.run import SimConfig, simulate
 from shared.engine.scheduler import SchedulerConfig
 
 # (figure, summary path) compared side by side; the bar is 15% on the first three.
