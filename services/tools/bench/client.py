@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from services.tools.bench.stats import slowest_tenth_mean
+from shared.stats import slowest_tenth_mean
 
 
 @dataclass

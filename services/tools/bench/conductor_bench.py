@@ -33,8 +33,8 @@ from services.conductor import snapshot
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import make_policy
 from services.conductor.registry import Registry
-from services.tools.bench.stats import percentile
 from shared.messages import GenerateRequest, InstanceInfo, Role, SamplingParams
+from shared.stats import percentile
 
 
 def prefill_info(rng: random.Random, i: int) -> InstanceInfo:

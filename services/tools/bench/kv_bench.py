@@ -14,7 +14,7 @@ import time
 from typing import Sequence
 
 from services.kvmanager.index import KVIndex
-from services.tools.bench.stats import percentile
+from shared.stats import percentile
 
 
 def build(instances: int, blocks: int, background: int, seed: int) -> tuple[KVIndex, list[int]]:

@@ -58,9 +58,9 @@ from services.tools.bench.servers import (
     parse_cpus,
     placements,
 )
-from services.tools.bench.stats import percentile
 from shared.engine import cpu
 from shared.model_store import ensure_model
+from shared.stats import percentile
 
 WORDS = (
     "moon tide harbor lantern river stone garden winter signal orbit copper meadow "

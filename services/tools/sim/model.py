@@ -38,7 +38,7 @@ from typing import Callable
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import InstanceView
 from services.kvmanager.pool import HashPool
-from services.tools.bench.stats import slowest_tenth_mean
+from shared.stats import slowest_tenth_mean
 
 
 @dataclass(slots=True)

@@ -31,7 +31,6 @@ from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import _runs
 from services.kvmanager.traces import TraceRequest
-from services.tools.bench.stats import percentile
 from services.tools.sim.model import (
     BACKGROUND,
     ChunkedPrefillInstance,
@@ -42,6 +41,7 @@ from services.tools.sim.model import (
     PrefillJob,
     SimRequest,
 )
+from shared.stats import percentile
 
 _TIER = "dram"
 _PREFILL_DONE, _KV_ARRIVED = 0, 1

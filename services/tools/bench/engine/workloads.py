@@ -6,9 +6,9 @@ import random
 import time
 from typing import Any
 
-from services.tools.bench.stats import percentile
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.params import SamplingParams
+from shared.stats import percentile
 
 
 def prompts(n: int, lo: int, hi: int, seed: int, vocab: int) -> list[list[int]]:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from services.tools.bench.client import Result
-from services.tools.bench.stats import percentile
+from shared.stats import percentile
 
 REJECTED_STATUSES = (429, 503)
 

@@ -1,4 +1,4 @@
-"""Small statistics shared by the benchmarks."""
+"""Small statistics the benchmarks and the simulator share (pure: no I/O)."""
 
 from __future__ import annotations
 
