@@ -6,7 +6,6 @@ from dataclasses import replace
 import pytest
 
 from services.conductor.costmodel import CostModel
-from services.tools.bench.replay.metrics import ReplayedRequest, Slos
 from services.tools.bench.replay.prompts import PromptPlan
 from services.tools.bench.replay.sim_compare import (
     ClusterFacts,
@@ -16,6 +15,7 @@ from services.tools.bench.replay.sim_compare import (
     sim_requests,
     simulate_replay,
 )
+from shared.run_summary import ReplayedRequest, Slos
 
 SLOS = Slos(10.0, 1.0, (0.5, 1.0))
 

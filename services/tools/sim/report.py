@@ -19,10 +19,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from services.tools.bench.replay.metrics import Slos
-from services.tools.bench.replay.sim_compare import summarize_outcomes
 from services.tools.sim.model import Outcome, SimRequest
+from services.tools.sim.outcomes import summarize_outcomes
 from services.tools.sim.run import LOCAL, SimConfig, simulate, summarize
+from shared.run_summary import Slos
 
 ABLATION = ("random", "least_loaded", LOCAL, "kvcentric")
 LABELS = {

@@ -23,7 +23,6 @@ from typing import Any, Sequence
 from services.kvmanager.traces import default_trace, load_trace
 from services.tools.bench.replay import machine, report, sim_compare
 from services.tools.bench.replay.cluster import ClusterConfig, local_cluster
-from services.tools.bench.replay.metrics import ReplayedRequest, Slos, records_json, summarize
 from services.tools.bench.replay.prompts import (
     PromptMaker,
     PromptPlan,
@@ -33,6 +32,7 @@ from services.tools.bench.replay.prompts import (
 from services.tools.bench.replay.runner import RunOptions, replay
 from services.tools.bench.replay.workload import SliceSpec, arrivals, select
 from shared.model_store import ensure_model
+from shared.run_summary import ReplayedRequest, Slos, records_json, summarize
 from shared.settings import DEFAULT_MODEL_NAME, halfmoon_home
 
 log = logging.getLogger("halfmoon.bench.replay")

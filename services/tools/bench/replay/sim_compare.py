@@ -14,7 +14,7 @@ costs with a core to itself) and shares the machine's cores among its instances 
 the live conductor did.
 The simulator then replays the same requests (arrival times, prompt lengths as the server
 counted them, output lengths, trace blocks) through the same policy code, and its outcomes
-go through the replay's own summary (metrics.summarize), so every figure is defined once
+go through the replay's own summary (shared.run_summary.summarize), so every figure is defined once
 for both sides.
 """
 
@@ -27,11 +27,12 @@ from typing import Any, Callable, Sequence
 
 from services.conductor.costmodel import CostModel
 from services.tools.bench.replay import report
-from services.tools.bench.replay.metrics import ReplayedRequest, Slos, summarize
 from services.tools.bench.replay.prompts import PromptPlan
-from services.tools.sim.model import Outcome, SimRequest, with_block_tokens
+from services.tools.sim.model import SimRequest, with_block_tokens
+from services.tools.sim.outcomes import summarize_outcomes
 from services.tools.sim.run import SimConfig, simulate
 from shared.engine.scheduler import SchedulerConfig
+from shared.run_summary import ReplayedRequest, Slos
 
 # (figure, summary path) compared side by side; the issue's bar is 15% on the first three.
 FIGURES = (
@@ -122,37 +123,6 @@ def sim_requests(
         )
         for i, (plan, rec) in enumerate(zip(plans, records))
     ]
-
-
-def as_record(o: Outcome, block_tokens: int) -> ReplayedRequest:
-    """A simulated outcome as the replay records a live one (prompt lengths with the
-    template's header: the live summary's hit ratio divides by those too)."""
-    req = o.request
-    rec = ReplayedRequest(
-        req.index,
-        req.arrival_s,
-        0.0,
-        req.input_length,
-        req.output_length,
-        "rejected" if o.rejected else "completed",
-    )
-    if not o.rejected:
-        rec.prompt_tokens, rec.completion_tokens = req.input_length, req.output_length
-        rec.cached_tokens = o.hit_tokens(block_tokens)
-        rec.ttft_s, rec.e2e_s = o.ttft_s, o.finish_s - req.arrival_s
-        rec.tbt_s = None if math.isnan(o.tbt_s) else o.tbt_s
-    return rec
-
-
-def summarize_outcomes(
-    outcomes: Sequence[Outcome], block_tokens: int, slos: Slos, ideal_hit_ratio: float
-) -> dict[str, Any]:
-    """Simulated outcomes in the replay's summary, over the simulated span (first arrival
-    to last token)."""
-    records = [as_record(o, block_tokens) for o in outcomes]
-    start = min((o.request.arrival_s for o in outcomes), default=0.0)
-    end = max((o.finish_s for o in outcomes if not o.rejected), default=start)
-    return summarize(records, end - start, slos, ideal_hit_ratio)
 
 
 def replay_config(facts: ClusterFacts, block_tokens: int, slos: Slos, send_slos: bool) -> SimConfig:
