@@ -16,7 +16,7 @@ from typing import Sequence
 
 from services.conductor.costmodel import CostModel, load_cost_model
 from services.conductor.policy import POLICIES
-from services.kvmanager.replay import _capacity
+from services.kvmanager.replay import parse_capacity
 from services.kvmanager.traces import default_trace, load_trace, replicate
 from services.tools.sim import report
 from services.tools.sim.model import PRESETS, with_block_tokens
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=16, help="decode instances (%(default)s)")
     p.add_argument(
         "--cache-blocks",
-        type=_capacity,
+        type=parse_capacity,
         default=10_000,
         metavar="C",
         help="KV pool per prefill instance, in trace blocks, or inf (%(default)s)",

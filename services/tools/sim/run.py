@@ -29,7 +29,7 @@ from services.conductor.costmodel import CostModel
 from services.conductor.policy import Policy, RequestView, Snapshot, make_policy
 from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
-from services.kvmanager.replay import _runs
+from services.kvmanager.replay import kept_runs
 from services.kvmanager.traces import TraceRequest
 from services.tools.sim.model import (
     BACKGROUND,
@@ -264,7 +264,7 @@ class Cluster:
             self.index.removed(inst.instance_id, _TIER, gone)
         fresh = {h for h in res.inserted if h in pool}
         if fresh:
-            for parent, run in _runs(hashes, fresh):
+            for parent, run in kept_runs(hashes, fresh):
                 self.index.stored(inst.instance_id, _TIER, run, 0, now, parent_of=parent)
 
     def prewarm(self, hashes: list[int], now: float) -> None:
