@@ -19,41 +19,11 @@ from typing import Any, Sequence
 
 import torch
 
+from services.tools.bench.schemas import SCHEMAS
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.params import Constraint, SamplingParams
 from shared.engine.runner import load_model
 from shared.model_store import ensure_model
-
-SCHEMAS = [
-    {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 24},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        },
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 24},
-            "tags": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 12}},
-        },
-        "required": ["city", "tags"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
-            "ok": {"type": "boolean"},
-            "level": {"enum": ["low", "mid", "high"]},
-            "score": {"type": "number"},
-        },
-        "required": ["ok", "level", "score"],
-        "additionalProperties": False,
-    },
-]
 
 
 def prompts(lm: Any, n: int) -> list[list[int]]:
