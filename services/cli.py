@@ -94,7 +94,7 @@ BENCHES = {
     "transfer": "services.tools.bench.transfer_bench",
     "handoff": "services.tools.bench.handoff_bench",
     "conductor": "services.tools.bench.conductor_bench",
-    "serve": "services.tools.bench.serve_bench",
+    "serve": "services.tools.bench.serve.cli",
     "replay": "services.tools.bench.replay.cli",
     "structured": "services.tools.bench.structured_bench",
     "build-llama-cpp": "services.tools.bench.llama_cpp",

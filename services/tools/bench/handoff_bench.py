@@ -29,7 +29,7 @@ import aiohttp
 from services.tools.bench.client import Result, stream_chat
 from services.tools.bench.replay.cluster import ClusterConfig, local_cluster
 from services.tools.bench.request_latency import stack_body
-from services.tools.bench.serve_bench import Messages, PromptMaker
+from services.tools.bench.serve.workload import Messages, PromptMaker
 from shared.engine import cpu
 from shared.model_store import ensure_model
 

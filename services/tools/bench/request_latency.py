@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from services.tools.bench.client import Result, stream_chat
-from services.tools.bench.serve_bench import unique_lead
+from services.tools.bench.serve.workload import unique_lead
 from shared.engine import cpu
 from shared.model_store import ensure_model
 

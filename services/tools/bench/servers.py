@@ -203,7 +203,7 @@ class Server:
     has_ready_line = False  # else /health answering means ready
     prefix_cache = "none"  # what it reuses across requests: none, or how
     reports_cached_tokens = False  # usage.prompt_tokens_details.cached_tokens is real
-    # How a request asks for exactly max_tokens (see serve_bench.body), and what else it
+    # How a request asks for exactly max_tokens (see serve.workload.body), and what else it
     # carries.
     eos_style = "ignore_eos"
     request_extra: dict[str, Any] = {}

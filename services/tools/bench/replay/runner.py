@@ -14,7 +14,7 @@ import aiohttp
 from services.tools.bench.client import stream_chat
 from services.tools.bench.replay.metrics import ReplayedRequest, record_from
 from services.tools.bench.replay.prompts import PromptPlan
-from services.tools.bench.serve_bench import model_id
+from services.tools.bench.serve.workload import model_id
 
 log = logging.getLogger(__name__)
 
