@@ -23,7 +23,7 @@ from services.conductor.costmodel import CostModel
 from services.conductor.handlers import Conductor
 from services.conductor.policy import make_policy
 from services.tools.sim.model import Outcome, SimRequest
-from services.tools.sim.model import PrefillJob as SimJob
+from services.tools.sim.prefill import PrefillJob as SimJob
 from services.tools.sim.run import Cluster, SimConfig
 from shared import bus, subjects
 from shared.db.records import RecordWriter

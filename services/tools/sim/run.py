@@ -31,16 +31,10 @@ from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import kept_runs
 from services.kvmanager.traces import TraceRequest
-from services.tools.sim.model import (
-    BACKGROUND,
-    ChunkedPrefillInstance,
-    Cores,
-    DecodeInstance,
-    Outcome,
-    PrefillInstance,
-    PrefillJob,
-    SimRequest,
-)
+from services.tools.sim.cores import BACKGROUND, Cores
+from services.tools.sim.decode import DecodeInstance
+from services.tools.sim.model import Outcome, SimRequest
+from services.tools.sim.prefill import ChunkedPrefillInstance, PrefillInstance, PrefillJob
 from shared.stats import percentile
 
 _TIER = "dram"
