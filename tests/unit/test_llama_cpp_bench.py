@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 from services.tools.bench import llama_cpp
+from services.tools.bench.placement import Placement, placements
 from services.tools.bench.serve import report as serve_report
 from services.tools.bench.serve import systems as serve_systems
 from services.tools.bench.serve import workload as serve_workload
-from services.tools.bench.servers import HalfmoonServer, LlamaCppServer, Placement, placements
+from services.tools.bench.servers import HalfmoonServer, LlamaCppServer
 from tests.unit.test_serve_bench import ROW, args_for
 
 

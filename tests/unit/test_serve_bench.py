@@ -16,20 +16,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from services.tools.bench.placement import Placement, format_cpus, parse_cpus, placements
 from services.tools.bench.serve import cli as serve_cli
 from services.tools.bench.serve import report as serve_report
 from services.tools.bench.serve import systems as serve_systems
 from services.tools.bench.serve import workload as serve_workload
-from services.tools.bench.servers import (
-    HalfmoonServer,
-    Placement,
-    Server,
-    TransformersServer,
-    format_cpus,
-    parse_cpus,
-    placements,
-    torch_launch,
-)
+from services.tools.bench.servers import HalfmoonServer, Server, TransformersServer, torch_launch
 from shared.engine import cpu
 
 BLOCK = 16  # the gateway's default KV block size (services/gateway/args.py)

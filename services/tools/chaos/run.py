@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from services.tools.bench.client import stream_chat
-from services.tools.bench.servers import free_port
+from services.tools.bench.placement import free_port
 from services.tools.chaos.args import ChaosSettings, parse_args
 from services.tools.chaos.audit import Audit, audit
 from services.tools.chaos.faults import Faults, HeartbeatVictims, cluster_victims

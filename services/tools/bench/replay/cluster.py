@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from services.conductor.costmodel import default_path as default_cost_model
-from services.tools.bench.servers import HalfmoonServer, parse_cpus, placements
+from services.tools.bench.placement import parse_cpus, placements
+from services.tools.bench.servers import HalfmoonServer
 
 _ENV_TOKEN = re.compile(r"^HALFMOON_[A-Z0-9_]+=")
 

@@ -10,22 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from services.tools.bench import llama_cpp
+from services.tools.bench.placement import Placement, format_cpus, parse_cpus, placements
 from services.tools.bench.serve.workload import (
     PROMPT_LABELS,
     PromptMaker,
     prompt_modes,
     run_rounds,
 )
-from services.tools.bench.servers import (
-    HalfmoonServer,
-    LlamaCppServer,
-    Placement,
-    Server,
-    TransformersServer,
-    format_cpus,
-    parse_cpus,
-    placements,
-)
+from services.tools.bench.servers import HalfmoonServer, LlamaCppServer, Server, TransformersServer
 from shared.engine import cpu
 
 PRECISIONS = ("fp32", "bf16", "int8", "q4_1")
