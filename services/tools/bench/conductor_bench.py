@@ -203,7 +203,7 @@ def _errors(pairs: list[tuple[float, float]]) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="halfmoon bench conductor",
         description=__doc__,
@@ -232,7 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --rate 0: the share of the prefill instances' capacity to send, measured "
         "first from requests sent one at a time",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     out: dict[str, Any] = {
         "decision_latency": {
             str(n): decision_latency(n, 100, args.runs, seed=n) for n in (8, 64, 256, 1024)
@@ -250,6 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
     print(json.dumps(out, indent=2))
+    print_summary(out)
+    return 0
+
+
+def print_summary(out: dict[str, Any]) -> None:
+    """The figures in a line each: decision latency per cluster size, then the live run."""
     for n, r in out["decision_latency"].items():
         print(
             f"decision, {n:>4} prefill instances, 100-block prompt: p50 {r['p50_ms']:.3f} ms, "
@@ -269,7 +279,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"(p90 {e['p90_abs_error'] * 100:.1f}%), medians {e['median_predicted_ms']} / "
                 f"{e['median_measured_ms']} ms"
             )
-    return 0
 
 
 if __name__ == "__main__":

@@ -75,7 +75,22 @@ def mixed_batch(
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def valid_answers(text: dict[str, str], tag: str, constrained: int) -> int:
+    """How many of a mixed batch's constrained answers parse and match their schema."""
+    import jsonschema
+
+    valid = 0
+    for i in range(constrained):
+        try:
+            schema = SCHEMAS[i % len(SCHEMAS)]
+            jsonschema.validate(json.loads(text[f"c{tag}-{i}"]), schema)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return valid
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="halfmoon bench structured",
         description=__doc__,
@@ -94,9 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="unmixed then mixed batches, this many times in turn (the machine's noise "
         "moves both alike within a round)",
     )
-    args = p.parse_args(argv)
-    import jsonschema
+    return p
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     lm = load_model(ensure_model(args.model), args.dtype, "cpu", args.threads)
     engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=1 << 30))
     ps = prompts(lm, args.batch)
@@ -115,14 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         mixed_s = statistics.median(mixed["full_steps"][:k])
         rounds.append({"steps": k, "unmixed_step_s": plain_s, "mixed_step_s": mixed_s,
                        "ratio": plain_s / mixed_s})  # fmt: skip
-        for i in range(args.constrained):
-            checked += 1
-            try:
-                schema = SCHEMAS[i % len(SCHEMAS)]
-                jsonschema.validate(json.loads(mixed["text"][f"c{r}-{i}"]), schema)
-                valid += 1
-            except (ValueError, jsonschema.ValidationError):
-                pass
+        checked += args.constrained
+        valid += valid_answers(mixed["text"], str(r), args.constrained)
     ratio = statistics.median(x["ratio"] for x in rounds)
     unmixed_tok_s = 1 / statistics.median(x["unmixed_step_s"] for x in rounds)
     mixed_tok_s = 1 / statistics.median(x["mixed_step_s"] for x in rounds)

@@ -62,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
         "ratio by capacity, capacity by TBT threshold, prefill:decode sweep) as "
         "DIR/report.json and DIR/report.html (services/tools/sim/report.py)",
     )
+    _cluster_flags(p)
+    _cost_flags(p)
+    _slo_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    """The simulated cluster, its placement policies and the arrival rate."""
     p.add_argument("--prefill", type=int, default=16, help="prefill instances (%(default)s)")
     p.add_argument("--decode", type=int, default=16, help="decode instances (%(default)s)")
     p.add_argument(
@@ -89,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="arrival = trace timestamp x this; 1 = real time, 0.5 = twice the "
         "request rate (%(default)s)",
     )
-    _cost_flags(p)
+
+
+def _slo_flags(p: argparse.ArgumentParser) -> None:
+    """Admission (the SLOs and their margin), kvcentric's pulls and the pools' start."""
     p.add_argument("--ttft-slo-s", type=float, default=30.0, help="TTFT SLO (%(default)s)")
     p.add_argument("--tbt-slo-ms", type=float, default=300.0, help="TBT SLO (%(default)s)")
     p.add_argument(
@@ -115,8 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="start with empty pools (default: the blocks every request begins "
         "with, the system prompt, are cached on every prefill instance)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
 
 
 def _cost_flags(p: argparse.ArgumentParser) -> None:

@@ -211,9 +211,45 @@ def run_all(names: list[str], model_dir: Any, args: argparse.Namespace) -> dict[
             float("nan"), {d: float("nan") for d in dtypes}, torch.get_num_threads()
         )
     )
+    result = header(first.name, args, auto_dtype, limits, len(work["single"]), n, hi, new)
+    engines: dict[str, LLMEngine] = {}
+    for name in names:
+        dtype, quant = PRECISIONS[name]
+        lm = model(dtype)
+        r = measure_precision(name, lm, quant, args, limits, work)
+        engines[name] = r.pop("engine")
+        if not args.skip_baselines and quant == "none":
+            r["transformers"] = baselines(lm, work)
+        result["precisions"][name] = r
+    # TBT, prefix reuse and prefill: at the precision `--dtype auto` serves with
+    default = default_precision(auto_dtype, names)
+    lm = model(PRECISIONS[default][0])
+    result["default_precision"] = default
+    result.update(default_extras(engines[default], lm, args, limits, vocab, hi))
+    if "int8" in engines and "fp32" in engines:
+        result["int8_quality"] = quality.gate(
+            engines["fp32"], engines["int8"], first.tokenizer, 8 if args.quick else 32
+        )
+    result["memory"] = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    engines.clear()
+    gc.collect()
+    return result
+
+
+def header(
+    model_name: str,
+    args: argparse.Namespace,
+    auto_dtype: str,
+    limits: machine.Limits,
+    single: int,
+    batch: int,
+    hi: int,
+    new: int,
+) -> dict[str, Any]:
+    """The run's document before any figure: the model, this CPU, its limits, the workload."""
     info = cpu.detect()
-    result: dict[str, Any] = {
-        "model": first.name,
+    return {
+        "model": model_name,
         "device": args.device,
         "threads": torch.get_num_threads(),
         "cpu": {
@@ -226,36 +262,17 @@ def run_all(names: list[str], model_dir: Any, args: argparse.Namespace) -> dict[
         "auto_dtype": auto_dtype,
         "limits": limits.as_dict(),
         "workload": {
-            "single_prompts": len(work["single"]),
-            "batch_requests": n,
+            "single_prompts": single,
+            "batch_requests": batch,
             "prompt_tokens": f"64-{hi}",
             "new_tokens": new,
         },
         "precisions": {},
     }
-    engines: dict[str, LLMEngine] = {}
-    for name in names:
-        dtype, quant = PRECISIONS[name]
-        lm = model(dtype)
-        r = measure_precision(name, lm, quant, args, limits, work)
-        engines[name] = r.pop("engine")
-        if not args.skip_baselines and quant == "none":
-            r["transformers"] = baselines(lm, work)
-        result["precisions"][name] = r
-    # TBT, prefix reuse and prefill: at the precision `--dtype auto` serves with
-    default = (
-        "bf16"
-        if auto_dtype == "bfloat16" and "bf16" in names
-        else ("fp32" if "fp32" in names else names[0])
-    )
-    lm = model(PRECISIONS[default][0])
-    result["default_precision"] = default
-    result.update(default_extras(engines[default], lm, args, limits, vocab, hi))
-    if "int8" in engines and "fp32" in engines:
-        result["int8_quality"] = quality.gate(
-            engines["fp32"], engines["int8"], first.tokenizer, 8 if args.quick else 32
-        )
-    result["memory"] = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    engines.clear()
-    gc.collect()
-    return result
+
+
+def default_precision(auto_dtype: str, names: list[str]) -> str:
+    """The precision `--dtype auto` serves with, among those measured."""
+    if auto_dtype == "bfloat16" and "bf16" in names:
+        return "bf16"
+    return "fp32" if "fp32" in names else names[0]

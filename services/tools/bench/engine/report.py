@@ -19,16 +19,28 @@ def _hf(r: dict[str, Any], name: str, kind: str) -> float | None:
 
 
 def render(r: dict[str, Any]) -> str:
+    """The whole report: the machine, single stream, concurrent requests, int8, and the
+    default precision's TBT, prefix reuse, prefill and memory."""
+    rows = _machine_rows(r) + [""] + _single_rows(r) + [""] + _batch_rows(r)
+    rows += _int8_rows(r) + [""] + _default_rows(r)
+    return "\n".join(rows)
+
+
+def _machine_rows(r: dict[str, Any]) -> list[str]:
     lim, cpu = r["limits"], r["cpu"]
     peaks = ", ".join(f"{k[5:-8]} {v:.0f}" for k, v in lim.items() if k.startswith("peak_"))
-    rows = [
+    return [
         f"engine bench: {r['model']} on {r['device']}, {r['threads']} threads",
         f"CPU: {cpu['model']} ({cpu['level']}, torch {cpu['torch_capability']}"
         f"{', capped ' + cpu['isa_cap'] if cpu['isa_cap'] != 'native' else ''}); "
         f"kernels: {r['kernels']}",
         f"machine limits (this run): read bandwidth {lim['read_bandwidth_gb_s']:.1f} GB/s; "
         f"peak matmul GFLOP/s: {peaks}",
-        "",
+    ]
+
+
+def _single_rows(r: dict[str, Any]) -> list[str]:
+    rows = [
         f"single stream ({r['workload']['single_prompts']} prompts of 128-512 tokens, one at "
         f"a time, {r['workload']['new_tokens']} new tokens; bounds at the best bandwidth "
         "measured so far in the run)",
@@ -48,9 +60,12 @@ def render(r: dict[str, Any]) -> str:
                 f"  transformers generate b1, {name}: "
                 f"{p['transformers']['batch1']['decode_tok_s']:.1f} tok/s"
             )
+    return rows
+
+
+def _batch_rows(r: dict[str, Any]) -> list[str]:
     n = r["workload"]["batch_requests"]
-    rows += [
-        "",
+    rows = [
         f"{n} concurrent requests (prompts {r['workload']['prompt_tokens']} tokens, "
         f"{r['workload']['new_tokens']} new tokens)",
         f"{'precision':10}{'decode tok/s':>13}{'step ms':>9}{'roofline ms':>12}"
@@ -70,6 +85,12 @@ def render(r: dict[str, Any]) -> str:
                 f"  transformers generate padded {n}, {name}: "
                 f"{p['transformers']['padded']['decode_tok_s']:.1f} tok/s"
             )
+    return rows
+
+
+def _int8_rows(r: dict[str, Any]) -> list[str]:
+    """int8 against the other precisions, and its quality gate (nothing without int8)."""
+    rows: list[str] = []
     prec = r["precisions"]
     if "int8" in prec:
         i8 = prec["int8"]["single"]["decode_tok_s"]
@@ -90,8 +111,11 @@ def render(r: dict[str, Any]) -> str:
             f"perplexity {q['ppl']:.3f} vs fp32 {q['ppl_reference']:.3f} "
             f"({q['ppl_ratio']:.4f}x): {'PASS' if q['passed'] else 'FAIL'}"
         )
-    rows += [
-        "",
+    return rows
+
+
+def _default_rows(r: dict[str, Any]) -> list[str]:
+    rows = [
         f"at {r['default_precision']} (the default here):",
         f"{'concurrency':14}{'TBT p50 ms':>12}{'TBT p99 ms':>12}{'decode tok/s':>14}",
     ]
@@ -107,4 +131,4 @@ def render(r: dict[str, Any]) -> str:
         f"GFLOP/s ({pf['of_peak']:.0%} of peak)",
         f"memory: peak RSS {r['memory']['peak_rss_mib']:.0f} MiB (all precisions' engines)",
     ]
-    return "\n".join(rows)
+    return rows

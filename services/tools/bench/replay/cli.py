@@ -79,7 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="a cluster to start: `halfmoon up` flags, HALFMOON_X=Y env (repeatable)",
     )
     p.add_argument("--model", default=DEFAULT_MODEL_NAME, help="model (tokenizer; clusters)")
-    g = p.add_argument_group("slice")
+    _slice_flags(p.add_argument_group("slice"))
+    _prompt_flags(p.add_argument_group("prompts"))
+    _slo_flags(p.add_argument_group("SLOs"))
+    _sim_flags(p)
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--out", default="", help="report folder (default HALFMOON_HOME/bench/replay-*)")
+    return p
+
+
+def _slice_flags(g: argparse._ArgumentGroup) -> None:
+    """Which requests of the trace are replayed, and how fast."""
     g.add_argument("--start", type=int, default=0, help="first trace line")
     g.add_argument("--limit", type=int, default=None, help="trace lines from --start")
     g.add_argument(
@@ -95,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="arrival = trace timestamp x this (0.1: ten times faster)",
     )
-    g = p.add_argument_group("prompts")
+
+
+def _prompt_flags(g: argparse._ArgumentGroup) -> None:
+    """How trace blocks become words, and the prompts' and answers' lengths."""
     g.add_argument(
         "--block-tokens", type=int, default=16, help="tokens per trace block (the trace's are 512)"
     )
@@ -103,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-output-tokens", type=int, default=32)
     g.add_argument("--min-output-tokens", type=int, default=4)
     g.add_argument("--seed", type=int, default=0, help="word draw per hash id")
-    g = p.add_argument_group("SLOs")
+
+
+def _slo_flags(g: argparse._ArgumentGroup) -> None:
+    """The SLOs the summary measures against (and, with --send-slos, the conductor too)."""
     g.add_argument("--ttft-slo-ms", type=float, default=10_000.0)
     g.add_argument("--tbt-slo-ms", type=float, default=300.0)
     g.add_argument(
@@ -116,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="put the SLOs on requests, so the conductor may reject early",
     )
+
+
+def _sim_flags(p: argparse.ArgumentParser) -> None:
+    """The simulator beside each live run (sim_compare.py)."""
     p.add_argument(
         "--sim",
         action="store_true",
@@ -130,9 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="--sim: the cores the live cluster's engines share (default: this machine's "
         "for the clusters the bench starts; none, a core each, for --url)",
     )
-    p.add_argument("--request-timeout-s", type=float, default=600.0)
-    p.add_argument("--out", default="", help="report folder (default HALFMOON_HOME/bench/replay-*)")
-    return p
 
 
 def plan(args: argparse.Namespace, model_dir: Path) -> tuple[list[PromptPlan], list[float], float]:

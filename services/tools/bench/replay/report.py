@@ -73,7 +73,12 @@ def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
 
 
 def figures(runs: Sequence[dict[str, Any]]) -> list[go.Figure]:
-    figs = []
+    """The report's charts: latency CDFs, latency over the replay, effective capacity by
+    TBT threshold, and the checked figures side by side."""
+    return [_cdfs(runs), _over_time(runs), _capacity(runs), _side_by_side(runs)]
+
+
+def _cdfs(runs: Sequence[dict[str, Any]]) -> go.Figure:
     cdfs = make_subplots(rows=1, cols=3, subplot_titles=("TTFT (ms)", "TBT (ms)", "E2E (ms)"))
     for r in runs:
         done = [q for q in r["records"] if q["status"] == "completed"]
@@ -92,8 +97,10 @@ def figures(runs: Sequence[dict[str, Any]]) -> list[go.Figure]:
                 col,
             )
     cdfs.update_layout(title="Latency distributions (CDF)", height=380)
-    figs.append(cdfs)
+    return cdfs
 
+
+def _over_time(runs: Sequence[dict[str, Any]]) -> go.Figure:
     over = make_subplots(
         rows=2,
         cols=1,
@@ -127,8 +134,10 @@ def figures(runs: Sequence[dict[str, Any]]) -> list[go.Figure]:
             1,
         )
     over.update_layout(title="Over the replay (x: scheduled arrival, s)", height=520)
-    figs.append(over)
+    return over
 
+
+def _capacity(runs: Sequence[dict[str, Any]]) -> go.Figure:
     cap = go.Figure()
     for r in runs:
         c = r["summary"]["effective_capacity_by_tbt_ms"]
@@ -144,8 +153,10 @@ def figures(runs: Sequence[dict[str, Any]]) -> list[go.Figure]:
         yaxis_tickformat=".0%",
         height=380,
     )
-    figs.append(cap)
+    return cap
 
+
+def _side_by_side(runs: Sequence[dict[str, Any]]) -> go.Figure:
     bars = make_subplots(
         rows=1, cols=3, subplot_titles=("mean TTFT (ms)", "TBT p99 (ms)", "cache hit ratio")
     )
@@ -155,8 +166,7 @@ def figures(runs: Sequence[dict[str, Any]]) -> list[go.Figure]:
             go.Bar(x=names, y=[lookup(r["summary"], path) for r in runs], showlegend=False), 1, col
         )
     bars.update_layout(title="Side by side", height=360)
-    figs.append(bars)
-    return figs
+    return bars
 
 
 def write_html(path: Path, report: dict[str, Any]) -> None:
