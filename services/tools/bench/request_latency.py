@@ -97,22 +97,23 @@ def _inprocess(
     from shared.engine.runner import load_model
 
     lm = load_model(model_dir, dtype, threads=threads)
+    # LoadedModel types its model and tokenizer loosely (any torch module, any tokenizer).
+    model: Any = lm.model
+    tok: Any = lm.tokenizer
     out = []
     with torch.inference_mode():
         for messages, hit in zip(prompts, cached):
-            ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)[
-                "input_ids"
-            ]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
             x, k = torch.tensor([ids]), reused_tokens(hit, len(ids))
             prefix = None
             if k:
-                prefix = DynamicCache(config=lm.model.config)
-                lm.model(x[:, :k], cache=prefix, use_cache=True)
+                prefix = DynamicCache(config=model.config)
+                model(x[:, :k], cache=prefix, use_cache=True)
             times = []
             for n in (1, max_tokens):  # TTFT, then the whole generation
                 kv = copy.deepcopy(prefix) if prefix is not None else None
                 t0 = time.perf_counter()
-                lm.model.generate(x, cache=kv, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                model.generate(x, cache=kv, max_new_tokens=n, min_new_tokens=n, do_sample=False)
                 times.append(time.perf_counter() - t0)
             out.append(
                 {"ttft_s": times[0], "total_s": times[1], "tokens": max_tokens, "reused_tokens": k}

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from shared.db.schema import TERMINAL_STATUSES, RequestRecord
 from shared.db.session import make_engine, sessionmaker
@@ -42,7 +43,7 @@ async def audit(
         await engine.dispose()
 
 
-async def _read(engine, since: float, client_ids: set[str]) -> Audit:  # type: ignore[no-untyped-def]
+async def _read(engine: AsyncEngine, since: float, client_ids: set[str]) -> Audit:
     t = RequestRecord
     async with sessionmaker(engine)() as s:
         rows = (await s.execute(select(t.id, t.status).where(t.arrival_time >= since))).all()

@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import aiohttp
 
@@ -50,7 +50,7 @@ async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> LocalCluster:
         prefill=s.prefill,
         decode=s.decode,
         model=str(model_dir),
-        dtype=s.dtype,
+        dtype=cast(Any, s.dtype),  # a str here; UpSettings validates it against its choices
         log_level=s.log_level,
         database_url=f"sqlite+aiosqlite:///{home / 'halfmoon.db'}",
         restart=True,

@@ -164,7 +164,8 @@ class ChunkedPrefillInstance:
         """Start a step if idle and there is work; True if one started."""
         if self.running is not None or not (self._active or self.queue):
             return False
-        budget, duration, finishing = self.chunk_tokens, 0.0, []
+        budget, duration = self.chunk_tokens, 0.0
+        finishing: list[_Chunked] = []
         for a in list(self._active):
             if budget <= 0:
                 break

@@ -23,7 +23,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Sequence, cast
 
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import Policy, RequestView, Snapshot, make_policy
@@ -160,7 +160,7 @@ class Cluster:
         view = RequestView(
             str(req.index),
             req.input_length,
-            dict(matches),
+            cast("dict[str, int]", dict(matches)),  # InstanceId is a str
             self.cfg.ttft_slo_s,
             self.cfg.tbt_slo_s,
             req.output_length,

@@ -25,13 +25,16 @@ class _StepClock(LogitsProcessor):
 def _generate(lm: LoadedModel, batch: list[list[int]], new_tokens: int) -> tuple[float, float]:
     """(wall seconds, decode seconds) of one padded generate call."""
     width = max(len(p) for p in batch)
-    pad = lm.tokenizer.pad_token_id or 0
+    # LoadedModel types its model and tokenizer loosely (any torch module, any tokenizer).
+    tok: Any = lm.tokenizer
+    model: Any = lm.model
+    pad = tok.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=lm.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=lm.device)
     clock = _StepClock()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        lm.model.generate(
+        model.generate(
             ids,
             attention_mask=mask,
             max_new_tokens=new_tokens,

@@ -22,7 +22,7 @@ import json
 import resource
 import sys
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
@@ -35,7 +35,12 @@ from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.runner import LoadedModel, load_model
 from shared.model_store import ensure_model
 
-PRECISIONS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": ("auto", "int8")}
+Quantization = Literal["none", "int8"]
+PRECISIONS: dict[str, tuple[str, Quantization]] = {
+    "fp32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "int8": ("auto", "int8"),
+}
 
 
 def precisions(arg: str) -> list[str]:
@@ -48,7 +53,7 @@ def precisions(arg: str) -> list[str]:
     return ["fp32", *(["bf16"] if cpu.detect().native_bf16 else []), "int8"]
 
 
-def engine_for(lm: LoadedModel, quantization: str, args: argparse.Namespace) -> LLMEngine:
+def engine_for(lm: LoadedModel, quantization: Quantization, args: argparse.Namespace) -> LLMEngine:
     return LLMEngine(
         lm,
         EngineConfig(
@@ -57,13 +62,13 @@ def engine_for(lm: LoadedModel, quantization: str, args: argparse.Namespace) -> 
             max_num_seqs=64,
             quantization=quantization,
         ),
-    )  # type: ignore[arg-type]
+    )
 
 
 def measure_precision(
     name: str,
     lm: LoadedModel,
-    quant: str,
+    quant: Quantization,
     args: argparse.Namespace,
     limits: machine.Limits,
     work: dict[str, Any],
@@ -191,9 +196,10 @@ def run_all(names: list[str], model_dir: Any, args: argparse.Namespace) -> dict[
         return models[dtype]
 
     first = model(PRECISIONS[names[0]][0])
-    vocab = min(first.model.config.vocab_size, 40_000)
+    config: Any = first.model.config  # a torch module's attribute, to torch's types
+    vocab = min(config.vocab_size, 40_000)
     n, new, hi = (8, 16, 256) if args.quick else (32, 128, 1024)
-    work = {
+    work: dict[str, Any] = {
         "warmup": workloads.prompts(2, 64, 128, 99, vocab),
         "new_tokens": new,
         "single": workloads.prompts(2 if args.quick else 4, 128, 512, 3, vocab),

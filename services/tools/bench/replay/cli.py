@@ -323,7 +323,12 @@ async def main_async(args: argparse.Namespace) -> int:
         f"outputs {args.min_output_tokens}-{args.max_output_tokens} tokens; SLOs TTFT "
         f"{args.ttft_slo_ms:.0f} ms, TBT {args.tbt_slo_ms:.0f} ms"
     )
-    doc = {"description": desc, "args": vars(args), "runs": runs, "comparisons": comparisons(runs)}
+    doc: dict[str, Any] = {
+        "description": desc,
+        "args": vars(args),
+        "runs": runs,
+        "comparisons": comparisons(runs),
+    }
     print("\n" + desc + "\n" + report.table(runs))
     for c in doc["comparisons"]:
         print(c["text"])

@@ -54,7 +54,8 @@ class PromptMaker:
         self._made: dict[str, list[Messages]] = {}
 
     def ids(self, messages: Messages) -> list[int]:
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        encoded: Any = self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        return encoded["input_ids"]
 
     def one(self, tag: str, i: int) -> Messages:
         system = {"role": "system", "content": unique_lead(f"{tag}-{i}")}
