@@ -88,16 +88,16 @@ def _kv(argv: list[str]) -> int:
 
 
 BENCHES = {
-    "request": "services.bench.request_latency",
-    "engine": "services.bench.engine.cli",
-    "kv": "services.bench.kv_bench",
-    "transfer": "services.bench.transfer_bench",
-    "handoff": "services.bench.handoff_bench",
-    "conductor": "services.bench.conductor_bench",
-    "serve": "services.bench.serve_bench",
-    "replay": "services.bench.replay.cli",
-    "structured": "services.bench.structured_bench",
-    "build-llama-cpp": "services.bench.llama_cpp",
+    "request": "services.tools.bench.request_latency",
+    "engine": "services.tools.bench.engine.cli",
+    "kv": "services.tools.bench.kv_bench",
+    "transfer": "services.tools.bench.transfer_bench",
+    "handoff": "services.tools.bench.handoff_bench",
+    "conductor": "services.tools.bench.conductor_bench",
+    "serve": "services.tools.bench.serve.cli",
+    "replay": "services.tools.bench.replay.cli",
+    "structured": "services.tools.bench.structured_bench",
+    "build-llama-cpp": "services.tools.bench.llama_cpp",
 }
 
 
@@ -115,7 +115,7 @@ def _profile(argv: list[str]) -> int:
 
 
 def _sim(argv: list[str]) -> int:
-    from services.sim import cli
+    from services.tools.sim import cli
 
     return int(cli.main(argv) or 0)
 
@@ -127,7 +127,7 @@ def _keys(argv: list[str]) -> int:
 
 
 def _chaos(argv: list[str]) -> int:
-    from services.chaos import run
+    from services.tools.chaos import run
 
     return run.main(argv)
 

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 ENV_PREFIX = "HALFMOON_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-S = TypeVar("S", bound=BaseModel)  # any flag set: a service's settings, or halfmoon up's
+# Any pydantic model: the tools' settings (bench, chaos, up) are not BaseSettings.
+S = TypeVar("S", bound=BaseModel)
 
 
 def halfmoon_home() -> Path:

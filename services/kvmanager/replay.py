@@ -58,8 +58,11 @@ class ReplayResult:
     elapsed_s: float
 
 
-def _runs(hashes: Sequence[int], keep: AbstractSet[int]) -> Iterator[tuple[int | None, list[int]]]:
-    """Maximal runs of `hashes` that are in `keep`, each with the parent of its first block."""
+def kept_runs(
+    hashes: Sequence[int], keep: AbstractSet[int]
+) -> Iterator[tuple[int | None, list[int]]]:
+    """Maximal runs of `hashes` that are in `keep`, each with the parent of its first block
+    (how a request's fresh blocks enter the index; the simulator inserts them the same way)."""
     run: list[int] = []
     parent: int | None = None
     prev: int | None = None
@@ -103,7 +106,7 @@ class _Replayer:
         gone = [h for h in res.evicted if h not in self.pool]
         self.index.removed(_POOL, _TIER, gone)
         fresh = {h for h in res.inserted if h in self.pool}
-        for parent, run in _runs(req.hash_ids, fresh):
+        for parent, run in kept_runs(req.hash_ids, fresh):
             self.index.stored(_POOL, _TIER, run, 0, now, parent_of=parent)
         self.inserted += len(res.inserted)
         self.rejected += len(res.rejected)
@@ -171,7 +174,9 @@ def replay_trace(
 # ---- CLI ------------------------------------------------------------------------------------
 
 
-def _capacity(text: str) -> int | None:
+def parse_capacity(text: str) -> int | None:
+    """A cache capacity flag (argparse type): a block count, or inf / unlimited / none for no
+    limit (None). `halfmoon sim` takes its capacities with it too."""
     if text.lower() in ("inf", "unlimited", "none"):
         return None
     try:
@@ -198,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--capacity-blocks",
         nargs="+",
-        type=_capacity,
+        type=parse_capacity,
         metavar="C",
         default=list(DEFAULT_CAPACITIES),
         help="pool sizes in blocks, or inf/unlimited (default: the docs/design.md set)",

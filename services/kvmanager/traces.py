@@ -3,8 +3,8 @@ conversation trace (the one docs/design.md's reference figures were measured on)
 
 The repository ships a sample (data/conversation_2pct.jsonl): the requests of 2% of
 the conversation trace's conversations, whole and in file order, chosen as `halfmoon
-bench replay` samples (services/bench/replay/workload.py: crc32 of a request's first two
-hash ids). That rule nests: sampling the sample at 2% (bench replay's default) keeps all
+bench replay` samples (services/tools/bench/replay/workload.py: crc32 of a request's first
+two hash ids). That rule nests: sampling the sample at 2% (bench replay's default) keeps all
 of it, the very requests it keeps from the full trace. 276 requests, 37.52% ideal hit
 ratio (the full trace: 37.36%). The full trace is not in the repository: point
 HALFMOON_TRACE (or --trace) at it.

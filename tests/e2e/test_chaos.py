@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from services.chaos.args import TARGETS
+from services.tools.chaos.args import TARGETS
 from tests.e2e.conftest import ADMIT_ALL
 
 RUN_TIMEOUT_S = 600  # a minute of load, then recovery and the audit: a hang, if reached

@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
+from services.tools.bench.schemas import SCHEMAS
 from tests.conftest import make_database
 from tests.e2e.conftest import start_stack, stop_stack
 
@@ -208,48 +209,6 @@ async def test_a_tool_call_round_trip(clients):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
-SCHEMAS = [
-    {
-        "type": "object",
-        "properties": {"answer": {"type": "string", "maxLength": 30}},
-        "required": ["answer"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
-            "n": {"type": "integer", "minimum": 0, "maximum": 999},
-            "ok": {"type": "boolean"},
-        },
-        "required": ["n", "ok"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
-            "color": {"enum": ["red", "green", "blue"]},
-            "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 10}},
-        },
-        "required": ["color", "tags"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
-            "person": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string", "maxLength": 16},
-                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                },
-                "required": ["name", "age"],
-                "additionalProperties": False,
-            }
-        },
-        "required": ["person"],
-        "additionalProperties": False,
-    },
-]
 QUESTIONS = [
     "Tell me about a person.",
     "Pick a color.",

@@ -21,9 +21,9 @@ from services.conductor.args import ConductorSettings
 from services.conductor.costmodel import CostModel
 from services.conductor.handlers import Conductor
 from services.conductor.policy import make_policy
-from services.sim.model import Outcome, SimRequest
-from services.sim.model import PrefillJob as SimJob
-from services.sim.run import Cluster, SimConfig
+from services.tools.sim.model import Outcome, SimRequest
+from services.tools.sim.prefill import PrefillJob as SimJob
+from services.tools.sim.run import Cluster, SimConfig
 from shared import bus, subjects
 from shared.db.records import RecordWriter
 from shared.db.schema import DecisionRecord

@@ -9,38 +9,12 @@ import json
 import jsonschema
 import pytest
 
+from services.tools.bench.schemas import SCHEMAS
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.params import Constraint, SamplingParams
 from shared.engine.runner import load_model
 
 pytestmark = pytest.mark.model
-
-SCHEMAS = [
-    {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 20},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        },
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 24},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-        },
-        "required": ["city", "tags"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]}},
-        "required": ["ok", "level"],
-        "additionalProperties": False,
-    },
-]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +45,7 @@ def test_json_schema_samples_always_validate(lm):
     engine = LLMEngine(lm, EngineConfig(kv_cache_bytes=256 << 20))
     reqs = []
     for i in range(12):
-        schema = SCHEMAS[i % 3]
+        schema = SCHEMAS[i % len(SCHEMAS)]
         params = SamplingParams(
             temperature=0.9,
             seed=i,
@@ -82,7 +56,7 @@ def test_json_schema_samples_always_validate(lm):
     text, reasons = run(engine, reqs)
     for i in range(12):
         value = json.loads(text[f"s{i}"])
-        jsonschema.validate(value, SCHEMAS[i % 3])
+        jsonschema.validate(value, SCHEMAS[i % len(SCHEMAS)])
         assert reasons[f"s{i}"].value == "stop"
 
 

@@ -29,7 +29,7 @@ from services.conductor import snapshot
 from services.conductor.costmodel import CostModel
 from services.conductor.policy import POLICIES, Candidate, Decision, Policy, RandomPolicy
 from services.conductor.registry import Registry
-from services.sim.model import llama3_70b_8xa800
+from services.tools.sim.model import llama3_70b_8xa800
 from shared.messages import GenerateRequest, InstanceInfo, Role, SamplingParams
 
 GOLDEN = Path(__file__).parent / "data" / "decisions.jsonl"

@@ -3,9 +3,9 @@ backoff (halfmoon up), and how chaos classifies a request's end."""
 
 from __future__ import annotations
 
-from services.bench.client import Result
-from services.chaos.load import outcome
 from services.gateway.streams import Attempt, Liveness
+from services.tools.bench.client import Result
+from services.tools.chaos.load import outcome
 from services.up import restart_delay
 from shared.messages import InstanceInfo, Role
 

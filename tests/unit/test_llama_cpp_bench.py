@@ -13,9 +13,12 @@ from typing import Any
 
 import pytest
 
-from services.bench import llama_cpp
-from services.bench import serve_bench as sb
-from services.bench.servers import HalfmoonServer, LlamaCppServer, Placement, placements
+from services.tools.bench import llama_cpp
+from services.tools.bench.placement import Placement, placements
+from services.tools.bench.serve import report as serve_report
+from services.tools.bench.serve import systems as serve_systems
+from services.tools.bench.serve import workload as serve_workload
+from services.tools.bench.servers import HalfmoonServer, LlamaCppServer
 from tests.unit.test_serve_bench import ROW, args_for
 
 
@@ -66,7 +69,9 @@ def test_the_command_line_matches_halfmoons_cores_and_threads(model_dir: Path, t
         assert single.cpus == hm.cpus and single.total_threads == hm.total_threads
         assert server.restarts_per_level and server.request_extra == {"cache_prompt": True}
         assert server.eos_style == "ignore_eos"
-        body = sb.body("m", [{"role": "user", "content": "x"}], 64, "ignore_eos", {"a": 1})
+        body = serve_workload.body(
+            "m", [{"role": "user", "content": "x"}], 64, "ignore_eos", {"a": 1}
+        )
         assert body["ignore_eos"] is True and body["a"] == 1 and body["max_tokens"] == 64
     finally:
         server.stop()
@@ -76,7 +81,7 @@ def test_the_command_line_matches_halfmoons_cores_and_threads(model_dir: Path, t
 
 def test_precisions_pair_and_skip_with_a_reason(model_dir: Path):
     args = args_for("--systems", "halfmoon,transformers-cb", "--precisions", "fp32,int8")
-    servers = sb.servers_for(["halfmoon", "transformers-cb"], model_dir, args)
+    servers = serve_systems.servers_for(["halfmoon", "transformers-cb"], model_dir, args)
     try:
         names = {s.name: s for s in servers}
         assert set(names) == {"halfmoon-fp32", "halfmoon-int8", "transformers-serve-cb-fp32"}
@@ -86,17 +91,17 @@ def test_precisions_pair_and_skip_with_a_reason(model_dir: Path):
         assert cmd[cmd.index("--quantization") + 1] == "int8"
         assert cmd[cmd.index("--dtype") + 1] == "float32"
         assert "--quantization" not in names["halfmoon-fp32"].command()
-        setup = sb.setup_for(args, servers)
+        setup = serve_systems.setup_for(args, servers)
         assert setup["skipped"] == ["transformers-cb at int8: transformers serve has no int8 here"]
-        assert "precision fp32, int8" in sb.banner(setup)
+        assert "precision fp32, int8" in serve_report.banner(setup)
     finally:
         for s in servers:
             s.stop()
     with pytest.raises(SystemExit):
-        sb.precisions_for(args_for("--precisions", "fp16"))
-    assert sb.prompt_modes("fresh,fixed") == ["fresh", "fixed"]
+        serve_systems.precisions_for(args_for("--precisions", "fp16"))
+    assert serve_workload.prompt_modes("fresh,fixed") == ["fresh", "fixed"]
     with pytest.raises(SystemExit):
-        sb.prompt_modes("warm")
+        serve_workload.prompt_modes("warm")
 
 
 def _llama_setup(precision: str) -> dict[str, Any]:
@@ -152,7 +157,7 @@ def test_the_table_compares_at_the_same_precision():
     }
     failed = {"placement": None, "prefix_cache": "none", "error": "Traceback\nImportError: boom"}
     setup["systems"]["transformers-serve-cb-fp32"] = failed
-    text = sb.render(report)
+    text = serve_report.render(report)
     assert "transformers-serve-cb-fp32 did not run: ImportError: boom" in text
     assert (
         "prompts fresh, concurrency 4" in text and "prompts cache-friendly, concurrency 4" in text
@@ -187,9 +192,9 @@ def test_a_real_llama_server_gives_exactly_t_tokens(model_dir: Path):
     try:
         server.at_concurrency(2)
         server.start(timeout_s=120)
-        maker = sb.PromptMaker(model_dir, 64)
+        maker = serve_workload.PromptMaker(model_dir, 64)
         summary = asyncio.run(
-            sb.run_rounds(
+            serve_workload.run_rounds(
                 server.url, maker, args, 2, server.eos_style, "fresh", server.request_extra
             )
         )

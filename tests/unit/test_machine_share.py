@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from services.bench.replay.machine import CpuMark, busy_cpu_s, core_use
+from services.tools.bench.replay.machine import CpuMark, busy_cpu_s, core_use
 
 
 def test_the_cores_busy_time_counts_this_process_burning_cpu():

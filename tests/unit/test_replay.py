@@ -320,7 +320,7 @@ def test_the_default_trace_is_the_env_else_the_repository_sample(monkeypatch) ->
 
 
 def test_the_sample_keeps_whole_conversations_in_file_order() -> None:
-    from services.bench.replay.workload import keeps
+    from services.tools.bench.replay.workload import keeps
 
     requests = load_trace(SAMPLE)
     assert len(requests) == 276 and all(keeps(r, traces.SAMPLE_CONVERSATIONS) for r in requests)
@@ -330,7 +330,7 @@ def test_the_sample_keeps_whole_conversations_in_file_order() -> None:
 
 @pytest.mark.skipif(not os.environ.get("HALFMOON_TRACE"), reason="HALFMOON_TRACE not set")
 def test_the_sample_is_the_default_bench_slice_of_the_conversation_trace() -> None:
-    from services.bench.replay.workload import SliceSpec, select
+    from services.tools.bench.replay.workload import SliceSpec, select
 
     full = load_trace(os.environ["HALFMOON_TRACE"])
     if not traces.is_conversation_trace(full):

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.client import Result
-from services.bench.replay.cluster import ClusterConfig
-from services.bench.replay.metrics import Slos, record_from, summarize
-from services.bench.replay.prompts import PromptMaker, ideal_hit_ratio, single_token_words
-from services.bench.replay.workload import SliceSpec, arrivals, select
 from services.kvmanager.traces import SAMPLE_TRACE, TraceRequest, load_trace
+from services.tools.bench.client import Result
+from services.tools.bench.replay.cluster import ClusterConfig
+from services.tools.bench.replay.metrics import record_from
+from services.tools.bench.replay.prompts import PromptMaker, ideal_hit_ratio, single_token_words
+from services.tools.bench.replay.workload import SliceSpec, arrivals, select
+from shared.run_summary import Slos, summarize
 
 
 def tr(ts: int, hashes: list[int], inp: int | None = None, out: int = 512) -> TraceRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.bench import request_latency as rl
+from services.tools.bench import request_latency as rl
 
 BLOCK = 16  # the gateway's default KV block size (services/gateway/args.py)
 

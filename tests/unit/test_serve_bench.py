@@ -16,56 +16,53 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from services.bench import serve_bench as sb
-from services.bench.servers import (
-    HalfmoonServer,
-    Placement,
-    Server,
-    TransformersServer,
-    format_cpus,
-    parse_cpus,
-    placements,
-    torch_launch,
-)
+from services.tools.bench.placement import Placement, format_cpus, parse_cpus, placements
+from services.tools.bench.serve import cli as serve_cli
+from services.tools.bench.serve import report as serve_report
+from services.tools.bench.serve import systems as serve_systems
+from services.tools.bench.serve import workload as serve_workload
+from services.tools.bench.servers import HalfmoonServer, Server, TransformersServer, torch_launch
 from shared.engine import cpu
 
 BLOCK = 16  # the gateway's default KV block size (services/gateway/args.py)
 
 
 def args_for(*argv: str) -> Any:
-    a = sb.parser().parse_args(list(argv))
+    a = serve_cli.parser().parse_args(list(argv))
     a.prompt_seed = a.prompt_seed or "4f6e2428"  # as long as a real one
     return a
 
 
 @pytest.fixture(scope="module")
-def maker(model_dir: Path) -> sb.PromptMaker:
-    return sb.PromptMaker(model_dir, 64)
+def maker(model_dir: Path) -> serve_workload.PromptMaker:
+    return serve_workload.PromptMaker(model_dir, 64)
 
 
 # --- defaults ---------------------------------------------------------------------------
 
 
 def test_defaults_are_fair():
-    a = sb.parser().parse_args([])
+    a = serve_cli.parser().parse_args([])
     assert a.prompts == "fresh"  # not the cache-friendly fixed prompts
     assert a.cpus == ""  # all cores this process may use
     assert a.dtype == "auto"
     assert (a.concurrency, a.rounds, a.warmup) == (16, 3, 1)
     assert a.systems == "halfmoon,transformers-cb,transformers"
-    assert sb.PROMPT_LABELS == {"fresh": "fresh", "fixed": "cache-friendly"}
+    assert serve_workload.PROMPT_LABELS == {"fresh": "fresh", "fixed": "cache-friendly"}
 
 
 # --- prompts ----------------------------------------------------------------------------
 
 
-def test_prompts_reach_the_length_and_fixed_ones_repeat(maker: sb.PromptMaker):
-    fixed = [maker.round(sb.prompt_tag("fixed", "s", 4, rnd), 4) for rnd in range(3)]
+def test_prompts_reach_the_length_and_fixed_ones_repeat(maker: serve_workload.PromptMaker):
+    fixed = [maker.round(serve_workload.prompt_tag("fixed", "s", 4, rnd), 4) for rnd in range(3)]
     assert fixed[0] == fixed[1] == fixed[2]  # the warm-up (round 0) too
     assert all(len(maker.ids(m)) >= 64 for m in fixed[0])
-    fresh = [maker.round(sb.prompt_tag("fresh", "s", 4, rnd), 4) for rnd in range(2)]
+    fresh = [maker.round(serve_workload.prompt_tag("fresh", "s", 4, rnd), 4) for rnd in range(2)]
     assert fresh[0] != fresh[1]
-    assert maker.round(sb.prompt_tag("fresh", "other", 4, 0), 4) != fresh[0]  # seed matters
+    assert (
+        maker.round(serve_workload.prompt_tag("fresh", "other", 4, 0), 4) != fresh[0]
+    )  # seed matters
 
 
 def _server(seen: list[dict[str, Any]], out_tokens: int) -> web.Application:
@@ -91,7 +88,9 @@ def _server(seen: list[dict[str, Any]], out_tokens: int) -> web.Application:
     return app
 
 
-async def _sent(maker: sb.PromptMaker, args: Any, levels: list[int]) -> list[dict[str, Any]]:
+async def _sent(
+    maker: serve_workload.PromptMaker, args: Any, levels: list[int]
+) -> list[dict[str, Any]]:
     seen: list[dict[str, Any]] = []
     runner = web.AppRunner(_server(seen, args.output_tokens))
     await runner.setup()
@@ -100,14 +99,16 @@ async def _sent(maker: sb.PromptMaker, args: Any, levels: list[int]) -> list[dic
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         for c in levels:  # as measure() runs them, one level after another on one server
-            summary = await sb.run_rounds(f"http://127.0.0.1:{port}", maker, args, c, "ignore_eos")
+            summary = await serve_workload.run_rounds(
+                f"http://127.0.0.1:{port}", maker, args, c, "ignore_eos"
+            )
             assert summary["failures"] == 0 and summary["requests"] == c * args.rounds
     finally:
         await runner.cleanup()
     return seen
 
 
-async def test_fresh_prompts_never_repeat_nor_share_a_block(maker: sb.PromptMaker):
+async def test_fresh_prompts_never_repeat_nor_share_a_block(maker: serve_workload.PromptMaker):
     args = args_for(
         "--prompt-tokens", "64", "--output-tokens", "2", "--rounds", "2", "--warmup", "1"
     )
@@ -120,7 +121,7 @@ async def test_fresh_prompts_never_repeat_nor_share_a_block(maker: sb.PromptMake
     assert all(b["ignore_eos"] and b["max_tokens"] == 2 and b["temperature"] == 0 for b in sent)
 
 
-async def test_fixed_prompts_repeat_every_round_warmup_included(maker: sb.PromptMaker):
+async def test_fixed_prompts_repeat_every_round_warmup_included(maker: serve_workload.PromptMaker):
     args = args_for(
         "--prompts",
         "fixed",
@@ -176,7 +177,7 @@ def test_commands_and_environments(model_dir: Path):
     args = args_for(
         "--systems", "halfmoon,transformers-cb,transformers", "--halfmoon-args", "--colocated 1"
     )
-    servers = sb.servers_for(args.systems.split(","), model_dir, args)
+    servers = serve_systems.servers_for(args.systems.split(","), model_dir, args)
     try:
         hm, cb, plain = servers
         dtype = cpu.resolve_dtype("auto")[0]
@@ -293,10 +294,10 @@ ROW = {
 
 
 def _report(args: Any, servers: list[Server], observed: dict[str, list[dict]]) -> dict:
-    setup = sb.setup_for(args, servers)
+    setup = serve_systems.setup_for(args, servers)
     for name, seen in observed.items():
         setup["systems"][name]["observed"] = seen
-    modes = sb.prompt_modes(args.prompts)
+    modes = serve_workload.prompt_modes(args.prompts)
 
     def row(name: str) -> dict[str, Any]:
         hm = name.startswith("halfmoon")
@@ -310,7 +311,7 @@ def _report(args: Any, servers: list[Server], observed: dict[str, list[dict]]) -
             "rounds": 1,
             "warmup": 1,
             "prompts": modes,
-            "prompts_labels": {m: sb.PROMPT_LABELS[m] for m in modes},
+            "prompts_labels": {m: serve_workload.PROMPT_LABELS[m] for m in modes},
         },
         "concurrency": [4],
         "setup": setup,
@@ -320,7 +321,7 @@ def _report(args: Any, servers: list[Server], observed: dict[str, list[dict]]) -
 
 def test_banner_says_what_ran_where(model_dir: Path):
     args = args_for("--systems", "halfmoon,transformers-cb")
-    servers = sb.servers_for(["halfmoon", "transformers-cb"], model_dir, args)
+    servers = serve_systems.servers_for(["halfmoon", "transformers-cb"], model_dir, args)
     try:
         cpus = format_cpus(sorted(os.sched_getaffinity(0)))
         hm_threads = max(1, len(os.sched_getaffinity(0)) // 2)
@@ -331,7 +332,7 @@ def test_banner_says_what_ran_where(model_dir: Path):
             ]
         }
         report = _report(args, servers, seen)
-        text = sb.banner(report["setup"])
+        text = serve_report.banner(report["setup"])
         assert f"cpus     {cpus}" in text and "pinned" in text
         assert cpu.resolve_dtype("auto")[0] in text
         assert "prompts  fresh" in text and "seed 4f6e2428" in text
@@ -352,16 +353,18 @@ def test_banner_says_what_ran_where(model_dir: Path):
 
 def test_table_compares_only_where_it_applies(model_dir: Path):
     args = args_for("--prompts", "fixed")
-    servers = sb.servers_for(["halfmoon", "transformers-cb", "transformers"], model_dir, args)
+    servers = serve_systems.servers_for(
+        ["halfmoon", "transformers-cb", "transformers"], model_dir, args
+    )
     try:
-        text = sb.render(_report(args, servers, {}))
+        text = serve_report.render(_report(args, servers, {}))
         assert "prompts cache-friendly" in text and "fixed (cache-friendly)" in text
         rows = {line.split()[0]: line for line in text.splitlines() if line[:1].isalpha()}
         assert "2.00x tok/s" in rows["transformers-serve-cb"]
         assert "n/a: no prefix cache" in rows["transformers-serve"]
         assert "90%" in rows["halfmoon"]  # Halfmoon reports cached tokens; transformers not
         assert " - " in rows["transformers-serve"]
-        alone = sb.render(_report(args, servers[:1], {}))
+        alone = serve_report.render(_report(args, servers[:1], {}))
         assert "vs this" not in alone  # no reference column without a second system
     finally:
         for s in servers:

@@ -11,9 +11,11 @@ import pytest
 from services.conductor.costmodel import CostModel
 from services.kvmanager.replay import replay_requests
 from services.kvmanager.traces import SAMPLE_TRACE, load_trace, replicate
-from services.sim import cli, report
-from services.sim.model import BACKGROUND, Cores, SimRequest, slowest_tenth_mean
-from services.sim.run import LOCAL, SimConfig, run_policy, simulate
+from services.tools.sim import cli, report
+from services.tools.sim.cores import BACKGROUND, Cores
+from services.tools.sim.model import SimRequest
+from services.tools.sim.run import LOCAL, SimConfig, run_policy, simulate
+from shared.stats import slowest_tenth_mean
 
 BS = 10  # tokens per block in the synthetic traces
 

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from services.bench.replay.metrics import ReplayedRequest, Slos
-from services.bench.replay.prompts import PromptPlan
-from services.bench.replay.sim_compare import (
+from services.conductor.costmodel import CostModel
+from services.tools.bench.replay.prompts import PromptPlan
+from services.tools.bench.replay.sim_compare import (
     ClusterFacts,
     ablations,
     mean_summary,
@@ -15,7 +15,7 @@ from services.bench.replay.sim_compare import (
     sim_requests,
     simulate_replay,
 )
-from services.conductor.costmodel import CostModel
+from shared.run_summary import ReplayedRequest, Slos
 
 SLOS = Slos(10.0, 1.0, (0.5, 1.0))
 

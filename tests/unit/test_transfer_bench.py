@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench import transfer_bench as tb
+from services.tools.bench import transfer_bench as tb
 
 MIB = 64
 

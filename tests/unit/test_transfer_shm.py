@@ -324,7 +324,8 @@ async def test_fetch_from_a_dead_sender_fails_fast_and_removes_its_segment():
 
 def test_bench_quick_mode_prints_the_figures():
     proc = subprocess.run(
-        [sys.executable, "-m", "services.bench.transfer_bench", "--mib", "4", "--rounds", "1"],
+        [sys.executable, "-m", "services.tools.bench.transfer_bench"]
+        + ["--mib", "4", "--rounds", "1"],
         capture_output=True,
         text=True,
         timeout=180,

@@ -1,0 +1,56 @@
+"""Lost records: every request the gateway accepted must end with one terminal SQL row."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from shared.db.schema import TERMINAL_STATUSES, RequestRecord
+from shared.db.session import make_engine, sessionmaker
+
+
+@dataclass
+class Audit:
+    rows: int = 0
+    by_status: Counter = field(default_factory=Counter)
+    not_terminal: list[str] = field(default_factory=list)  # rows still queued or running
+    missing: list[str] = field(default_factory=list)  # ids clients were given, with no row
+
+    @property
+    def lost(self) -> int:
+        return len(self.not_terminal) + len(self.missing)
+
+
+async def audit(
+    database_url: str, since: float, client_ids: set[str], settle_s: float = 20.0
+) -> Audit:
+    """Rows of requests that arrived since `since` (unix s). Terminal writes are batched
+    and off the request path, so wait up to `settle_s` for the last ones to land."""
+    engine = make_engine(database_url)
+    try:
+        deadline = time.monotonic() + settle_s
+        while True:
+            result = await _read(engine, since, client_ids)
+            if result.lost == 0 or time.monotonic() >= deadline:
+                return result
+            await asyncio.sleep(0.5)
+    finally:
+        await engine.dispose()
+
+
+async def _read(engine: AsyncEngine, since: float, client_ids: set[str]) -> Audit:
+    t = RequestRecord
+    async with sessionmaker(engine)() as s:
+        rows = (await s.execute(select(t.id, t.status).where(t.arrival_time >= since))).all()
+    statuses = {rid: status for rid, status in rows}
+    return Audit(
+        rows=len(rows),
+        by_status=Counter(statuses.values()),
+        not_terminal=sorted(r for r, st in statuses.items() if st not in TERMINAL_STATUSES),
+        missing=sorted(client_ids - set(statuses)),
+    )

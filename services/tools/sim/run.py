@@ -1,0 +1,368 @@
+"""The event loop: a trace through N prefill and M decode instances under one policy.
+
+Placement is the live conductor's code: the KV index's prefix match per instance
+(`KVIndex.match(hash_ids).per_instance`), a Snapshot of the instances, `policy.decide`,
+and its early rejection. Pools are the engines' block pool (shared/engine/block_manager.py,
+through services/kvmanager/pool.py); every admit is mirrored into the index (stored /
+removed), as the KV manager does from the instances' events.
+
+Events: arrivals come straight from the (time-ordered) trace; prefill completions and
+KV arrivals at decode sit on one heap. At equal times heap events go first, so a request
+arriving just as another finishes sees its blocks. Decode steps are not events: each
+decode instance is advanced lazily to the time it is looked at (see model.DecodeInstance).
+
+With `cores` set (the instances share that many cores, model.Cores), prefill jobs and
+decode steps end when the shared cores say so: those completions come from the Cores,
+interleaved with the heap's events in time order (completions first at equal times).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Sequence, cast
+
+from services.conductor.costmodel import CostModel
+from services.conductor.policy import Policy, RequestView, Snapshot, make_policy
+from services.kvmanager.index import KVIndex
+from services.kvmanager.pool import HashPool
+from services.kvmanager.replay import kept_runs
+from services.kvmanager.traces import TraceRequest
+from services.tools.sim.cores import BACKGROUND, Cores
+from services.tools.sim.decode import DecodeInstance
+from services.tools.sim.model import Outcome, SimRequest
+from services.tools.sim.prefill import ChunkedPrefillInstance, PrefillInstance, PrefillJob
+from shared.stats import percentile
+
+_TIER = "dram"
+_PREFILL_DONE, _KV_ARRIVED = 0, 1
+# kvcentric with an infinite balancing threshold never pulls: the paper's "local
+# cache-aware" baseline (queue + prefill on each instance's own cache), same code.
+LOCAL = "kvcentric_local"
+
+
+@dataclass
+class SimConfig:
+    num_prefill: int = 16
+    num_decode: int = 16
+    cache_blocks: int | None = 10_000  # per prefill instance; None = unlimited
+    eviction: str = "lru"  # "lru" | "watermark" (services.kvmanager.pool)
+    cost: CostModel = field(default_factory=CostModel)
+    block_tokens: int = 512  # the trace's hash block size
+    time_scale: float = 1.0  # arrival = trace timestamp x this (0.5 = twice the rate)
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.3
+    slo_margin: float = 1.0
+    balancing_threshold: float = 1.5
+    reject: bool = True  # False: place even what the policy rejects (and count it)
+    # Start with the blocks every request begins with (the system prompt) cached on every
+    # prefill instance, as a deployment would. Without it the t=0 burst seeds block 0 on
+    # a few instances only, and largest_prefix (which ranks by local match first) never
+    # sends anything to the others for the rest of the trace.
+    prewarm: bool = True
+    # One machine's stack: the instances share this many cores (model.Cores), and their
+    # work costs `work_cost` (a model fit on CPU time, the work without the wait for a
+    # core), while the policy still predicts with `cost`. None: each has its own hardware.
+    cores: float | None = None
+    work_cost: CostModel | None = None
+    # The rest of the machine's work on those cores (the gateway, the conductor, the bus,
+    # the client, the engine processes' threads beside their steps): this many CPU
+    # seconds come with each request as it arrives, and run beside the engines with
+    # `background_weight` times an engine's share (engines niced n below it: 1.25^n, as
+    # the kernel's fair scheduler weighs them), on at most `background_cap` cores.
+    # bench replay --sim measures them over its live run.
+    background_s_per_request: float = 0.0
+    background_weight: float = 1.0
+    background_cap: float = 1.0
+    # Seeds the draws from measured spreads (the handoff's: work_cost.handoff_spread).
+    seed: int = 0
+    # Prefill runs the engine's chunked steps of this many tokens, packed across prompts
+    # (model.ChunkedPrefillInstance); None: one whole prompt at a time, FIFO.
+    prefill_chunk_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        # The policies size a prefix with cost.block_size, the pools count trace blocks:
+        # they must be the same unit or predictions and hits disagree.
+        if self.cost.block_size != self.block_tokens:
+            raise ValueError(
+                f"cost.block_size {self.cost.block_size} != block_tokens "
+                f"{self.block_tokens}; see model.with_block_tokens"
+            )
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("need at least one prefill and one decode instance")
+        if self.background_s_per_request < 0:
+            raise ValueError(f"background_s_per_request < 0: {self.background_s_per_request}")
+
+
+def to_sim_requests(trace: Sequence[TraceRequest], time_scale: float) -> list[SimRequest]:
+    return [
+        SimRequest(
+            i, r.timestamp_ms / 1000.0 * time_scale, r.input_length, r.output_length, r.hash_ids
+        )
+        for i, r in enumerate(trace)
+    ]
+
+
+class Cluster:
+    """The simulated instances, the index, the event heap and the outcomes."""
+
+    def __init__(self, cfg: SimConfig, policy: Policy) -> None:
+        self.cfg, self.policy = cfg, policy
+        self.cost = cfg.cost  # what the policy predicts with
+        self.work = cfg.work_cost or cfg.cost  # what the instances' work takes
+        self.cores = (
+            Cores(cfg.cores, cfg.background_weight, cfg.background_cap) if cfg.cores else None
+        )
+        self.rng = random.Random(cfg.seed)
+        self.index = KVIndex()
+        self.prefills: dict[str, PrefillInstance | ChunkedPrefillInstance] = {
+            f"p{i:02d}": self._prefill(f"p{i:02d}") for i in range(cfg.num_prefill)
+        }
+        self.decodes = {
+            f"d{i:02d}": DecodeInstance(f"d{i:02d}", self.work, self.cores)
+            for i in range(cfg.num_decode)
+        }
+        self.events: list[tuple[float, int, int, str, Outcome | None]] = []
+        self.outcomes: list[Outcome] = []
+        self.num_placed_over_slo = 0  # rejected by the policy but placed (reject=False)
+
+    def _prefill(self, instance_id: str) -> PrefillInstance | ChunkedPrefillInstance:
+        pool = HashPool(self.cfg.cache_blocks, self.cfg.eviction)
+        if self.cfg.prefill_chunk_tokens:
+            return ChunkedPrefillInstance(
+                instance_id, pool, self.cfg.prefill_chunk_tokens, self.work, cores=self.cores
+            )
+        return PrefillInstance(instance_id, pool, cores=self.cores)
+
+    def _pool(self, instance_id: str) -> HashPool | None:
+        inst = self.prefills.get(instance_id)
+        return inst.pool if inst is not None else None
+
+    # ---- placement ------------------------------------------------------------------------
+
+    def arrive(self, req: SimRequest) -> None:
+        now = req.arrival_s
+        if self.cores is not None:
+            self.cores.add_background(now, self.cfg.background_s_per_request)
+        for d in self.decodes.values():
+            d.advance(now)
+        matches = self.index.match(req.hash_ids).per_instance
+        snap = Snapshot(
+            [p.view(now) for p in self.prefills.values()],
+            [d.view() for d in self.decodes.values()],
+            self.cost,
+            self.cfg.balancing_threshold,
+            self.cfg.slo_margin,
+        )
+        view = RequestView(
+            str(req.index),
+            req.input_length,
+            cast("dict[str, int]", dict(matches)),  # InstanceId is a str
+            self.cfg.ttft_slo_s,
+            self.cfg.tbt_slo_s,
+            req.output_length,
+        )
+        decision = self.policy.decide(snap, view)
+        out = Outcome(req, predicted_ttft_s=decision.ttft_s)
+        self.outcomes.append(out)
+        if decision.rejected and (
+            self.cfg.reject or decision.prefill is None or not decision.decode_id
+        ):
+            out.rejected = decision.rejected
+            return
+        self.num_placed_over_slo += bool(decision.rejected)
+        chosen = decision.prefill  # its pull (if any) is the policy's, as in the live conductor
+        assert chosen is not None
+        out.prefill_id, out.decode_id = chosen.instance_id, decision.decode_id
+        self.decodes[out.decode_id].assign(req.input_length + 1)
+        inst = self.prefills[chosen.instance_id]
+        inst.enqueue(
+            PrefillJob(
+                out, chosen.pull_from, chosen.prefix_blocks, chosen.transfer_s + chosen.prefill_s
+            )
+        )
+        self._start(inst, now)
+
+    def _start(self, inst: PrefillInstance | ChunkedPrefillInstance, now: float) -> None:
+        if not inst.start_next(now, self.work, self.cfg.block_tokens, self._pool):
+            return
+        if self.cores is None:
+            self._push(inst.running_end_s, _PREFILL_DONE, inst.instance_id, None)
+        else:
+            self.cores.begin(inst.instance_id, now, inst.running_end_s - now)
+
+    # ---- events ---------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, where: str, out: Outcome | None) -> None:
+        # The trace index breaks ties deterministically; kind orders completions first.
+        seq = out.request.index if out is not None else -1
+        heapq.heappush(self.events, (t, kind, seq, where, out))
+
+    def run_until(self, t: float) -> None:
+        """Handle every event at or before `t`."""
+        events = self.events
+        while True:
+            done = self.cores.next_done() if self.cores is not None else None
+            if done is not None and done[0] <= t and (not events or done[0] <= events[0][0]):
+                self._shared_done(*done)
+            elif events and events[0][0] <= t:
+                when, kind, _, where, out = heapq.heappop(events)
+                if kind == _PREFILL_DONE:
+                    self._prefill_done(self.prefills[where], when)
+                else:
+                    assert out is not None
+                    dec = self.decodes[where]
+                    dec.advance(when)
+                    dec.arrive(out, when)
+            else:
+                return
+
+    def _shared_done(self, now: float, instance_id: str) -> None:
+        """A prefill job or decode step on the shared cores is done (or the background
+        ran dry, which changes the instances' rates)."""
+        assert self.cores is not None
+        if instance_id == BACKGROUND:
+            self.cores.settle(now)
+        elif instance_id in self.prefills:
+            self.cores.end(instance_id, now)
+            self._prefill_done(self.prefills[instance_id], now)
+        else:
+            self.decodes[instance_id].end_shared_step(now)
+
+    def _prefill_done(self, inst: PrefillInstance | ChunkedPrefillInstance, now: float) -> None:
+        for job in inst.finish_running():
+            out, req = job.outcome, job.outcome.request
+            self._admit(inst, req.hash_ids, now)
+            out.prefill_end_s = now
+            out.ttft_s = now - req.arrival_s + self.cost.overhead_s
+            if req.output_length <= 1:  # the prefill's token was the whole answer
+                out.finish_s = now
+                self.decodes[out.decode_id].unassign(req.input_length + 1)
+            else:
+                ready = now + self.work.handoff_time_s(len(req.hash_ids), self.rng.random())
+                self._push(ready, _KV_ARRIVED, out.decode_id, out)
+        self._start(inst, now)
+
+    def _admit(
+        self, inst: PrefillInstance | ChunkedPrefillInstance, hashes: list[int], now: float
+    ) -> None:
+        """Store the prompt's blocks (own, pulled and new) in the pool; mirror the net
+        change into the index (a block may be inserted then evicted in one admit)."""
+        res = inst.pool.admit(hashes, now)
+        pool = inst.pool
+        gone = [h for h in res.evicted if h not in pool]
+        if gone:
+            self.index.removed(inst.instance_id, _TIER, gone)
+        fresh = {h for h in res.inserted if h in pool}
+        if fresh:
+            for parent, run in kept_runs(hashes, fresh):
+                self.index.stored(inst.instance_id, _TIER, run, 0, now, parent_of=parent)
+
+    def prewarm(self, hashes: list[int], now: float) -> None:
+        """Cache `hashes` on every prefill instance before the first request."""
+        for inst in self.prefills.values():
+            self._admit(inst, hashes, now)
+
+    def drain(self) -> None:
+        self.run_until(math.inf)
+        for d in self.decodes.values():
+            d.advance(math.inf)
+        if any(d.busy or d.assigned or d.waiting for d in self.decodes.values()):
+            raise RuntimeError("decode instances still hold work after the drain")
+
+
+def common_prefix(requests: Sequence[SimRequest]) -> list[int]:
+    """The leading blocks that every request starts with."""
+    if not requests:
+        return []
+    prefix = list(requests[0].hash_ids)
+    for req in requests:
+        n = 0
+        for a, b in zip(prefix, req.hash_ids):
+            if a != b:
+                break
+            n += 1
+        del prefix[n:]
+    return prefix
+
+
+def simulate(
+    requests: Sequence[SimRequest], cfg: SimConfig, policy: str | Policy
+) -> tuple[list[Outcome], float, Cluster]:
+    """Run the whole trace; returns the outcomes (trace order), wall seconds, the cluster."""
+    started = time.perf_counter()
+    cluster = Cluster(cfg, make_policy(policy) if isinstance(policy, str) else policy)
+    if cfg.prewarm and requests:
+        cluster.prewarm(common_prefix(requests), requests[0].arrival_s)
+    for req in requests:
+        cluster.run_until(req.arrival_s)
+        cluster.arrive(req)
+    cluster.drain()
+    return cluster.outcomes, time.perf_counter() - started, cluster
+
+
+# ---- results ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    requests: int
+    rejected: int
+    placed_over_slo: int  # the policy said reject, placed anyway (rejection disabled)
+    avg_ttft_s: float
+    p50_ttft_s: float
+    p90_ttft_s: float
+    p99_ttft_s: float
+    avg_tbt_s: float
+    p99_tbt_s: float
+    hit_ratio: float  # token-weighted, prefix-continuous, over placed requests
+    hit_tokens: int
+    input_tokens: int
+    pulled_blocks: int
+    makespan_s: float  # first arrival to last token
+    wall_s: float
+
+
+def summarize(
+    policy: str,
+    outcomes: Sequence[Outcome],
+    wall_s: float,
+    block_tokens: int,
+    placed_over_slo: int = 0,
+) -> SimResult:
+    placed = [o for o in outcomes if not o.rejected]
+    ttft = [o.ttft_s for o in placed]
+    tbt = [o.tbt_s for o in placed if not math.isnan(o.tbt_s)]
+    inputs = sum(o.request.input_length for o in placed)
+    hits = sum(o.hit_tokens(block_tokens) for o in placed)
+    start = min((o.request.arrival_s for o in outcomes), default=0.0)
+    end = max((o.finish_s for o in placed), default=start)
+    return SimResult(
+        policy=policy,
+        requests=len(outcomes),
+        rejected=len(outcomes) - len(placed),
+        placed_over_slo=placed_over_slo,
+        avg_ttft_s=sum(ttft) / len(ttft) if ttft else math.nan,
+        p50_ttft_s=percentile(ttft, 50),
+        p90_ttft_s=percentile(ttft, 90),
+        p99_ttft_s=percentile(ttft, 99),
+        avg_tbt_s=sum(tbt) / len(tbt) if tbt else math.nan,
+        p99_tbt_s=percentile(tbt, 99),
+        hit_ratio=hits / inputs if inputs else 0.0,
+        hit_tokens=hits,
+        input_tokens=inputs,
+        pulled_blocks=sum(o.pulled_blocks for o in placed),
+        makespan_s=end - start,
+        wall_s=wall_s,
+    )
+
+
+def run_policy(requests: Sequence[SimRequest], cfg: SimConfig, policy: str) -> SimResult:
+    if policy == LOCAL:
+        cfg = replace(cfg, balancing_threshold=math.inf)
+    outcomes, wall_s, cluster = simulate(requests, cfg, "kvcentric" if policy == LOCAL else policy)
+    return summarize(policy, outcomes, wall_s, cfg.block_tokens, cluster.num_placed_over_slo)
