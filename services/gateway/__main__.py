@@ -14,7 +14,7 @@ from aiohttp import web
 from services.gateway.app import make_app, quiet_bad_http_logs
 from services.gateway.args import GatewaySettings, parse_args
 from services.gateway.auth import Auth
-from services.gateway.handlers import Gateway
+from services.gateway.context import GatewayContext
 from services.gateway.prompt import PromptBuilder
 from shared import bus, subjects
 from shared.db.records import RecordWriter
@@ -58,7 +58,7 @@ async def serve(settings: GatewaySettings) -> None:
         stack.push_async_callback(records.close)
         nc = await bus.connect(settings, instance_id)
         stack.push_async_callback(bus.close, nc)
-        gateway = Gateway(settings, nc, records, prompts, instance_id)
+        gateway = GatewayContext(settings, nc, records, prompts, instance_id)
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=gateway.on_heartbeat)
         auth = Auth.from_settings(settings, engine) if settings.keys_enabled() else None
         log.info("API keys %s", "required on /v1 and /admin" if auth else "off")

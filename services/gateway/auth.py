@@ -12,6 +12,7 @@ import logging
 from typing import Literal
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.gateway.args import GatewaySettings
@@ -105,9 +106,9 @@ class Auth:
             log.warning("API key lookup failed: %s", type(exc).__name__)
             raise errors.Unavailable("the API key store is unavailable; try again") from None
 
-    def middleware(self):  # type: ignore[no-untyped-def]
+    def middleware(self) -> Middleware:
         @web.middleware
-        async def auth_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
             key = await self.authenticate(request)
             if key is not None:
                 request["tenant"] = key.tenant

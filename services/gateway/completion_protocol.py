@@ -8,7 +8,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from services.gateway.protocol import Integral, SamplingFields, parse_body
+from services.gateway.protocol import SamplingFields, parse_body
+from services.gateway.validation import Integral
 from shared import errors
 
 # OpenAI's default for /v1/completions (chat's is what the context leaves).
@@ -73,5 +74,4 @@ class CompletionRequest(SamplingFields):
 
 
 def parse_completion(body: Any) -> CompletionRequest:
-    result: CompletionRequest = parse_body(CompletionRequest, body)
-    return result
+    return parse_body(CompletionRequest, body)

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import time
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from pydantic import Field, model_validator
 
 from services.gateway.bodies import model_card, models_body
-from services.gateway.protocol import ChatMessage, Integral, Strict, Tool, parse_body
+from services.gateway.context import GatewayContext
+from services.gateway.httputil import read_json
+from services.gateway.protocol import ChatCompletionRequest, ChatMessage, Tool, parse_body
+from services.gateway.validation import Integral, Strict
 from shared import errors
 from shared.db.schema import DecisionRecord, RequestRecord
 from shared.db.session import sessionmaker
 from shared.db.stats import kv_hit_rates
-
-if TYPE_CHECKING:
-    from services.gateway.handlers import Gateway
 
 
 class TokenizeRequest(Strict):
@@ -57,50 +57,49 @@ def _row(row: Any) -> dict[str, Any] | None:
     return {c.name: getattr(row, c.name) for c in row.__table__.columns}
 
 
-class Extras:
-    """Mixed into Gateway (handlers.py)."""
+class ExtraRoutes:
+    """Everything but generation (app.py routes these here)."""
 
-    async def models(self: Gateway, request: web.Request) -> web.Response:
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+
+    async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            models_body(self.prompts.model_name, self.started_at, self.prompts.max_model_len)
+            models_body(
+                self.ctx.prompts.model_name, self.ctx.started_at, self.ctx.prompts.max_model_len
+            )
         )
 
-    async def model(self: Gateway, request: web.Request) -> web.Response:
+    async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        self.prompts.check_model(name)
-        return web.json_response(model_card(name, self.started_at, self.prompts.max_model_len))
+        self.ctx.prompts.check_model(name)
+        return web.json_response(
+            model_card(name, self.ctx.started_at, self.ctx.prompts.max_model_len)
+        )
 
-    async def health(self: Gateway, request: web.Request) -> web.Response:
-        ok = self.nc.is_connected
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.ctx.nc.is_connected
         return web.json_response(
             {"status": "ok" if ok else "degraded", "nats": ok}, status=200 if ok else 503
         )
 
-    async def version(self: Gateway, request: web.Request) -> web.Response:
+    async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": version()})
 
-    async def tokenize(self: Gateway, request: web.Request) -> web.Response:
-        from services.gateway.handlers import read_json
-        from services.gateway.protocol import ChatCompletionRequest
-
+    async def tokenize(self, request: web.Request) -> web.Response:
         req: TokenizeRequest = parse_body(TokenizeRequest, await read_json(request))
-        p = self.prompts
+        p = self.ctx.prompts
         if req.model is not None:
             p.check_model(req.model)
         if req.prompt is not None:
-            p._check_chars(len(req.prompt), "prompt")
-            ids = [
-                int(t)
-                for t in p.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)[
-                    "input_ids"
-                ]
-            ]
+            p.check_chars(len(req.prompt), "prompt")
+            ids = p.encode(req.prompt, req.add_special_tokens)
         else:
             chat = ChatCompletionRequest.model_validate(
                 {"model": p.model_name, "messages": req.messages, "tools": req.tools}
             )
             messages, tools = p.render_messages(chat)
-            p._check_chars(sum(len(str(m.get("content") or "")) for m in messages), "messages")
+            p.check_chars(sum(len(str(m.get("content") or "")) for m in messages), "messages")
             ids = p.tokenize(messages, tools, req.add_generation_prompt)
         body: dict[str, Any] = {
             "count": len(ids),
@@ -109,14 +108,12 @@ class Extras:
             "token_strs": None,
         }
         if req.return_token_strs:
-            body["token_strs"] = [self.texts.of(t)[0] for t in ids]
+            body["token_strs"] = [self.ctx.texts.of(t)[0] for t in ids]
         return web.json_response(body)
 
-    async def detokenize(self: Gateway, request: web.Request) -> web.Response:
-        from services.gateway.handlers import read_json
-
+    async def detokenize(self, request: web.Request) -> web.Response:
         req: DetokenizeRequest = parse_body(DetokenizeRequest, await read_json(request))
-        p = self.prompts
+        p = self.ctx.prompts
         if req.model is not None:
             p.check_model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < p.vocab_size), None)
@@ -125,33 +122,33 @@ class Extras:
                 f"token id {bad} is not in this model's vocabulary (0..{p.vocab_size - 1})",
                 param="tokens",
             )
-        return web.json_response({"prompt": p.tokenizer.decode(req.tokens)})
+        return web.json_response({"prompt": p.decode(req.tokens)})
 
-    async def admin_state(self: Gateway, request: web.Request) -> web.Response:
+    async def admin_state(self, request: web.Request) -> web.Response:
         now = time.time()
         instances = [
             dict(info.model_dump(mode="json"), heartbeat_age_s=round(now - info.sent_at, 3))
-            for info in self.liveness.infos()
+            for info in self.ctx.liveness.infos()
         ]
         return web.json_response(
             {
-                "gateway": self.instance_id,
-                "uptime_s": now - self.started_at,
-                "in_flight": self.in_flight,
+                "gateway": self.ctx.instance_id,
+                "uptime_s": now - self.ctx.started_at,
+                "in_flight": self.ctx.in_flight,
                 "instances": instances,
             }
         )
 
-    async def admin_request(self: Gateway, request: web.Request) -> web.Response:
+    async def admin_request(self, request: web.Request) -> web.Response:
         """One request's record and the conductor's decision for it (why it went where)."""
         rid = request.match_info["request_id"]
-        async with sessionmaker(self.records.engine)() as s:
+        async with sessionmaker(self.ctx.records.engine)() as s:
             rec = await s.get(RequestRecord, rid)
             dec = await s.get(DecisionRecord, rid)
         if rec is None and dec is None:
             raise errors.HalfmoonError(f"no request {rid}", code="not_found").with_status(404)
         return web.json_response({"request": _row(rec), "decision": _row(dec)})
 
-    async def admin_kv(self: Gateway, request: web.Request) -> web.Response:
+    async def admin_kv(self, request: web.Request) -> web.Response:
         """Token-weighted KV hit rates per prefill instance and for the cluster, by window."""
-        return web.json_response(await kv_hit_rates(self.records.engine))
+        return web.json_response(await kv_hit_rates(self.ctx.records.engine))

@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.gateway.life import RequestLife
 from shared import errors
 from shared.db.schema import TERMINAL_STATUSES, RequestStatus
 from shared.metrics import FAST_BUCKETS, LATENCY_BUCKETS, new_registry
-
-if TYPE_CHECKING:
-    from services.gateway.runs import RequestLife
 
 # Reasons seen often enough to show as 0 before the first one happens.
 KNOWN_REJECTIONS = ("slo_unattainable", "rejected", "unavailable")

@@ -160,7 +160,7 @@ def _schemas(model_name: str, settings: GatewaySettings, vocab_size: int) -> dic
     # Validation mode throughout: a field with a default may be absent from a body.
     pairs = [(m, "validation") for m in [*REQUESTS, *RESPONSE_MODELS]]
     _, defs = models_json_schema(pairs, ref_template=REF)  # type: ignore[arg-type]
-    schemas = copy.deepcopy(defs["$defs"])
+    schemas: dict[str, Any] = copy.deepcopy(defs["$defs"])
     refine(schemas, model_name, settings, vocab_size)
     return schemas
 

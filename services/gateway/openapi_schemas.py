@@ -67,7 +67,8 @@ def _given(name: str) -> dict[str, Any]:
 
 def _branch(prop: dict[str, Any], kind: str) -> dict[str, Any]:
     """The `kind` branch of an optional field's anyOf (or the field itself)."""
-    for b in prop.get("anyOf", []):
+    branches: list[dict[str, Any]] = prop.get("anyOf", [])
+    for b in branches:
         if b.get("type") == kind:
             return b
     return prop

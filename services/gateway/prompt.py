@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from transformers import AutoTokenizer
 
 from services.gateway.completion_protocol import DEFAULT_MAX_TOKENS, CompletionRequest
-from services.gateway.protocol import ChatCompletionRequest, MessageBase
+from services.gateway.protocol import AssistantMessage, ChatCompletionRequest, ChatMessage
 from services.gateway.tools import HermesFormat, format_for
 from shared import errors
+
+# The tools as transformers' chat templates take them (each a JSON schema, here).
+TemplateTools = list[dict[Any, Any] | Callable[..., Any]]
 
 
 class PromptBuilder:
@@ -71,7 +74,7 @@ class PromptBuilder:
         if not any(m.text().strip() or m.tool_calls for m in chat.messages):
             raise errors.InvalidRequest("messages are all empty", param="messages")
         messages, tools = self.render_messages(chat)
-        self._check_chars(sum(len(str(m.get("content") or "")) for m in messages), "messages")
+        self.check_chars(sum(len(str(m.get("content") or "")) for m in messages), "messages")
         ids = self.tokenize(messages, tools)
         return ids, self._max_tokens(
             len(ids), chat.requested_max_tokens(), "messages", self.default_max_tokens
@@ -79,11 +82,13 @@ class PromptBuilder:
 
     def render_messages(
         self, chat: ChatCompletionRequest
-    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    ) -> tuple[list[dict[str, Any]], TemplateTools | None]:
         """The template's messages (and tools, when it renders them itself)."""
         show_tools = chat.effective_tool_choice() != "none" and bool(chat.tools)
         if self.template_renders_tools:
-            tools = [t.model_dump(mode="json", exclude_none=True) for t in chat.tools or []]
+            tools: TemplateTools = [
+                t.model_dump(mode="json", exclude_none=True) for t in chat.tools or []
+            ]
             return [_hf_message(m) for m in chat.messages], (tools if show_tools else None)
         fmt = self.tool_format
         names = {c.id: c.function.name for m in chat.messages for c in m.tool_calls or []}
@@ -92,7 +97,7 @@ class PromptBuilder:
             if m.role == "tool":
                 text = fmt.render_reply(names.get(m.tool_call_id or "", ""), m.text())
                 messages.append({"role": "user", "content": text})
-            elif m.tool_calls:
+            elif isinstance(m, AssistantMessage) and m.tool_calls:
                 messages.append({"role": "assistant", "content": fmt.render_calls(m)})
             else:
                 messages.append(_plain(m))
@@ -107,11 +112,12 @@ class PromptBuilder:
     def tokenize(
         self,
         messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
+        tools: TemplateTools | None = None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
         try:
-            encoded = self.tokenizer.apply_chat_template(
+            # Any: transformers types it as the union of everything it can return.
+            encoded: Any = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
             )
         except Exception as exc:  # noqa: BLE001 - the template's own refusal (raise_exception)
@@ -127,6 +133,16 @@ class PromptBuilder:
         ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return [int(t) for t in ids]
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Plain text's token ids (no chat template)."""
+        encoded = self.tokenizer(text, add_special_tokens=add_special_tokens)
+        return [int(t) for t in encoded["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids)
+        assert isinstance(text, str)  # one sequence in, one text out
+        return text
+
     # -- text completions --------------------------------------------------------------------
     def build_completion(self, req: CompletionRequest) -> list[tuple[list[int], int]]:
         """Each prompt's token ids and effective max_tokens (0: echo only, nothing new)."""
@@ -137,8 +153,8 @@ class PromptBuilder:
         for i, p in enumerate(batch):
             param = "prompt" if len(batch) == 1 else f"prompt.{i}"
             if isinstance(p, str):
-                self._check_chars(len(p), param)
-                ids = [int(t) for t in self.tokenizer(p)["input_ids"]]
+                self.check_chars(len(p), param)
+                ids = self.encode(p)
             else:
                 bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
                 if bad is not None:
@@ -157,7 +173,7 @@ class PromptBuilder:
         return out
 
     # -- limits ----------------------------------------------------------------------------
-    def _check_chars(self, chars: int, param: str) -> None:
+    def check_chars(self, chars: int, param: str) -> None:
         limit = self.token_limit
         if chars > limit * self.max_token_chars:
             raise errors.InvalidRequest(
@@ -200,14 +216,14 @@ class PromptBuilder:
             )
 
 
-def _plain(m: MessageBase) -> dict[str, Any]:
+def _plain(m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name is not None:
         out["name"] = m.name
     return out
 
 
-def _hf_message(m: MessageBase) -> dict[str, Any]:
+def _hf_message(m: ChatMessage) -> dict[str, Any]:
     """transformers' message shape for templates with a tool section."""
     out = _plain(m)
     if m.tool_calls:

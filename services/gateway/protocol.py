@@ -8,20 +8,12 @@ Halfmoon does not implement is a 400 that says so. Nothing is accepted and then 
 
 from __future__ import annotations
 
-import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from services.gateway.validation import Integral, Strict, drop_nulls, integral_fields
 from shared import errors
 from shared.messages import SamplingParams
 
@@ -42,66 +34,11 @@ UNSUPPORTED = {
     "prompt_cache_key": "prompt_cache_key is not supported (the prefix cache needs no key)",
     "safety_identifier": "safety_identifier is not supported",
 }
-_ALLOWED_DEFAULTS = {
+_ALLOWED_DEFAULTS: dict[str, list[Any]] = {
     "modalities": [["text"]],
     "store": [False],
     "service_tier": ["auto", "default"],
 }
-
-
-def _drop_nulls(data: Any) -> Any:
-    """`null` means "not given": the field's default applies."""
-    if isinstance(data, dict):
-        return {k: v for k, v in data.items() if v is not None}
-    return data
-
-
-def _integral(data: Any, names: tuple[str, ...]) -> Any:
-    # JSON has one number type: 8.0 is the integer 8 (JSON Schema agrees), but strict mode
-    # would refuse it. Strings stay refused.
-    if isinstance(data, dict):
-        fixed = {k: int(v) for k in names if isinstance(v := data.get(k), float) and v.is_integer()}
-        if fixed:
-            data = {**data, **fixed}
-    return data
-
-
-def _whole(v: Any) -> Any:
-    return int(v) if isinstance(v, float) and v.is_integer() else v
-
-
-# An integer inside a list (token ids): 8.0 is 8 there too, as for INT_FIELDS.
-Integral = Annotated[int, BeforeValidator(_whole)]
-_META = ("title", "description", "default", "examples", "deprecated")
-
-
-def _nullable_optionals(schema: dict[str, Any]) -> None:
-    """Say in the JSON schema what `_drop_nulls` does: every field that may be left out
-    may also be null (its default then applies)."""
-    required = set(schema.get("required", []))
-    for name, prop in schema.get("properties", {}).items():
-        if name in required or _allows_null(prop):
-            continue
-        inner = {k: v for k, v in prop.items() if k not in _META}
-        meta = {k: v for k, v in prop.items() if k in _META}
-        prop.clear()  # in place: the schema dict pydantic hands over is the one it keeps
-        prop.update(anyOf=[inner, {"type": "null"}], **meta)
-
-
-def _allows_null(prop: dict[str, Any]) -> bool:
-    branches = prop.get("anyOf", prop.get("oneOf", [prop]))
-    return any(b.get("type") == "null" for b in branches)
-
-
-class Strict(BaseModel):
-    """Strict types ("5" is not a number), unknown fields refused, null as absent."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_nullable_optionals)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        return _drop_nulls(data)
 
 
 class StreamOptions(Strict):
@@ -212,7 +149,7 @@ class SamplingFields(Strict):
     @model_validator(mode="before")
     @classmethod
     def _prepare(cls, data: Any) -> Any:
-        data = _integral(_drop_nulls(data), INT_FIELDS)
+        data = integral_fields(drop_nulls(data), INT_FIELDS)
         if isinstance(data, dict):
             for name in data:
                 if name in UNSUPPORTED and data[name] not in _ALLOWED_DEFAULTS.get(name, []):
@@ -386,7 +323,10 @@ class ChatCompletionRequest(SamplingFields):
         return self.tool_choice or "auto"
 
 
-def parse_body(model: type[SamplingFields], body: Any) -> Any:
+Body = TypeVar("Body", bound=Strict)
+
+
+def parse_body(model: type[Body], body: Any) -> Body:
     """Validate a request body, or raise a 400 naming the first problem."""
     if not isinstance(body, dict):
         raise errors.InvalidRequest("request body must be a JSON object")
@@ -431,43 +371,4 @@ def _field_path(loc: tuple[Any, ...]) -> list[Any]:
 
 
 def parse_request(body: Any) -> ChatCompletionRequest:
-    result: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
-    return result
-
-
-def check_unicode(body: Any, path: str = "") -> None:
-    """A lone surrogate ("\\ud800") is valid JSON but not Unicode: no tokenizer, template
-    or log line can take it, so it is a 400 here, naming where it is."""
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-        return
-    except UnicodeEncodeError:
-        pass
-    where = _surrogate_path(body, path)
-    raise errors.InvalidRequest(
-        f"{where or 'the body'}: text with a lone surrogate is not valid Unicode",
-        param=where or None,
-    )
-
-
-def _surrogate_path(value: Any, path: str) -> str:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return ""
-    items = (
-        value.items()
-        if isinstance(value, dict)
-        else enumerate(value)
-        if isinstance(value, list)
-        else ()
-    )
-    for key, item in items:
-        sub = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and _surrogate_path(key, sub):
-            return sub
-        if found := _surrogate_path(item, sub):
-            return found
-    return ""
+    return parse_body(ChatCompletionRequest, body)

@@ -19,85 +19,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncGenerator, Awaitable, Callable, Protocol
 
+from services.gateway.context import GatewayContext
+from services.gateway.life import RequestLife
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.streams import Follower, TokenStream
 from shared import errors
 from shared.db.schema import RequestStatus
-from shared.messages import FinishReason, GenerateRequest, TokenEvent, Usage
-
-if TYPE_CHECKING:
-    from services.gateway.handlers import Gateway
+from shared.messages import FinishReason, GenerateRequest, Placement, TokenEvent, Usage
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestLife:
-    """What the terminal SQL record will say about one accepted (sub-)request."""
+class Placer(Protocol):
+    """Places a (sub-)request on instances: ConductorPlacer (placement.py) asks the
+    conductor. A refusal is recorded in `life` and raised."""
 
-    request_id: str
-    arrival: float
-    status: RequestStatus = RequestStatus.FAILED
-    first_token_time: float | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    usage: Usage | None = None
-    text_parts: list[str] = field(default_factory=list)
-    # Phase boundaries for the console's timeline: the placement reply, and the first token
-    # from an instance other than the one that sent the first (the decode side of a handoff).
-    dispatch_time: float | None = None
-    decode_first_token_time: float | None = None
-    first_instance: str = ""
-    metrics: Any = None  # GatewayMetrics, or a FirstTokenOnce of a fanned-out request
-    last_token_time: float | None = None
-    num_tokens: int = 0
+    async def place(
+        self,
+        gen: GenerateRequest,
+        life: RequestLife,
+        retarget: Callable[[str, int], Awaitable[None]] | None = None,
+    ) -> Placement: ...
 
-    def on_event(self, event: TokenEvent) -> None:
-        if event.token_ids:
-            now = time.time()
-            if self.metrics is not None:
-                self.metrics.token_event(self.arrival, self.last_token_time, now)
-            if self.first_token_time is None:
-                self.first_token_time, self.first_instance = now, event.instance_id
-            elif (
-                self.decode_first_token_time is None
-                and event.instance_id
-                and event.instance_id != self.first_instance
-            ):
-                self.decode_first_token_time = now
-            self.last_token_time = now
-            self.num_tokens += len(event.token_ids)
-        if event.text:
-            self.text_parts.append(event.text)
-        if event.usage is not None:
-            self.usage = event.usage
-        if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason.value
-            if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                self.status = RequestStatus.COMPLETED
-
-    def terminal_values(self) -> dict[str, Any]:
-        now = time.time()
-        values: dict[str, Any] = {
-            "finish_time": now,
-            "e2e_ms": (now - self.arrival) * 1e3,
-            "finish_reason": self.finish_reason,
-            "error": self.error,
-        }
-        if self.first_token_time is not None:
-            values["first_token_time"] = self.first_token_time
-            values["ttft_ms"] = (self.first_token_time - self.arrival) * 1e3
-        for key in ("dispatch_time", "decode_first_token_time"):
-            if getattr(self, key) is not None:
-                values[key] = getattr(self, key)
-        if self.usage is not None:
-            values["completion_tokens"] = self.usage.completion_tokens
-            values["cached_tokens"] = self.usage.cached_tokens
-        return values
+    def placed_again(self, request_id: str, prefill_id: str, decode_id: str) -> None:
+        """A fault moved the request to other instances (streams.Follower)."""
 
 
 class FirstTokenOnce:
@@ -127,20 +75,18 @@ class Sub:
     prefill_id: str = ""  # where it was placed (its prompt's later choices follow it there)
 
 
-_DONE = object()
-
-
 class Fanout:
-    def __init__(self, gw: Gateway, subs: list[Sub], stream: bool) -> None:
-        self.gw = gw
+    def __init__(self, ctx: GatewayContext, placer: Placer, subs: list[Sub], stream: bool) -> None:
+        self.ctx = ctx
+        self.placer = placer
         self.subs = subs
         self.stream = stream
         if len(subs) > 1:
-            shared = FirstTokenOnce(gw.metrics)
+            shared = FirstTokenOnce(ctx.metrics)
             for s in subs:
                 s.life.metrics = shared
         else:
-            subs[0].life.metrics = gw.metrics
+            subs[0].life.metrics = ctx.metrics
 
     @property
     def arrival(self) -> float:
@@ -150,29 +96,21 @@ class Fanout:
         """Records, token streams (subscribed before dispatch), then the placements: the
         first choice of each prompt at once, then the rest. One refused (429, 503...)
         refuses the request: the others are cancelled."""
-        gw = self.gw
         for s in self.subs:
-            g = s.gen
-            gw.records.request_accepted(
-                id=g.request_id,
-                model=g.model,
-                tenant=g.tenant,
+            self.ctx.records.request_accepted(
+                id=s.gen.request_id,
+                model=s.gen.model,
+                tenant=s.gen.tenant,
                 status=RequestStatus.QUEUED.value,
-                arrival_time=g.arrival_time,
-                prompt_tokens=len(g.prompt_token_ids),
-                max_tokens=g.sampling.max_tokens,
+                arrival_time=s.gen.arrival_time,
+                prompt_tokens=len(s.gen.prompt_token_ids),
+                max_tokens=s.gen.sampling.max_tokens,
                 stream=self.stream,
             )
-            s.stream = await TokenStream(gw.nc, g.request_id, gw.settings.gap_timeout_s).open()
-            s.follow = Follower(
-                gw.nc,
-                gw.settings,
-                gw.liveness,
-                s.stream,
-                g,
-                lambda again, s=s: gw._place(again, s.life),
-                lambda p, d, rid=g.request_id: gw._placed_again(rid, p, d),
-            )
+            s.stream = await TokenStream(
+                self.ctx.nc, s.gen.request_id, self.ctx.settings.gap_timeout_s
+            ).open()
+            s.follow = self._follower(s, s.stream)
         # The first choice of each prompt is placed first; the others then follow it to its
         # prefill instance, which computes the prompt once for all of them (policy.follow).
         first: dict[int, Sub] = {}
@@ -183,6 +121,21 @@ class Fanout:
         for s in followers:
             s.gen.follow_prefill = first[s.prompt_index].prefill_id
         await self._place_all(followers)
+
+    def _follower(self, s: Sub, stream: TokenStream) -> Follower:
+        """Follows the choice's events across faults, placing it again through the placer."""
+        life, request_id = s.life, s.gen.request_id
+
+        async def place_again(again: GenerateRequest) -> Placement:
+            return await self.placer.place(again, life)
+
+        def placed_again(prefill_id: str, decode_id: str) -> None:
+            self.placer.placed_again(request_id, prefill_id, decode_id)
+
+        ctx = self.ctx
+        return Follower(
+            ctx.nc, ctx.settings, ctx.liveness, stream, s.gen, place_again, placed_again
+        )
 
     async def _place_all(self, subs: list[Sub]) -> None:
         results = await asyncio.gather(*(self._place(s) for s in subs), return_exceptions=True)
@@ -196,10 +149,10 @@ class Fanout:
 
     async def _place(self, s: Sub) -> None:
         assert s.stream is not None and s.follow is not None
-        placement = await self.gw._place(s.gen, s.life, s.stream.retarget)
+        placement = await self.placer.place(s.gen, s.life, s.stream.retarget)
         s.prefill_id = placement.prefill_id
         s.follow.placed(placement)
-        self.gw.records.request_update(
+        self.ctx.records.request_update(
             s.gen.request_id,
             status=RequestStatus.RUNNING.value,
             prefill_instance=placement.prefill_id,
@@ -207,11 +160,13 @@ class Fanout:
             decode_instance=placement.decode_id or placement.prefill_id,
         )
 
-    async def events(self) -> AsyncIterator[tuple[Sub, TokenEvent]]:
+    async def events(self) -> AsyncGenerator[tuple[Sub, TokenEvent], None]:
         """Every choice's events as they come, each choice's in order, until all end. A
         worker's error arrives as an event (with `error`); a timeout or a request that
         could not be placed again raises."""
-        queue: asyncio.Queue = asyncio.Queue()
+        # A choice's event, the error that ended it, or None: it is over.
+        queue: asyncio.Queue[tuple[Sub, TokenEvent | errors.HalfmoonError | None]]
+        queue = asyncio.Queue()
 
         async def pump(s: Sub) -> None:
             assert s.follow is not None
@@ -221,14 +176,14 @@ class Fanout:
                         await queue.put((s, event))
             except errors.HalfmoonError as exc:
                 await queue.put((s, exc))
-            await queue.put((s, _DONE))
+            await queue.put((s, None))
 
         tasks = [asyncio.create_task(pump(s)) for s in self.subs]
         remaining = len(tasks)
         try:
             while remaining:
                 s, item = await queue.get()
-                if item is _DONE:
+                if item is None:
                     remaining -= 1
                     continue
                 if isinstance(item, errors.HalfmoonError):
@@ -253,7 +208,6 @@ class Fanout:
     async def close(self) -> None:
         """Whatever is left of each choice, anywhere: one cancel for every way it can end;
         then each record's terminal row, and the request's metrics."""
-        gw = self.gw
         for s in self.subs:
             if (
                 s.follow is not None
@@ -263,7 +217,7 @@ class Fanout:
                 await s.follow.cancel(s.life.error or "request ended")
             if s.stream is not None:
                 await s.stream.close()
-            gw.records.request_finished(
+            self.ctx.records.request_finished(
                 s.gen.request_id, s.life.status.value, **s.life.terminal_values()
             )
         self._count()
@@ -271,13 +225,13 @@ class Fanout:
     def _count(self) -> None:
         lives = [s.life for s in self.subs]
         if len(lives) == 1:
-            self.gw.metrics.finished(lives[0], len(self.subs[0].gen.prompt_token_ids))
+            self.ctx.metrics.finished(lives[0], len(self.subs[0].gen.prompt_token_ids))
             return
         status = next(
             (lf.status for lf in lives if lf.status != RequestStatus.COMPLETED),
             RequestStatus.COMPLETED,
         )
-        self.gw.metrics.finished_request(
+        self.ctx.metrics.finished_request(
             status,
             self.arrival,
             prompt_tokens(self.subs),

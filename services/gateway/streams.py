@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncGenerator, Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -104,7 +104,7 @@ class TokenStream:
         first_timeout_s: float,
         next_timeout_s: float,
         check: Callable[[int], str | None] | None = None,
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Yield events in index order until a final one. A silence past the timeout raises
         Timeout; a lost event, or `check(next_index)` naming a reason, raises StreamLost."""
         while True:
@@ -264,7 +264,7 @@ class Follower:
                 return f"instance {iid} lost the request: {why}"
         return None
 
-    async def events(self) -> AsyncIterator[TokenEvent]:
+    async def events(self) -> AsyncGenerator[TokenEvent, None]:
         s = self.settings
         while True:
             try:

@@ -12,7 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.gateway.protocol import JsonObjectFormat, JsonSchemaResponseFormat, SamplingFields
+from services.gateway.protocol import (
+    JsonObjectFormat,
+    JsonSchemaResponseFormat,
+    SamplingFields,
+    StructuredOutputs,
+)
 from shared import errors
 from shared.messages import Constraint
 
@@ -57,33 +62,37 @@ def requested(req: SamplingFields) -> list[tuple[str, Constraint]]:
         out.append(("guided_choice", Constraint(kind="choice", spec=json.dumps(req.guided_choice))))
     if req.guided_grammar is not None:
         out.append(("guided_grammar", Constraint(kind="lark", spec=req.guided_grammar)))
-    so = req.structured_outputs
-    if so is not None:
-        given = [
-            (k, v)
-            for k, v in (
-                ("json", so.json_),
-                ("regex", so.regex),
-                ("choice", so.choice),
-                ("grammar", so.grammar),
-            )
-            if v is not None
-        ]
-        if len(given) != 1:
-            raise errors.InvalidRequest(
-                "structured_outputs takes exactly one of json, regex, choice, grammar",
-                param="structured_outputs",
-            )
-        key, value = given[0]
-        param = f"structured_outputs.{key}"
-        if key == "json":
-            c = Constraint(kind="json_schema", spec=_json_spec(value, param))
-        elif key == "choice":
-            c = Constraint(kind="choice", spec=json.dumps(value))
-        else:
-            c = Constraint(kind="regex" if key == "regex" else "lark", spec=value)
-        out.append((param, c))
+    if req.structured_outputs is not None:
+        out.append(_structured_outputs(req.structured_outputs))
     return out
+
+
+def _structured_outputs(so: StructuredOutputs) -> tuple[str, Constraint]:
+    """vLLM's `structured_outputs`: exactly one of its fields, named as its parameter."""
+    given = [
+        key
+        for key, value in (
+            ("json", so.json_),
+            ("regex", so.regex),
+            ("choice", so.choice),
+            ("grammar", so.grammar),
+        )
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise errors.InvalidRequest(
+            "structured_outputs takes exactly one of json, regex, choice, grammar",
+            param="structured_outputs",
+        )
+    param = f"structured_outputs.{given[0]}"
+    if so.json_ is not None:
+        return param, Constraint(kind="json_schema", spec=_json_spec(so.json_, param))
+    if so.choice is not None:
+        return param, Constraint(kind="choice", spec=json.dumps(so.choice))
+    if so.regex is not None:
+        return param, Constraint(kind="regex", spec=so.regex)
+    assert so.grammar is not None  # the one given
+    return param, Constraint(kind="lark", spec=so.grammar)
 
 
 def one_constraint(found: list[tuple[str, Constraint]]) -> tuple[str, Constraint] | None:

@@ -33,7 +33,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.protocol import MessageBase, NamedToolChoice, Tool
+from services.gateway.protocol import AssistantMessage, NamedToolChoice, Tool
 
 _ALPHABET = string.ascii_letters + string.digits
 
@@ -76,7 +76,7 @@ class HermesFormat:
             "<args-json-object>}\n</tool_call>"
         )
 
-    def render_calls(self, message: MessageBase) -> str:
+    def render_calls(self, message: AssistantMessage) -> str:
         blocks = [
             f"{self.open}\n"
             + json.dumps({"name": c.function.name, "arguments": _arguments(c.function.arguments)})

@@ -13,14 +13,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import types
 
 import nats
 import pytest
 
-from services.gateway import handlers
+from services.gateway import placement
 from services.gateway.args import GatewaySettings
-from services.gateway.handlers import Gateway
+from services.gateway.life import RequestLife
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.placement import ConductorPlacer
 from shared import bus, errors, subjects
 from shared.messages import GenerateRequest, Placement
 from tests.factories import request
@@ -34,10 +35,10 @@ async def client(nats_url):
     await nc.close()
 
 
-def gateway(nc, retry_s: float, timeout_s: float = 2.0) -> Gateway:
+def new_placer(nc, retry_s: float, timeout_s: float = 2.0) -> ConductorPlacer:
     settings = GatewaySettings(schedule_retry_s=retry_s, schedule_timeout_s=timeout_s)
-    # No SQL or model: the placement call touches neither.
-    return Gateway(settings, nc, None, types.SimpleNamespace(model_name="m"), "gw-test")
+    # No SQL: the placement call does not touch it.
+    return ConductorPlacer(settings, nc, None, GatewayMetrics())
 
 
 class Attempts:
@@ -64,7 +65,7 @@ class Attempts:
             self.outcomes.append("placed")
             return reply
 
-        monkeypatch.setattr(handlers.bus, "request", recorded)
+        monkeypatch.setattr(placement.bus, "request", recorded)
 
 
 async def behind_a_marker(nc, subject: str, got: list[str], marker: str, encoded: bytes) -> None:
@@ -94,11 +95,11 @@ async def test_no_conductor_fails_with_503_after_the_retry_window(client, monkey
     retry_s = 1.0
     # A long placement timeout: treating "no responders" as a silent conductor would take
     # 30 s, and asking forever would never end (wait_for turns that into a failure).
-    gw = gateway(client, retry_s=retry_s, timeout_s=30.0)
+    placer = new_placer(client, retry_s=retry_s, timeout_s=30.0)
     attempts = Attempts(monkeypatch)
     t0 = time.monotonic()
     with pytest.raises(errors.Unavailable) as exc:
-        await asyncio.wait_for(gw._ask_conductor(request("r-none")), 10 * retry_s + 30)
+        await asyncio.wait_for(placer.ask_conductor(request("r-none")), 10 * retry_s + 30)
     took = time.monotonic() - t0
     assert exc.value.status == 503 and exc.value.code == "no_conductor"
     assert "no conductor is placing requests" in exc.value.message
@@ -111,7 +112,7 @@ async def test_no_conductor_fails_with_503_after_the_retry_window(client, monkey
 
 
 async def test_a_conductor_that_appears_meanwhile_gets_the_request(client, monkeypatch):
-    gw = gateway(client, retry_s=30.0)
+    placer = new_placer(client, retry_s=30.0)
     seen: list[str] = []
     placement = Placement(request_id="r-late", prefill_id="p0", decode_id="d0")
     attempts = Attempts(monkeypatch, refused_after=2)
@@ -123,7 +124,7 @@ async def test_a_conductor_that_appears_meanwhile_gets_the_request(client, monke
         refused_before.append(len(attempts.outcomes))
         return sub
 
-    leader, got = await asyncio.gather(late_leader(), gw._ask_conductor(request("r-late")))
+    leader, got = await asyncio.gather(late_leader(), placer.ask_conductor(request("r-late")))
     assert got.prefill_id == "p0" and seen == ["r-late"]
     assert attempts.outcomes[-1] == "placed"
     assert set(attempts.outcomes[:-1]) == {"no_responders"}
@@ -133,7 +134,7 @@ async def test_a_conductor_that_appears_meanwhile_gets_the_request(client, monke
 
 
 async def test_a_deposed_leaders_refusal_is_asked_again(client):
-    gw = gateway(client, retry_s=5.0)
+    placer = new_placer(client, retry_s=5.0)
     seen: list[str] = []
     sub = await conductor(
         client,
@@ -143,7 +144,7 @@ async def test_a_deposed_leaders_refusal_is_asked_again(client):
         ],
         seen,
     )
-    got = await gw._ask_conductor(request("r-dep"))
+    got = await placer.ask_conductor(request("r-dep"))
     assert got.prefill_id == "p1" and seen == ["r-dep", "r-dep"]
     await sub.unsubscribe()
 
@@ -154,11 +155,11 @@ async def test_other_refusals_and_timeouts_are_not_retried(client):
         client, [errors.Unavailable("no live prefill and decode instances"), None], seen
     )
     with pytest.raises(errors.Unavailable) as exc:
-        await gateway(client, retry_s=5.0, timeout_s=30.0)._ask_conductor(request("r-busy"))
+        await new_placer(client, retry_s=5.0, timeout_s=30.0).ask_conductor(request("r-busy"))
     assert exc.value.code == "unavailable" and seen == ["r-busy"]
     # It may have been dispatched before the conductor went quiet: never placed twice.
     with pytest.raises(errors.Timeout):
-        await gateway(client, retry_s=5.0, timeout_s=0.5)._ask_conductor(request("r-quiet"))
+        await new_placer(client, retry_s=5.0, timeout_s=0.5).ask_conductor(request("r-quiet"))
     await behind_a_marker(
         client, subjects.CONDUCTOR_SCHEDULE, seen, "marker", request("marker").encode()
     )
@@ -170,11 +171,9 @@ async def test_a_placement_that_times_out_is_cancelled_and_placed_as_a_new_attem
     """The leader took the request and died before answering: the gateway cancels that id
     everywhere (it may have been dispatched late) and asks again under a new attempt id,
     which the token stream follows from its first event."""
-    from services.gateway.handlers import RequestLife
-
     # The first ask is never answered; the timeout is also all the second (answered at once)
     # may take, so it is generous.
-    gw = gateway(client, retry_s=5.0, timeout_s=2.0)
+    placer = new_placer(client, retry_s=5.0, timeout_s=2.0)
     seen: list[str] = []
     cancels: list[str] = []
     retargets: list[tuple[str, int]] = []
@@ -191,7 +190,7 @@ async def test_a_placement_that_times_out_is_cancelled_and_placed_as_a_new_attem
         retargets.append((request_id, next_index))
 
     life = RequestLife("r-died", time.time())
-    got = await gw._place(request("r-died"), life, retarget)
+    got = await placer.place(request("r-died"), life, retarget)
     await behind_a_marker(
         client, subjects.CANCEL, cancels, "marker", json.dumps({"request_id": "marker"}).encode()
     )

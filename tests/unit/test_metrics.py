@@ -118,7 +118,7 @@ def _event(index: int, token: int, final: bool = False) -> TokenEvent:
 
 
 def test_gateway_request_life_feeds_latencies_and_counts():
-    from services.gateway.handlers import RequestLife
+    from services.gateway.life import RequestLife
     from services.gateway.metrics import GatewayMetrics
     from shared import errors
 

@@ -8,15 +8,15 @@ import schemathesis
 
 from services.gateway.app import make_app
 from services.gateway.args import GatewaySettings
-from services.gateway.handlers import Gateway
+from services.gateway.context import GatewayContext
 from services.gateway.openapi import build_spec, described
 from services.gateway.protocol import ChatCompletionRequest
 
 
 def spec_for(settings: GatewaySettings) -> tuple[dict, list[tuple[str, str]]]:
     # No bus, SQL or model: building routes and the description touches none of them.
-    gateway = Gateway(settings, None, None, types.SimpleNamespace(model_name="tiny"), "gw-test")
-    app = make_app(gateway, 1 << 20)
+    ctx = GatewayContext(settings, None, None, types.SimpleNamespace(model_name="tiny"), "gw-test")
+    app = make_app(ctx, 1 << 20)
     routes = [(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"]
     return build_spec(app, "tiny", settings), routes
 

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from services.gateway.completion_protocol import parse_completion
-from services.gateway.protocol import check_unicode, parse_request
+from services.gateway.httputil import check_unicode
+from services.gateway.protocol import parse_request
 from services.gateway.structured import one_constraint, requested
 from shared import errors
 
