@@ -200,6 +200,7 @@ class KVSender(abc.ABC):
     def __init__(self) -> None:
         self.states = _States()
         self.refusals = Refusals()
+        self.port = 0  # where receivers connect, once started (0: an in-process sender)
 
     @abc.abstractmethod
     async def start(self) -> None: ...
