@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from shared.engine import cpu
+from shared.engine.hf_types import HFConfig, causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,12 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
     @property
+    def config(self) -> HFConfig:
+        return causal_lm(self.model).config
+
+    @property
     def num_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
+        return int(self.config.num_hidden_layers)
 
 
 def eos_ids(model_dir: Path, tokenizer: object, config: object) -> frozenset[int]:
