@@ -41,7 +41,9 @@ import xxhash
 
 from shared.messages import KVHandle
 from shared.transfer.base import TransferFailed, TransferState, short_id
-from shared.transfer.tcp import _HDR, _REQ, MAGIC, STATUS_OK, Channel, TcpKVReceiver, TcpKVSender
+from shared.transfer.channel import Channel
+from shared.transfer.frames import HEADER, MAGIC, REQUEST, STATUS_OK
+from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +269,7 @@ class ShmKVSender(TcpKVSender):
         offer = self._offers[tid]
         await self.states.set(tid, TransferState.TRANSFERRING)
         name = self._segment_for(tid).encode()
-        head = _HDR.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
+        head = HEADER.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
         await ch.sendall(head + offer.meta + _U16.pack(len(name)) + name)
         ack = await ch.recv_exact(1)
         await self._drop(tid, TransferState.DONE if ack == b"\x01" else TransferState.FAILED)
@@ -318,8 +320,8 @@ class ShmKVReceiver(TcpKVReceiver):
         self, ch: Channel, handle: KVHandle
     ) -> tuple[bytes, bytearray | memoryview]:
         tid = handle.transfer_id.encode()
-        await ch.sendall(_REQ.pack(SHM_MAGIC, len(tid)) + tid)
-        magic, status, meta_len, nbytes, checksum = _HDR.unpack(await ch.recv_exact(_HDR.size))
+        await ch.sendall(REQUEST.pack(SHM_MAGIC, len(tid)) + tid)
+        magic, status, meta_len, nbytes, checksum = HEADER.unpack(await ch.recv_exact(HEADER.size))
         if magic != MAGIC or status != STATUS_OK:
             raise TransferFailed("unknown, used or expired transfer id")
         await self.states.set(handle.transfer_id, TransferState.TRANSFERRING)
