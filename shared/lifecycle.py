@@ -131,7 +131,7 @@ class ServiceRuntime:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> bool | None:
         return await self.stack.__aexit__(exc_type, exc, tb)
 
     @property

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Awaitable, Callable, Iterable, Sequence, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
@@ -141,7 +141,9 @@ def exposition(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
 
 
-def metrics_handler(registry: CollectorRegistry) -> Callable[[web.Request], object]:
+def metrics_handler(
+    registry: CollectorRegistry,
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handle(request: web.Request) -> web.Response:
         # Our names are all legacy-valid, so this is the 0.0.4 text format every Prometheus
         # reads (the library's "latest" label, 1.0.0, trips older scrapers).

@@ -6,6 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,7 +78,8 @@ def load_model(
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
-    model.to(device).eval()
+    # transformers' typing of .to wraps it past recognition: the plain Module signature.
+    cast(torch.nn.Module, model).to(device).eval()
     cfg = model.config
     log.info(
         "loaded %s in %.1fs: %s on %s (%s); CPU %s, torch dispatch %s",

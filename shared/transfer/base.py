@@ -37,6 +37,11 @@ TRANSFER_ID_BYTES = 16  # 128 bits: no one guesses one within an offer's TTL
 HANDOFF, PREFIX = "handoff", "prefix"
 
 
+# What a fetch returns: a new bytearray, the caller's own buffer (an allocator's), or a
+# writable view of a shared-memory mapping (shm.py); all wrap as tensors without a copy.
+Payload = bytearray | memoryview
+
+
 class TransferState(StrEnum):
     WAITING = "waiting"
     TRANSFERRING = "transferring"
@@ -249,7 +254,7 @@ class KVReceiver(abc.ABC):
     @abc.abstractmethod
     async def fetch(
         self, handle: KVHandle, timeout_s: float, purpose: str = HANDOFF
-    ) -> tuple[bytes, bytearray]:
+    ) -> tuple[bytes, Payload]:
         """(meta, payload) or TransferFailed; the state ends DONE or FAILED either way.
         `purpose` labels the transfer for metrics, as the sender labelled its offer."""
 

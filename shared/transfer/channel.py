@@ -15,10 +15,16 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from typing import Any
+from typing import Any, Protocol
 
 from shared.tls import HANDSHAKE_TIMEOUT_S
 from shared.transfer.frames import CHUNK
+
+
+class Hasher(Protocol):
+    """A running checksum (xxhash's xxh3_64)."""
+
+    def update(self, data: bytes | memoryview, /) -> None: ...
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -39,7 +45,9 @@ async def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     return bytes(buf)
 
 
-async def recv_into_exact(sock: socket.socket, view: memoryview, hasher=None) -> None:
+async def recv_into_exact(
+    sock: socket.socket, view: memoryview, hasher: Hasher | None = None
+) -> None:
     """Fill `view` from the socket; feed each piece to `hasher` while it is cache-hot."""
     loop = asyncio.get_running_loop()
     got, total = 0, len(view)
@@ -84,7 +92,7 @@ class Channel(abc.ABC):
     async def recv_exact(self, nbytes: int) -> bytes: ...
 
     @abc.abstractmethod
-    async def recv_into_exact(self, view: memoryview, hasher: Any = None) -> None: ...
+    async def recv_into_exact(self, view: memoryview, hasher: Hasher | None = None) -> None: ...
 
     @abc.abstractmethod
     async def sendall(self, data: bytes | memoryview) -> None: ...
@@ -102,7 +110,7 @@ class SocketChannel(Channel):
     async def recv_exact(self, nbytes: int) -> bytes:
         return await recv_exact(self.sock, nbytes)
 
-    async def recv_into_exact(self, view: memoryview, hasher: Any = None) -> None:
+    async def recv_into_exact(self, view: memoryview, hasher: Hasher | None = None) -> None:
         await recv_into_exact(self.sock, view, hasher)
 
     async def sendall(self, data: bytes | memoryview) -> None:
@@ -122,7 +130,7 @@ class TlsChannel(Channel):
     async def recv_exact(self, nbytes: int) -> bytes:
         return await self.reader.readexactly(nbytes)
 
-    async def recv_into_exact(self, view: memoryview, hasher: Any = None) -> None:
+    async def recv_into_exact(self, view: memoryview, hasher: Hasher | None = None) -> None:
         got, total = 0, len(view)
         while got < total:
             piece = await self.reader.read(min(CHUNK, total - got))

@@ -40,7 +40,7 @@ from typing import Callable
 import xxhash
 
 from shared.messages import KVHandle
-from shared.transfer.base import TransferFailed, TransferState, short_id
+from shared.transfer.base import Payload, TransferFailed, TransferState, short_id
 from shared.transfer.channel import Channel
 from shared.transfer.frames import HEADER, MAGIC, REQUEST, STATUS_OK
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
@@ -124,8 +124,8 @@ def map_segment(
     name: str,
     nbytes: int,
     checksum: int,
-    into: Callable[[int], bytearray | memoryview] | None = None,
-) -> bytearray | memoryview | None:
+    into: Callable[[int], Payload] | None = None,
+) -> Payload | None:
     """The segment's first nbytes, verified (None on a checksum mismatch).
 
     Without `into`, a view of a mapping that lives as long as the view does; with it, a
@@ -147,6 +147,7 @@ def map_segment(
         return None
     if into is None:
         return memoryview(mm)
+    out: Payload
     if into is bytearray:
         out = bytearray(mm)  # one pass; bytearray(n) would zero-fill every page first
     else:
@@ -298,7 +299,7 @@ class ShmKVReceiver(TcpKVReceiver):
     def same_host(self, handle: KVHandle) -> bool:
         return handle.transport == "shm" and bool(handle.host_id) and handle.host_id == host_id()
 
-    async def _fetch(self, handle: KVHandle) -> tuple[bytes, bytearray]:
+    async def _fetch(self, handle: KVHandle) -> tuple[bytes, Payload]:
         if not self.same_host(handle):
             return await super()._fetch(handle)
         try:
@@ -307,7 +308,7 @@ class ShmKVReceiver(TcpKVReceiver):
             unlink_segment(handle.shm_name)  # nobody serves this offer any more
             raise
         try:
-            return await self._fetch_shm(ch, handle)  # type: ignore[return-value]
+            return await self._fetch_shm(ch, handle)
         except (ConnectionError, asyncio.IncompleteReadError):
             # The sender died or dropped us mid-way. (A segment written on request is not
             # named in the handle; if we never learned its name, it is the sender's to remove.)
@@ -316,9 +317,7 @@ class ShmKVReceiver(TcpKVReceiver):
         finally:
             ch.close()
 
-    async def _fetch_shm(
-        self, ch: Channel, handle: KVHandle
-    ) -> tuple[bytes, bytearray | memoryview]:
+    async def _fetch_shm(self, ch: Channel, handle: KVHandle) -> tuple[bytes, Payload]:
         tid = handle.transfer_id.encode()
         await ch.sendall(REQUEST.pack(SHM_MAGIC, len(tid)) + tid)
         magic, status, meta_len, nbytes, checksum = HEADER.unpack(await ch.recv_exact(HEADER.size))

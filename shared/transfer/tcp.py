@@ -32,6 +32,7 @@ from shared.transfer.base import (
     Capabilities,
     KVReceiver,
     KVSender,
+    Payload,
     TransferFailed,
     TransferState,
     new_transfer_id,
@@ -96,8 +97,8 @@ class TcpKVSender(KVSender):
         self._open = Capabilities()  # the ids of _offers not claimed by a connection yet
         self._listener: socket.socket | None = None
         self._server: asyncio.Server | None = None
-        self._accepting: asyncio.Task | None = None
-        self._conns: set[asyncio.Task] = set()
+        self._accepting: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self._listener = socket.create_server((self.host, self.port), backlog=128)
@@ -302,7 +303,7 @@ class TcpKVReceiver(KVReceiver):
 
     async def fetch(
         self, handle: KVHandle, timeout_s: float, purpose: str = HANDOFF
-    ) -> tuple[bytes, bytearray]:
+    ) -> tuple[bytes, Payload]:
         tid = handle.transfer_id
         self.states.label(tid, purpose)
         await self.states.set(tid, TransferState.WAITING)
@@ -324,7 +325,7 @@ class TcpKVReceiver(KVReceiver):
     async def open(self, handle: KVHandle) -> Channel:
         return await open_channel(handle.host, handle.port, self.tls, self.tls_hostname)
 
-    async def _fetch(self, handle: KVHandle) -> tuple[bytes, bytearray]:
+    async def _fetch(self, handle: KVHandle) -> tuple[bytes, Payload]:
         ch = await self.open(handle)
         try:
             tid = handle.transfer_id.encode()
