@@ -1,5 +1,11 @@
 """The engine: scheduler + block manager (bookkeeping) around the paged model (tensors).
 
+Its parts: engine_core.py holds the pool, the queues, the requests and the lock;
+handoff.py adds KV that crosses instances (handoffs, reservations, prefix pulls);
+this module adds requests in and the steps. disk_tier.py's DiskLink spills evicted
+blocks and loads prefixes back, prompt_logprobs.py scores a text, engine_types.py has
+the configuration, outputs and per-request state.
+
 Concurrency contract. Three threads may touch an engine:
 - the engine thread (the instance's one executor) calls everything that changes the
   batch: add_request, add_prefilled, add_recompute, import_prefix, abort, step,
