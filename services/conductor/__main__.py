@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 from typing import Awaitable, Callable, Sequence
 
 from nats.aio.client import Client as NATS
@@ -15,19 +14,11 @@ from nats.aio.subscription import Subscription
 from services.conductor.args import ConductorSettings, parse_args
 from services.conductor.handlers import Conductor
 from services.conductor.leader import Election
-from shared import bus, subjects
+from shared import subjects
 from shared.db.records import RecordWriter
 from shared.db.session import make_engine
-from shared.lifecycle import (
-    heartbeat_loop,
-    install_stop_signals,
-    new_instance_id,
-    publish_heartbeat,
-    run_main,
-    setup_logging,
-)
+from shared.lifecycle import ServiceRuntime, publish_heartbeat, run_main
 from shared.messages import InstanceInfo, Role
-from shared.metrics import serve_metrics
 
 log = logging.getLogger("services.conductor")
 
@@ -100,32 +91,26 @@ async def _campaign(election: Election, stop: asyncio.Event, settings: Conductor
     await election.run(stop)
 
 
-async def serve(settings: ConductorSettings) -> None:
-    instance_id = settings.instance_id or new_instance_id("conductor")
-    setup_logging(settings.log_level, "conductor", instance_id)
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    started = time.time()
-    async with contextlib.AsyncExitStack() as stack:
-        engine = make_engine(settings.database_url)
-        stack.push_async_callback(engine.dispose)
-        records = RecordWriter(engine)
-        await records.start()
-        stack.push_async_callback(records.close)
-        nc = await bus.connect(settings, instance_id)
-        stack.push_async_callback(bus.close, nc)
-        conductor = Conductor(settings, nc, records)
-        await serve_metrics(
-            stack, conductor.metrics.registry, settings.metrics_host, settings.metrics_port
-        )
-        # Every conductor tracks heartbeats, standbys too, so a new leader starts warm.
-        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat)
-        intake = Intake(nc, conductor)
-        info = lambda: InstanceInfo(  # noqa: E731
-            instance_id=instance_id,
+def _info(
+    rt: ServiceRuntime, conductor: Conductor, election: Election | None
+) -> Callable[[], InstanceInfo]:
+    """What this conductor's heartbeat says, read fresh for each beat."""
+    settings = conductor.settings
+    placement_fields = {
+        "policy",
+        "ttft_slo_ms",
+        "tbt_slo_ms",
+        "slo_margin",
+        "balancing_threshold",
+        "layout",
+    }
+
+    def info() -> InstanceInfo:
+        return InstanceInfo(
+            instance_id=rt.instance_id,
             role=Role.CONDUCTOR,
             pid=os.getpid(),
-            started_at=started,
+            started_at=rt.started,
             leader=conductor.leading(),
             term=election.term if election else 0,
             cost_model=conductor.cost.source,
@@ -135,41 +120,49 @@ async def serve(settings: ConductorSettings) -> None:
             },
             cost_params=conductor.cost.params(),
             cpu_cost_params=conductor.calibrator.cpu_params(),
-            placement=settings.model_dump(
-                include={
-                    "policy",
-                    "ttft_slo_ms",
-                    "tbt_slo_ms",
-                    "slo_margin",
-                    "balancing_threshold",
-                    "layout",
-                }  # fmt: skip
-            ),
+            placement=settings.model_dump(include=placement_fields),
         )
+
+    return info
+
+
+async def serve(settings: ConductorSettings) -> None:
+    async with ServiceRuntime.named(settings, "conductor", settings.instance_id) as rt:
+        engine = make_engine(settings.database_url)
+        rt.stack.push_async_callback(engine.dispose)
+        records = RecordWriter(engine)
+        await records.start()
+        rt.stack.push_async_callback(records.close)
+        nc = await rt.connect()
+        conductor = Conductor(settings, nc, records)
+        await rt.serve_metrics(conductor.metrics.registry)
+        # Every conductor tracks heartbeats, standbys too, so a new leader starts warm.
+        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat)
+        intake = Intake(nc, conductor)
+        info: Callable[[], InstanceInfo]  # it reads the election, which announces with it
         # A change of leader is news at once, not at the next beat.
         election = make_election(
-            settings, nc, instance_id, intake, lambda: publish_heartbeat(nc, info())
+            settings, nc, rt.instance_id, intake, lambda: publish_heartbeat(nc, info())
         )
+        info = _info(rt, conductor, election)
         conductor.leading = lambda: election is None or election.is_leader
-        tasks = [
-            asyncio.create_task(heartbeat_loop(nc, info, settings.heartbeat_interval_s, stop)),
-            asyncio.create_task(_sweep(conductor, stop, settings.heartbeat_expiry_s / 3)),
-        ]
+        rt.heartbeat(info)
+        rt.spawn(_sweep(conductor, rt.stop, settings.heartbeat_expiry_s / 3))
         if election is None:
             await intake.open()
         else:
-            tasks.append(asyncio.create_task(_campaign(election, stop, settings)))
+            rt.spawn(_campaign(election, rt.stop, settings))
         log.info(
             "conductor %s ready (policy %s, %s)",
-            instance_id,
+            rt.instance_id,
             settings.policy,
             "active/standby" if election else "no election: placing",
         )
-        await stop.wait()
+        await rt.stopped()
         # Intake first (the election resigns and unsubscribes), then the rest.
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await rt.join()
         await intake.close()
-        log.info("conductor %s stopped", instance_id)
+        log.info("conductor %s stopped", rt.instance_id)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

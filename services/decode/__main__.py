@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from typing import Sequence
 
@@ -12,9 +10,8 @@ from services.decode.handlers import DecodeInstance
 from services.worker.bootstrap import load_for, with_instance_id
 from services.worker.metrics import EngineMetrics
 from services.worker.settings import make_receiver
-from shared import bus, subjects
-from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
-from shared.metrics import serve_metrics
+from shared import subjects
+from shared.lifecycle import ServiceRuntime, run_main
 
 log = logging.getLogger("services.decode")
 
@@ -22,30 +19,23 @@ log = logging.getLogger("services.decode")
 async def serve(settings: DecodeSettings) -> None:
     settings = with_instance_id(settings, "decode")
     lm = await load_for(settings, "decode")
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    async with contextlib.AsyncExitStack() as stack:
-        nc = await bus.connect(settings, settings.instance_id)
-        stack.push_async_callback(bus.close, nc)
+    async with ServiceRuntime(settings, settings.instance_id) as rt:
+        nc = await rt.connect()
         inst = DecodeInstance(settings, nc, lm, make_receiver(settings))
-        stack.callback(inst.close_engine)
-        await serve_metrics(
-            stack, EngineMetrics(inst).registry, settings.metrics_host, settings.metrics_port
-        )
+        rt.stack.callback(inst.close_engine)
+        await rt.serve_metrics(EngineMetrics(inst).registry)
         submit = await nc.subscribe(subjects.decode_submit(settings.instance_id), cb=inst.on_submit)
         stream = await nc.subscribe(subjects.decode_stream(settings.instance_id), cb=inst.on_chunk)
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
         await inst.publish_cleared()  # a previous incarnation's blocks are gone
-        worker = asyncio.create_task(inst.serve(stop))
-        beat = asyncio.create_task(
-            heartbeat_loop(nc, inst.heartbeat, settings.heartbeat_interval_s, stop)
-        )
+        rt.spawn(inst.serve(rt.stop))
+        rt.heartbeat(inst.heartbeat)
         log.info("decode %s ready (model %s)", settings.instance_id, lm.name)
-        await stop.wait()
+        await rt.stopped()
         # Stop intake; sequences still running end with a clear error, never silently.
         await submit.unsubscribe()
         await stream.unsubscribe()
-        await asyncio.gather(worker, beat, return_exceptions=True)
+        await rt.join()
         await inst.fail_running("decode instance shut down")
         await inst.publish_cleared()
         log.info("decode %s stopped", settings.instance_id)

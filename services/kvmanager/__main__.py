@@ -2,42 +2,27 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
-import time
 from typing import Sequence
 
 from services.kvmanager.args import KVManagerSettings, parse_args
 from services.kvmanager.handlers import KVManager
 from services.kvmanager.metrics import KVManagerMetrics
 from services.kvmanager.stream import ensure_stream, replay_and_follow
-from shared import bus, subjects
+from shared import subjects
 from shared.db.kv_records import KVBlockWriter, load_blocks
 from shared.db.session import make_engine
-from shared.lifecycle import (
-    heartbeat_loop,
-    install_stop_signals,
-    new_instance_id,
-    run_main,
-    setup_logging,
-)
+from shared.lifecycle import ServiceRuntime, run_main
 from shared.messages import InstanceInfo, Role
-from shared.metrics import serve_metrics
 
 log = logging.getLogger("services.kvmanager")
 
 
 async def serve(settings: KVManagerSettings) -> None:
-    instance_id = settings.instance_id or new_instance_id("kvmanager")
-    setup_logging(settings.log_level, "kvmanager", instance_id)
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    started = time.time()
-    async with contextlib.AsyncExitStack() as stack:
+    async with ServiceRuntime.named(settings, "kvmanager", settings.instance_id) as rt:
         engine = make_engine(settings.database_url)
-        stack.push_async_callback(engine.dispose)
+        rt.stack.push_async_callback(engine.dispose)
         records = KVBlockWriter(engine, settings.metadata_flush_s)
         manager = KVManager(records)
         try:
@@ -45,26 +30,26 @@ async def serve(settings: KVManagerSettings) -> None:
         except Exception as exc:  # noqa: BLE001 - the stream alone can rebuild the index
             log.warning("cache metadata not loaded from SQL: %s", exc)
         await records.start()
-        stack.push_async_callback(records.close)
-        await serve_metrics(
-            stack, KVManagerMetrics(manager).registry, settings.metrics_host, settings.metrics_port
-        )
-        nc = await bus.connect(settings, instance_id)
-        stack.push_async_callback(bus.close, nc)
+        rt.stack.push_async_callback(records.close)
+        await rt.serve_metrics(KVManagerMetrics(manager).registry)
+        nc = await rt.connect()
         await ensure_stream(nc, settings.stream_max_age_s, settings.stream_max_bytes)
         await replay_and_follow(nc, manager.on_event)
         await nc.subscribe(subjects.KV_MATCH, queue=subjects.KVMANAGER_QUEUE, cb=manager.on_match)
 
         def info() -> InstanceInfo:
             return InstanceInfo(
-                instance_id=instance_id, role=Role.KVMANAGER, pid=os.getpid(), started_at=started
+                instance_id=rt.instance_id,
+                role=Role.KVMANAGER,
+                pid=os.getpid(),
+                started_at=rt.started,
             )
 
-        beat = asyncio.create_task(heartbeat_loop(nc, info, settings.heartbeat_interval_s, stop))
-        log.info("kvmanager %s ready", instance_id)
-        await stop.wait()
-        await beat
-        log.info("kvmanager %s stopped", instance_id)
+        rt.heartbeat(info)
+        log.info("kvmanager %s ready", rt.instance_id)
+        await rt.stopped()
+        await rt.join()
+        log.info("kvmanager %s stopped", rt.instance_id)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

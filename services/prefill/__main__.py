@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Sequence
 
@@ -12,9 +11,8 @@ from services.prefill.handlers import PrefillInstance
 from services.worker.bootstrap import load_for, with_instance_id
 from services.worker.metrics import EngineMetrics
 from services.worker.settings import make_receiver, make_sender
-from shared import bus, subjects
-from shared.lifecycle import heartbeat_loop, install_stop_signals, run_main
-from shared.metrics import serve_metrics
+from shared import subjects
+from shared.lifecycle import ServiceRuntime, run_main
 from shared.transfer import KVSender
 
 log = logging.getLogger("services.prefill")
@@ -23,35 +21,28 @@ log = logging.getLogger("services.prefill")
 async def serve(settings: PrefillSettings) -> None:
     settings = with_instance_id(settings, "prefill")
     lm = await load_for(settings, "prefill")
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    async with contextlib.AsyncExitStack() as stack:
-        nc = await bus.connect(settings, settings.instance_id)
-        stack.push_async_callback(bus.close, nc)
+    async with ServiceRuntime(settings, settings.instance_id) as rt:
+        nc = await rt.connect()
         sender = make_sender(settings)
         await sender.start()
-        stack.push_async_callback(sender.close)
+        rt.stack.push_async_callback(sender.close)
         inst = PrefillInstance(settings, nc, lm, sender, make_receiver(settings))
         inst.kv_port = sender.port
-        stack.callback(inst.close_engine)
-        await serve_metrics(
-            stack, EngineMetrics(inst).registry, settings.metrics_host, settings.metrics_port
-        )
+        rt.stack.callback(inst.close_engine)
+        await rt.serve_metrics(EngineMetrics(inst).registry)
         submit = await nc.subscribe(
             subjects.prefill_submit(settings.instance_id), cb=inst.on_submit
         )
         await nc.subscribe(subjects.CANCEL, cb=inst.on_cancel)
         await nc.subscribe(subjects.kv_export(settings.instance_id), cb=inst.on_export)
         await inst.publish_cleared()  # a previous incarnation's blocks are gone
-        worker = asyncio.create_task(inst.serve(stop))
-        beat = asyncio.create_task(
-            heartbeat_loop(nc, inst.heartbeat, settings.heartbeat_interval_s, stop)
-        )
+        rt.spawn(inst.serve(rt.stop))
+        rt.heartbeat(inst.heartbeat)
         log.info("prefill %s ready (model %s)", settings.instance_id, lm.name)
-        await stop.wait()
+        await rt.stopped()
         # Shut down in order: stop intake, finish the prompt in flight, let transfers drain.
         await submit.unsubscribe()
-        await asyncio.gather(worker, beat, return_exceptions=True)
+        await rt.join()
         await inst.fail_waiting("prefill instance shut down")
         await inst.publish_cleared()
         await _drain_transfers(sender, settings.transfer_timeout_s)

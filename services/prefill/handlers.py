@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.prefill.args import PrefillSettings
+from services.prefill.offers import KVOffers
 from services.prefill.streaming import Outgoing, worth_streaming
 from services.worker.instance import EngineInstance, Stream
 from shared import bus, errors, subjects
@@ -33,13 +34,12 @@ from shared.messages import (
     KVChunk,
     KVExportReply,
     KVExportRequest,
-    KVHandle,
     PrefillJob,
     Role,
     TokenLogprob,
 )
-from shared.transfer import KVReceiver, KVSender, TransferFailed, TransferState
-from shared.transfer.base import HANDOFF, PREFIX, short_id
+from shared.transfer import KVReceiver, KVSender, TransferFailed
+from shared.transfer.base import HANDOFF, PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,9 @@ class PrefillInstance(EngineInstance):
         self._transfers: set[asyncio.Task] = set()
         self._handing_off: set[asyncio.Task] = set()
         self._exporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-export")
-        # KV offered and not fetched yet: transfer id -> blocks, and the handoff of each
-        # request, so a cancel withdraws it at once instead of at its TTL.
-        self._leases: dict[str, int] = {}
-        self._handoffs: dict[str, str] = {}
+        self.offers = KVOffers(
+            sender, settings.transfer_timeout_s, lambda nbytes: self.count_transfer(False, nbytes)
+        )
         # Jobs acknowledged and not in the engine yet (request id -> prompt tokens). Adding
         # waits for the engine thread, up to a whole step: an fp32 prefill chunk on an
         # AVX2 CPU takes a second, and three jobs came in meanwhile. The stats a heartbeat
@@ -221,8 +220,7 @@ class PrefillInstance(EngineInstance):
             return
         # The reply (over NATS, to the asking instance only) is the one place the new
         # transfer id, a single-use capability, goes.
-        handle = await self._offer(PREFIX, export)
-        self._watch(handle.transfer_id, handle.nbytes, export.meta.num_blocks)
+        handle = await self.offers.offer(PREFIX, export)
         await bus.respond(msg, KVExportReply(handle=handle, num_blocks=export.meta.num_blocks))
 
     # -- streamed handoff: a long prompt's KV goes to decode while it is computed --------
@@ -243,15 +241,14 @@ class PrefillInstance(EngineInstance):
             )
             if export is not None and not out.stopped:
                 await self._offer_chunk(rid, out, export)
-        except Exception:  # noqa: BLE001 - the stream ends; the handoff carries the rest
+        except Exception:
             log.exception("request %s: streaming its KV failed", rid)
             out.stopped = True
         finally:
             out.busy = False
 
     async def _offer_chunk(self, rid: str, out: Outgoing, export: KVExport) -> None:
-        handle = await self._offer(HANDOFF, export)
-        self._watch(handle.transfer_id, handle.nbytes, export.meta.num_blocks)
+        handle = await self.offers.offer(HANDOFF, export)
         chunk = KVChunk(
             request_id=rid,
             prefill_id=self.instance_id,
@@ -314,7 +311,7 @@ class PrefillInstance(EngineInstance):
     ) -> None:
         try:
             await self._offer_and_submit(out, stream, decode_id, produced)
-        except Exception as exc:  # noqa: BLE001 - the request ends with an error, never lost
+        except Exception as exc:
             log.exception("request %s: handoff failed", stream.request.request_id)
             await self.finish_with_error(
                 stream.request.request_id, "internal_error", f"handoff failed: {exc}", stream
@@ -330,9 +327,8 @@ class PrefillInstance(EngineInstance):
         req = stream.request
         # The transfer id is the sender's, not the request id clients see: only the decode
         # job below (over NATS) carries it.
-        handle = await self._offer(HANDOFF, out.handoff)
+        handle = await self.offers.offer(HANDOFF, out.handoff, req.request_id)
         tid = handle.transfer_id
-        self._watch(tid, handle.nbytes, out.handoff.meta.num_blocks, req.request_id)
         if req.request_id in self.cancelled:  # while the offer was being written
             await self.sender.withdraw(tid)
             return
@@ -358,41 +354,6 @@ class PrefillInstance(EngineInstance):
                 stream,
             )
 
-    async def _offer(self, purpose: str, export: KVExport) -> KVHandle:
-        """Offer KV on the data plane (the copy off the event loop) for one fetch."""
-        return await self.sender.offer_off_loop(
-            purpose,
-            export.meta.model_dump_json().encode(),
-            export.payload(),
-            export.meta.num_tokens,
-            ttl_s=self.settings.transfer_timeout_s,
-        )
-
-    def _watch(
-        self, transfer_id: str, nbytes: int, num_blocks: int = 0, request_id: str = ""
-    ) -> None:
-        self._leases[transfer_id] = num_blocks
-        if request_id:
-            self._handoffs[request_id] = transfer_id
-
-        async def watch() -> None:
-            try:
-                state = await self.sender.wait(transfer_id, self.settings.transfer_timeout_s + 5)
-            except TimeoutError:
-                state = TransferState.FAILED
-            self.sender.states.forget(transfer_id)
-            self._leases.pop(transfer_id, None)
-            if self._handoffs.get(request_id) == transfer_id:
-                del self._handoffs[request_id]
-            if state == TransferState.DONE:
-                self.count_transfer(False, nbytes)
-            else:
-                log.warning("KV transfer %s ended %s", short_id(transfer_id), state)
-
-        task = asyncio.create_task(watch())
-        self._transfers.add(task)
-        task.add_done_callback(self._transfers.discard)
-
     async def fail_waiting(self, why: str) -> None:
         """On shutdown, handoffs under way finish; requests not handed off end with a
         clear error."""
@@ -408,11 +369,7 @@ class PrefillInstance(EngineInstance):
         self.intake.pop(request_id, None)
         self.outgoing.pop(request_id, None)  # decode got the same cancel
         self.decode_for.pop(request_id, None)
-        tid = self._handoffs.pop(request_id, None)
-        if tid is None:
-            return False
-        await self.sender.withdraw(tid)
-        return True
+        return await self.offers.withdraw_handoff(request_id)
 
     def leased_blocks(self) -> int:
-        return sum(self._leases.values())
+        return self.offers.leased_blocks()

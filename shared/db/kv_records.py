@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import delete, select, tuple_
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from shared.db.schema import KVBlockRecord
 from shared.db.session import sessionmaker
@@ -94,7 +94,7 @@ class KVBlockWriter:
         try:
             async with self._sessions.begin() as session:
                 await self._write(session, cleared, deletes, upserts)
-        except Exception:  # noqa: BLE001 - metadata is best effort; the index is in memory
+        except Exception:
             self.failures += 1
             log.exception(
                 "kv_blocks flush failed (%d upserts, %d deletes)", len(upserts), len(deletes)
@@ -102,9 +102,9 @@ class KVBlockWriter:
 
     async def _write(
         self,
-        session,
+        session: AsyncSession,
         cleared: set[str],
-        deletes: set[Key],  # type: ignore[no-untyped-def]
+        deletes: set[Key],
         upserts: dict[Key, dict[str, Any]],
     ) -> None:
         t = KVBlockRecord
@@ -129,7 +129,7 @@ class KVBlockWriter:
             }
             for k, v in upserts.items()
         ]
-        insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
+        insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
         for i in range(0, len(rows), _BATCH):
             stmt = insert(t).values(rows[i : i + _BATCH])
             stmt = stmt.on_conflict_do_update(

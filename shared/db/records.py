@@ -13,12 +13,13 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import delete, insert, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.engine import CursorResult
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from shared.db.load_samples import LoadSampler
 from shared.db.schema import (
@@ -118,7 +119,7 @@ class RecordWriter:
             async with self._sessions.begin() as session:
                 for op in ops:
                     await self._apply(session, op)
-        except Exception:  # noqa: BLE001 - a DB outage must not kill the service
+        except Exception:
             self.failures += 1
             log.exception("SQL batch of %d writes failed", len(ops))
         finally:
@@ -126,7 +127,7 @@ class RecordWriter:
                 if op.done is not None and not op.done.done():
                     op.done.set_result(None)
 
-    async def _apply(self, session, op: _Op) -> None:  # type: ignore[no-untyped-def]
+    async def _apply(self, session: AsyncSession, op: _Op) -> None:
         t = RequestRecord
         if op.kind == "insert":
             await session.execute(insert(t).values(**op.values))
@@ -141,10 +142,14 @@ class RecordWriter:
         elif op.kind == "terminal":
             values = dict(op.values)
             rid = values.pop("id")
-            result = await session.execute(
-                update(t)
-                .where(t.id == rid, t.status.not_in(list(TERMINAL_STATUSES)))
-                .values(**values)
+            # An UPDATE's result is a cursor's: it has the row count.
+            result = cast(
+                CursorResult[Any],
+                await session.execute(
+                    update(t)
+                    .where(t.id == rid, t.status.not_in(list(TERMINAL_STATUSES)))
+                    .values(**values)
+                ),
             )
             if result.rowcount == 0:
                 log.warning(
@@ -155,14 +160,16 @@ class RecordWriter:
         elif op.kind == "decision":
             await session.execute(insert(DecisionRecord).values(**op.values))
         elif op.kind == "load":
-            dialect = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
+            dialect = (
+                pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+            )
             # Another conductor may have sampled the same interval: keep the first row.
             await session.execute(dialect(LoadSample).values(**op.values).on_conflict_do_nothing())
         elif op.kind == "prune":
             await session.execute(delete(LoadSample).where(LoadSample.t < op.values["before"]))
 
 
-async def _upsert_instance(session, values: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+async def _upsert_instance(session: AsyncSession, values: dict[str, Any]) -> None:
     # Portable upsert (SQLite and PostgreSQL): instance rows change rarely and one at a time.
     existing = await session.get(InstanceRecord, values["id"])
     if existing is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -43,7 +44,7 @@ def make_engine(url: str) -> AsyncEngine:
         from sqlalchemy import event
 
         @event.listens_for(engine.sync_engine, "connect")
-        def _pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:  # the driver's own connection
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")

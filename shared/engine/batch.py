@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from shared.engine.model import BatchMeta, ChunkMeta
 from shared.engine.scheduler import ScheduledSeq
+
+
+@dataclass
+class ChunkMeta:
+    """A multi-token query: rows [start, start+n) of the batch, at positions from `pos0`."""
+
+    start: int
+    num_tokens: int
+    pos0: int
+    block_ids: torch.Tensor  # long, the blocks covering pos0 + num_tokens tokens
+
+
+@dataclass
+class BatchMeta:
+    """How the flat batch maps onto sequences. Single-token queries come first."""
+
+    input_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long
+    slot_blocks: torch.Tensor  # [N] long: where each token's K/V goes
+    slot_offsets: torch.Tensor  # [N] long
+    num_single: int  # rows [0, num_single) are one-token queries
+    single_tables: torch.Tensor  # [num_single, max_blocks] int32
+    single_ctx: torch.Tensor  # [num_single] int32: tokens each attends to (itself included)
+    chunks: list[ChunkMeta]
+    logit_rows: torch.Tensor  # [M] long: rows whose next-token logits are needed
 
 
 def build_batch(

@@ -12,11 +12,14 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shared.engine.params import Constraint
+
+if TYPE_CHECKING:  # llguidance itself loads on first use (its Rust core is not small)
+    from llguidance._lib import JsonCompileOptions
 
 _lock = threading.Lock()
 
@@ -30,7 +33,11 @@ def _lltokenizer(tokenizer: Any, vocab_size: int) -> Any:
 
 # Compact JSON, one space after separators: with any whitespace allowed, a small model can
 # spend its whole budget on newlines and indentation inside an object and never close it.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 def grammar(constraint: Constraint) -> str:
@@ -83,3 +90,12 @@ def allowed(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32)
     unpacked = (bits.unsqueeze(-1) >> shifts) & 1  # [R, words, 32], bit j of word w = token 32w+j
     return unpacked.view(len(matchers), words * 32)[:, :vocab_size].bool()
+
+
+def caught_up(tokenizer: Any, vocab_size: int, constraint: Constraint, done: list[int]) -> Any:
+    """A request's matcher, caught up with the tokens it already has (a request continuing
+    here after its prefill elsewhere); ValueError if they break the grammar."""
+    m = matcher(tokenizer, vocab_size, constraint)
+    if done and not m.consume_tokens(done):
+        raise ValueError("the tokens so far do not match the request's grammar")
+    return m

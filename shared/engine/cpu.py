@@ -87,7 +87,7 @@ class CpuInfo:
 
 
 def _read_cpuinfo() -> tuple[str, frozenset[str]]:
-    model, flags = "", frozenset()
+    model, flags = "", frozenset[str]()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

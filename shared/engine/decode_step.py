@@ -8,17 +8,57 @@ the hidden rows, their positions and KV slots, the block tables.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 import torch
 
 from shared.engine import kernels
+from shared.engine.batch import BatchMeta
+from shared.engine.hf_types import HFConfig, HFNorm
+from shared.engine.kv_cache import KVCache
 from shared.engine.linear import DenseLinear, Int8Linear, Linear
 
-if TYPE_CHECKING:
-    from shared.engine.model import BatchMeta, PagedLlama
-
 P = ctypes.c_void_p
+
+
+class StepLayer(Protocol):
+    """What the native step reads of a layer of the paged model (model.py)."""
+
+    @property
+    def input_norm(self) -> HFNorm: ...
+    @property
+    def post_norm(self) -> HFNorm: ...
+    @property
+    def qkv(self) -> Linear: ...
+    @property
+    def o(self) -> Linear: ...
+    @property
+    def gate_up(self) -> Linear: ...
+    @property
+    def down(self) -> Linear: ...
+    @property
+    def linears(self) -> list[Linear]: ...
+
+
+class StepModel(Protocol):
+    """What the native step reads of the paged model (model.py's PagedLlama)."""
+
+    @property
+    def layers(self) -> Sequence[StepLayer]: ...
+    @property
+    def kv(self) -> KVCache: ...
+    @property
+    def config(self) -> HFConfig: ...
+    @property
+    def native(self) -> bool: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
 
 
 class _Linear(ctypes.Structure):
@@ -47,19 +87,15 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [
-        (name, ctypes.c_int)
-        for name in (
-            "num_layers",
-            "hidden",
-            "inter",
-            "num_q_heads",
-            "num_kv_heads",
-            "head_dim",
-            "block_size",
-            "act_bf16",
-            "kv_bf16",
-        )
-    ] + [
+        ("num_layers", ctypes.c_int),
+        ("hidden", ctypes.c_int),
+        ("inter", ctypes.c_int),
+        ("num_q_heads", ctypes.c_int),
+        ("num_kv_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+        ("act_bf16", ctypes.c_int),
+        ("kv_bf16", ctypes.c_int),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("cos", P),
@@ -77,7 +113,7 @@ def _linear(lin: Linear) -> _Linear:
 
 
 class NativeDecodeStep:
-    def __init__(self, model: PagedLlama, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, model: StepModel, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self._fn = kernels.lib().decode_layers
         self._keep = (cos, sin)  # the tables must outlive every call
         # As many rows as every linear takes through its native kernel (the same for all).
@@ -114,7 +150,7 @@ class NativeDecodeStep:
         )
 
     @staticmethod
-    def supports(model: PagedLlama) -> bool:
+    def supports(model: StepModel) -> bool:
         linears = [lin for layer in model.layers for lin in layer.linears]
         return (
             model.native

@@ -3,6 +3,8 @@ and come back on a prefix hit, instead of being recomputed.
 
 One file per block, named by its chained hash, holding the block's tokens (to verify a
 hit, as the DRAM tier does) and its K/V bytes in the pool layout. LRU by bytes.
+`DiskLink` is the engine's side: what the pool evicts spills here, and a prompt's prefix
+found only here comes back into the pool before the prompt is scheduled.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_cache import KVCache
+from shared.engine.params import SamplingParams
+from shared.engine.sequence import Sequence
+from shared.hashing import block_hashes
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<4sII")  # magic, number of tokens, K bytes
@@ -98,3 +106,77 @@ class DiskTier:
     def drain_removed(self) -> list[int]:
         out, self._removed = self._removed, []
         return out
+
+
+class DiskLink:
+    """The engine's pool and its disk tier (None: no tier, and every call is a no-op).
+    Callers hold the engine's bookkeeping lock (see llm_engine.py)."""
+
+    def __init__(self, disk: DiskTier | None, kv: KVCache, blocks: BlockManager) -> None:
+        self.disk, self.kv, self.blocks = disk, kv, blocks
+        self._stored: list[int] = []
+        if disk is not None:
+            blocks.keep_spills = True
+
+    def spill(self) -> None:
+        """What the pool evicted goes to disk, before new KV overwrites it."""
+        if self.disk is None:
+            return
+        for block_hash, block_id, tokens in self.blocks.take_spills():
+            k, v = self.kv.block_data(block_id)
+            if self.disk.put(block_hash, tokens, k, v):
+                self._stored.append(block_hash)
+
+    def drain_stored(self) -> list[int]:
+        """Hashes of the blocks stored on disk since the last call."""
+        out, self._stored = self._stored, []
+        return out
+
+    def drain_removed(self) -> list[int]:
+        """Hashes of the blocks dropped from disk since the last call."""
+        return self.disk.drain_removed() if self.disk else []
+
+    def load(self, seq: Sequence) -> int:
+        """Bring the prompt's prefix blocks that only the disk tier has back into the pool;
+        returns the tokens they cover."""
+        if self.disk is None:
+            return 0
+        bs = self.blocks.block_size
+        hashes: list[int] = list(
+            block_hashes(seq.token_ids[: (seq.num_tokens - 1) // bs * bs], bs, seq.salt)
+        )
+        n_dram = len(self.blocks.cached_chain(hashes))
+        on_disk = 0
+        while n_dram + on_disk < len(hashes) and hashes[n_dram + on_disk] in self.disk:
+            on_disk += 1
+        if not on_disk:
+            return 0
+        n_total = n_dram + on_disk
+        tmp = Sequence(
+            "disk-load",
+            seq.token_ids[: n_total * bs] + [0],
+            n_total * bs + 1,
+            SamplingParams(max_tokens=1),
+            seq.salt,
+        )
+        loaded = 0
+        if self.blocks.match_prefix(tmp) == n_dram * bs and self.blocks.allocate(tmp, on_disk * bs):
+            self.spill()
+            loaded = self._read_blocks(self.disk, tmp, hashes, n_dram, on_disk)
+            tmp.num_computed_tokens = (n_dram + loaded) * bs
+            self.blocks.commit(tmp)
+        self.blocks.free(tmp)
+        return loaded * bs
+
+    def _read_blocks(
+        self, disk: DiskTier, tmp: Sequence, hashes: list[int], start: int, count: int
+    ) -> int:
+        bs, loaded = self.blocks.block_size, 0
+        k_like, v_like = self.kv.k[:, 0], self.kv.v[:, 0]
+        for i in range(start, start + count):
+            got = disk.get(hashes[i], k_like, v_like)
+            if got is None or got[0] != tuple(tmp.token_ids[i * bs : (i + 1) * bs]):
+                break
+            self.kv.write_block(tmp.block_table[i], got[1], got[2])
+            loaded += 1
+        return loaded

@@ -47,7 +47,7 @@ class KVExport:
     data: torch.Tensor  # 1-D, contiguous, on CPU
 
     def payload(self) -> memoryview:
-        return memoryview(self.data.view(torch.uint8).numpy()).cast("B")
+        return self.data.view(torch.uint8).numpy().data.cast("B")  # the tensor's own bytes
 
     @classmethod
     def from_bytes(cls, meta: KVMeta, payload: bytes | bytearray | memoryview) -> KVExport:

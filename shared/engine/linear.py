@@ -96,7 +96,7 @@ class DenseLinear:
     ) -> None:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
-        self.bias_f32 = None if bias is None else self.bias.float().contiguous()
+        self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()
         self.out_features, self.in_features = weight.shape
         self.nbytes = weight.numel() * weight.element_size()
         # `gemv`: the weights packed for the native kernel, which takes up to `gemv_rows`
@@ -205,13 +205,13 @@ class Int8Linear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if 0 < rows <= self.gemv_rows and x.is_contiguous():
+        rows, gemv = x.shape[0], self.gemv
+        if gemv is not None and 0 < rows <= self.gemv_rows and x.is_contiguous():
             y = torch.empty(rows, self.out_features, dtype=x.dtype)
             rc = kernels.lib().gemv_i8(
                 x.data_ptr(),
                 kernels.is_bf16(x),
-                self.gemv.data_ptr(),
+                gemv.data_ptr(),
                 self.scales.data_ptr(),
                 _ptr(self.bias_f32),
                 y.data_ptr(),

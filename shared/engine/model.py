@@ -16,13 +16,13 @@ Two paths compute the same arithmetic (rounding included, see csrc/ops.c):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from shared.engine import fused, kernels
+from shared.engine.batch import BatchMeta, ChunkMeta
 from shared.engine.decode_step import NativeDecodeStep
+from shared.engine.hf_types import HFConfig, HFDecoderLayer, HFNorm, causal_lm
 from shared.engine.kv_cache import KVCache, KVShape
 from shared.engine.linear import Linear, make_linear
 
@@ -32,46 +32,22 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _MAX_NATIVE_DIM, _MAX_NATIVE_HEAD_DIM = 8192, 256
 
 
-@dataclass
-class ChunkMeta:
-    """A multi-token query: rows [start, start+n) of the batch, at positions from `pos0`."""
-
-    start: int
-    num_tokens: int
-    pos0: int
-    block_ids: torch.Tensor  # long, the blocks covering pos0 + num_tokens tokens
-
-
-@dataclass
-class BatchMeta:
-    """How the flat batch maps onto sequences. Single-token queries come first."""
-
-    input_ids: torch.Tensor  # [N] long
-    positions: torch.Tensor  # [N] long
-    slot_blocks: torch.Tensor  # [N] long: where each token's K/V goes
-    slot_offsets: torch.Tensor  # [N] long
-    num_single: int  # rows [0, num_single) are one-token queries
-    single_tables: torch.Tensor  # [num_single, max_blocks] int32
-    single_ctx: torch.Tensor  # [num_single] int32: tokens each attends to (itself included)
-    chunks: list[ChunkMeta]
-    logit_rows: torch.Tensor  # [M] long: rows whose next-token logits are needed
-
-
 class _Layer:
-    def __init__(self, layer: torch.nn.Module, quantization: str) -> None:
+    def __init__(self, layer: HFDecoderLayer, quantization: str) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm = layer.input_layernorm
-        self.post_norm = layer.post_attention_layernorm
+        self.input_norm: HFNorm = layer.input_layernorm
+        self.post_norm: HFNorm = layer.post_attention_layernorm
         # Fused projections: one GEMM instead of three (and two), same math.
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        biases: list[torch.Tensor | None] = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        present = [b for b in biases if b is not None]
         self.qkv = make_linear(
-            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            torch.cat(biases) if all(b is not None for b in biases) else None,
+            torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)),
+            torch.cat(present) if len(present) == len(biases) else None,
             quantization,
         )
         self.o = make_linear(attn.o_proj.weight, attn.o_proj.bias, quantization)
         self.gate_up = make_linear(
-            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization
+            torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), None, quantization
         )
         self.down = make_linear(mlp.down_proj.weight, None, quantization)
 
@@ -82,11 +58,12 @@ class _Layer:
 
 class PagedLlama:
     def __init__(self, hf_model: torch.nn.Module, kv: KVCache, quantization: str = "none") -> None:
-        cfg = hf_model.config
+        hf = causal_lm(hf_model)
+        cfg = hf.config
         self.config = cfg
         self.kv = kv
         self.quantization = quantization
-        base = hf_model.model
+        base = hf.model
         self.embed = base.embed_tokens
         self.norm = base.norm
         self.rotary = base.rotary_emb
@@ -94,12 +71,12 @@ class PagedLlama:
         # state per token cost about 1.2% perplexity on its own (the layers' int8, under
         # 0.1%), more than the 2% budget leaves once bf16 is added.
         self.lm_head = make_linear(
-            hf_model.lm_head.weight, None, "none" if quantization == "int8" else quantization
+            hf.lm_head.weight, None, "none" if quantization == "int8" else quantization
         )
         self.layers = [_Layer(layer, quantization) for layer in base.layers]
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = _head_dim(cfg)
         self.intermediate = cfg.intermediate_size
         self.eps = float(cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
@@ -117,9 +94,10 @@ class PagedLlama:
         self._step: NativeDecodeStep | bool | None = None  # False: not for this model
 
     @staticmethod
-    def kv_shape(cfg, block_size: int, dtype: torch.dtype) -> KVShape:  # type: ignore[no-untyped-def]
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return KVShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, block_size, dtype)
+    def kv_shape(cfg: HFConfig, block_size: int, dtype: torch.dtype) -> KVShape:
+        return KVShape(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, _head_dim(cfg), block_size, dtype
+        )
 
     @property
     def weight_nbytes(self) -> int:
@@ -160,7 +138,7 @@ class PagedLlama:
                 if static and NativeDecodeStep.supports(self)
                 else False
             )
-        return self._step or None
+        return self._step if isinstance(self._step, NativeDecodeStep) else None
 
     def _layers_native(
         self,
@@ -301,6 +279,11 @@ class PagedLlama:
             qh, k.unsqueeze(0), v.unsqueeze(0), scale=self.scale, enable_gqa=True, **kwargs
         )
         return o[0].transpose(0, 1)
+
+
+def _head_dim(cfg: HFConfig) -> int:
+    """Some configs name it; others imply it (hidden size over heads)."""
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,14 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from shared.engine import cpu
+from shared.engine.hf_types import HFConfig, causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +37,12 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
     @property
+    def config(self) -> HFConfig:
+        return causal_lm(self.model).config
+
+    @property
     def num_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
+        return int(self.config.num_hidden_layers)
 
 
 def eos_ids(model_dir: Path, tokenizer: object, config: object) -> frozenset[int]:
@@ -72,7 +78,8 @@ def load_model(
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
-    model.to(device).eval()
+    # transformers' typing of .to wraps it past recognition: the plain Module signature.
+    cast(torch.nn.Module, model).to(device).eval()
     cfg = model.config
     log.info(
         "loaded %s in %.1fs: %s on %s (%s); CPU %s, torch dispatch %s",

@@ -37,6 +37,11 @@ TRANSFER_ID_BYTES = 16  # 128 bits: no one guesses one within an offer's TTL
 HANDOFF, PREFIX = "handoff", "prefix"
 
 
+# What a fetch returns: a new bytearray, the caller's own buffer (an allocator's), or a
+# writable view of a shared-memory mapping (shm.py); all wrap as tensors without a copy.
+Payload = bytearray | memoryview
+
+
 class TransferState(StrEnum):
     WAITING = "waiting"
     TRANSFERRING = "transferring"
@@ -200,6 +205,7 @@ class KVSender(abc.ABC):
     def __init__(self) -> None:
         self.states = _States()
         self.refusals = Refusals()
+        self.port = 0  # where receivers connect, once started (0: an in-process sender)
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -248,7 +254,7 @@ class KVReceiver(abc.ABC):
     @abc.abstractmethod
     async def fetch(
         self, handle: KVHandle, timeout_s: float, purpose: str = HANDOFF
-    ) -> tuple[bytes, bytearray]:
+    ) -> tuple[bytes, Payload]:
         """(meta, payload) or TransferFailed; the state ends DONE or FAILED either way.
         `purpose` labels the transfer for metrics, as the sender labelled its offer."""
 

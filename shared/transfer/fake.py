@@ -13,6 +13,7 @@ from shared.transfer.base import (
     HANDOFF,
     KVReceiver,
     KVSender,
+    Payload,
     TransferFailed,
     TransferState,
     new_transfer_id,
@@ -60,7 +61,7 @@ class FakeKVReceiver(KVReceiver):
 
     async def fetch(
         self, handle: KVHandle, timeout_s: float, purpose: str = HANDOFF
-    ) -> tuple[bytes, bytearray]:
+    ) -> tuple[bytes, Payload]:
         tid = handle.transfer_id
         self.states.label(tid, purpose)
         await self.states.set(tid, TransferState.TRANSFERRING)

@@ -40,8 +40,10 @@ from typing import Callable
 import xxhash
 
 from shared.messages import KVHandle
-from shared.transfer.base import TransferFailed, TransferState, short_id
-from shared.transfer.tcp import _HDR, _REQ, MAGIC, STATUS_OK, Channel, TcpKVReceiver, TcpKVSender
+from shared.transfer.base import Payload, TransferFailed, TransferState, short_id
+from shared.transfer.channel import Channel
+from shared.transfer.frames import HEADER, MAGIC, REQUEST, STATUS_OK
+from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +124,8 @@ def map_segment(
     name: str,
     nbytes: int,
     checksum: int,
-    into: Callable[[int], bytearray | memoryview] | None = None,
-) -> bytearray | memoryview | None:
+    into: Callable[[int], Payload] | None = None,
+) -> Payload | None:
     """The segment's first nbytes, verified (None on a checksum mismatch).
 
     Without `into`, a view of a mapping that lives as long as the view does; with it, a
@@ -145,6 +147,7 @@ def map_segment(
         return None
     if into is None:
         return memoryview(mm)
+    out: Payload
     if into is bytearray:
         out = bytearray(mm)  # one pass; bytearray(n) would zero-fill every page first
     else:
@@ -267,7 +270,7 @@ class ShmKVSender(TcpKVSender):
         offer = self._offers[tid]
         await self.states.set(tid, TransferState.TRANSFERRING)
         name = self._segment_for(tid).encode()
-        head = _HDR.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
+        head = HEADER.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
         await ch.sendall(head + offer.meta + _U16.pack(len(name)) + name)
         ack = await ch.recv_exact(1)
         await self._drop(tid, TransferState.DONE if ack == b"\x01" else TransferState.FAILED)
@@ -296,7 +299,7 @@ class ShmKVReceiver(TcpKVReceiver):
     def same_host(self, handle: KVHandle) -> bool:
         return handle.transport == "shm" and bool(handle.host_id) and handle.host_id == host_id()
 
-    async def _fetch(self, handle: KVHandle) -> tuple[bytes, bytearray]:
+    async def _fetch(self, handle: KVHandle) -> tuple[bytes, Payload]:
         if not self.same_host(handle):
             return await super()._fetch(handle)
         try:
@@ -305,7 +308,7 @@ class ShmKVReceiver(TcpKVReceiver):
             unlink_segment(handle.shm_name)  # nobody serves this offer any more
             raise
         try:
-            return await self._fetch_shm(ch, handle)  # type: ignore[return-value]
+            return await self._fetch_shm(ch, handle)
         except (ConnectionError, asyncio.IncompleteReadError):
             # The sender died or dropped us mid-way. (A segment written on request is not
             # named in the handle; if we never learned its name, it is the sender's to remove.)
@@ -314,12 +317,10 @@ class ShmKVReceiver(TcpKVReceiver):
         finally:
             ch.close()
 
-    async def _fetch_shm(
-        self, ch: Channel, handle: KVHandle
-    ) -> tuple[bytes, bytearray | memoryview]:
+    async def _fetch_shm(self, ch: Channel, handle: KVHandle) -> tuple[bytes, Payload]:
         tid = handle.transfer_id.encode()
-        await ch.sendall(_REQ.pack(SHM_MAGIC, len(tid)) + tid)
-        magic, status, meta_len, nbytes, checksum = _HDR.unpack(await ch.recv_exact(_HDR.size))
+        await ch.sendall(REQUEST.pack(SHM_MAGIC, len(tid)) + tid)
+        magic, status, meta_len, nbytes, checksum = HEADER.unpack(await ch.recv_exact(HEADER.size))
         if magic != MAGIC or status != STATUS_OK:
             raise TransferFailed("unknown, used or expired transfer id")
         await self.states.set(handle.transfer_id, TransferState.TRANSFERRING)

@@ -10,25 +10,18 @@ failed transfer never loses the only copy before the receiver has another. The t
 id is a single-use capability (see base.py): an unknown, used or expired one gets
 STATUS_UNKNOWN and nothing else.
 
-Plain TCP drives non-blocking sockets with the loop's sock_* calls rather than streams:
-streams copy every byte twice more on the receive side (into the reader's buffer, then
-out of it) and, on 3.11, re-buffer and memmove unsent data on the send side. Here the
-payload goes from the sender's buffer straight into the kernel, and from the kernel
-straight into the receiver's final bytearray. With TLS (an ssl.SSLContext on each end)
-the bytes must be encrypted anyway, so that path uses asyncio's TLS streams; the frames
-are the same.
+The frames are in frames.py; the connections they travel over, plain sockets (the
+zero-copy path) or TLS streams, in channel.py.
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
-import contextlib
 import logging
 import socket
 import ssl
 import struct
-from typing import Any, Callable
+from typing import Callable
 
 import xxhash
 
@@ -36,33 +29,41 @@ from shared.messages import KVHandle
 from shared.tls import HANDSHAKE_TIMEOUT_S
 from shared.transfer.base import (
     HANDOFF,
-    TRANSFER_ID_BYTES,
     Capabilities,
     KVReceiver,
     KVSender,
+    Payload,
     TransferFailed,
     TransferState,
     new_transfer_id,
     short_id,
 )
+from shared.transfer.channel import (
+    Channel,
+    SocketChannel,
+    TlsChannel,
+    connect,
+    host_of,
+    open_channel,
+    recv_into_exact,
+    tune_socket,
+)
+from shared.transfer.frames import (
+    CHUNK,
+    HEADER,
+    MAGIC,
+    MAX_ID_LEN,
+    REQUEST,
+    REQUEST_TIMEOUT_S,
+    STATUS_OK,
+    STATUS_UNKNOWN,
+    padding,
+)
+
+# The socket primitives too, for callers that time the wire itself (the transfer bench).
+__all__ = ["TcpKVReceiver", "TcpKVSender", "connect", "recv_into_exact", "tune_socket"]
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"HMKV"
-_REQ = struct.Struct("<4sH")
-_HDR = struct.Struct("<4sBIQQ")
-STATUS_OK, STATUS_UNKNOWN = 0, 1
-# Receive step: small enough that each piece is hashed while still in cache, large enough
-# that the per-call overhead is noise (64 calls for 64 MiB).
-CHUNK = 1 << 20
-# The payload starts at a stream offset that is a multiple of this, so the kernel's copies
-# (sender → socket buffer → receiver) run between equally aligned addresses: a 37-byte
-# header before 64 MiB made loopback take 29 ms instead of 13 here.
-ALIGN = 64
-# The request (magic and id) must arrive this soon after connecting: a peer that connects
-# and stays silent must not hold a task and a socket for ever.
-REQUEST_TIMEOUT_S = 10.0
-MAX_ID_LEN = 2 * TRANSFER_ID_BYTES  # hex; anything longer is refused unread
 
 
 class _Offer:
@@ -72,147 +73,6 @@ class _Offer:
         self, meta: bytes, payload: memoryview, checksum: int, expiry: asyncio.TimerHandle
     ):
         self.meta, self.payload, self.checksum, self.expiry = meta, payload, checksum, expiry
-
-
-def tune_socket(sock: socket.socket) -> None:
-    """Non-blocking, no Nagle delay on the small control messages.
-
-    Socket buffer sizes are left to the kernel: fixed 4 MiB buffers made no difference on
-    loopback here, and setting SO_RCVBUF turns off autotuning (up to tcp_rmem's 32 MiB),
-    which a long cross-host link needs.
-    """
-    sock.setblocking(False)
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _padding(meta_len: int) -> int:
-    return -(_HDR.size + meta_len) % ALIGN
-
-
-async def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    buf = bytearray(nbytes)
-    await recv_into_exact(sock, memoryview(buf))
-    return bytes(buf)
-
-
-async def recv_into_exact(sock: socket.socket, view: memoryview, hasher=None) -> None:
-    """Fill `view` from the socket; feed each piece to `hasher` while it is cache-hot."""
-    loop = asyncio.get_running_loop()
-    got, total = 0, len(view)
-    while got < total:
-        n = await loop.sock_recv_into(sock, view[got : got + CHUNK])
-        if n == 0:
-            raise ConnectionError(f"connection closed after {got} of {total} bytes")
-        if hasher is not None:
-            hasher.update(view[got : got + n])
-        got += n
-
-
-async def connect(host: str, port: int) -> socket.socket:
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    last: OSError = OSError(f"cannot resolve {host}:{port}")
-    for family, type_, proto, _, addr in infos:
-        sock = socket.socket(family, type_, proto)
-        tune_socket(sock)
-        try:
-            await loop.sock_connect(sock, addr)
-            return sock
-        except OSError as exc:
-            sock.close()
-            last = exc
-    raise last
-
-
-def _host_of(peername: Any) -> str:
-    """The peer's address without its port: the port is new on every connection."""
-    if isinstance(peername, tuple) and peername:
-        return str(peername[0])
-    return str(peername or "?")
-
-
-class Channel(abc.ABC):
-    """One data-plane connection, plain or TLS: the frames are the same over either."""
-
-    peer: str = "?"
-
-    @abc.abstractmethod
-    async def recv_exact(self, nbytes: int) -> bytes: ...
-
-    @abc.abstractmethod
-    async def recv_into_exact(self, view: memoryview, hasher: Any = None) -> None: ...
-
-    @abc.abstractmethod
-    async def sendall(self, data: bytes | memoryview) -> None: ...
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-
-class SocketChannel(Channel):
-    """A plain non-blocking socket: the zero-copy path (see the module doc)."""
-
-    def __init__(self, sock: socket.socket, peer: str = "?") -> None:
-        self.sock, self.peer = sock, peer
-
-    async def recv_exact(self, nbytes: int) -> bytes:
-        return await recv_exact(self.sock, nbytes)
-
-    async def recv_into_exact(self, view: memoryview, hasher: Any = None) -> None:
-        await recv_into_exact(self.sock, view, hasher)
-
-    async def sendall(self, data: bytes | memoryview) -> None:
-        await asyncio.get_running_loop().sock_sendall(self.sock, data)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-class TlsChannel(Channel):
-    """asyncio's TLS streams: the handshake (and certificate checks) happened on open."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.peer = _host_of(writer.get_extra_info("peername"))
-
-    async def recv_exact(self, nbytes: int) -> bytes:
-        return await self.reader.readexactly(nbytes)
-
-    async def recv_into_exact(self, view: memoryview, hasher: Any = None) -> None:
-        got, total = 0, len(view)
-        while got < total:
-            piece = await self.reader.read(min(CHUNK, total - got))
-            if not piece:
-                raise ConnectionError(f"connection closed after {got} of {total} bytes")
-            view[got : got + len(piece)] = piece
-            if hasher is not None:
-                hasher.update(piece)
-            got += len(piece)
-
-    async def sendall(self, data: bytes | memoryview) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-async def open_channel(
-    host: str, port: int, tls: ssl.SSLContext | None = None, tls_hostname: str = ""
-) -> Channel:
-    """A connection to a sender; with `tls`, its certificate is checked against
-    `tls_hostname` (or `host`) and ours is presented."""
-    if tls is None:
-        return SocketChannel(await connect(host, port), host)
-    reader, writer = await asyncio.open_connection(
-        host,
-        port,
-        ssl=tls,
-        server_hostname=tls_hostname or host,
-        ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
-    )
-    return TlsChannel(reader, writer)
 
 
 class TcpKVSender(KVSender):
@@ -237,8 +97,8 @@ class TcpKVSender(KVSender):
         self._open = Capabilities()  # the ids of _offers not claimed by a connection yet
         self._listener: socket.socket | None = None
         self._server: asyncio.Server | None = None
-        self._accepting: asyncio.Task | None = None
-        self._conns: set[asyncio.Task] = set()
+        self._accepting: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self._listener = socket.create_server((self.host, self.port), backlog=128)
@@ -342,7 +202,7 @@ class TcpKVSender(KVSender):
                 await asyncio.sleep(0.1)
                 continue
             tune_socket(conn)
-            task = asyncio.create_task(self._serve_conn(SocketChannel(conn, _host_of(addr))))
+            task = asyncio.create_task(self._serve_conn(SocketChannel(conn, host_of(addr))))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
@@ -360,7 +220,7 @@ class TcpKVSender(KVSender):
             self._conns.discard(task)
 
     async def _read_request(self, ch: Channel) -> tuple[bytes, bytes]:
-        magic, id_len = _REQ.unpack(await ch.recv_exact(_REQ.size))
+        magic, id_len = REQUEST.unpack(await ch.recv_exact(REQUEST.size))
         if magic not in self.MAGICS or id_len > MAX_ID_LEN:
             return magic, b""  # refused without reading what a stranger sends
         return magic, await ch.recv_exact(id_len)
@@ -371,7 +231,7 @@ class TcpKVSender(KVSender):
             magic, presented = await asyncio.wait_for(self._read_request(ch), REQUEST_TIMEOUT_S)
             tid = self._claim(ch.peer, magic, presented) or ""
             if not tid:
-                await ch.sendall(_HDR.pack(MAGIC, STATUS_UNKNOWN, 0, 0, 0))
+                await ch.sendall(HEADER.pack(MAGIC, STATUS_UNKNOWN, 0, 0, 0))
                 return
             await self._serve(ch, magic, tid)
         except (
@@ -411,8 +271,8 @@ class TcpKVSender(KVSender):
         """One claimed request; subclasses serve their own request kinds by magic."""
         offer = self._offers[tid]
         await self.states.set(tid, TransferState.TRANSFERRING)
-        head = _HDR.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
-        await ch.sendall(head + offer.meta + bytes(_padding(len(offer.meta))))
+        head = HEADER.pack(MAGIC, STATUS_OK, len(offer.meta), len(offer.payload), offer.checksum)
+        await ch.sendall(head + offer.meta + bytes(padding(len(offer.meta))))
         for start in range(0, len(offer.payload), CHUNK):
             await ch.sendall(offer.payload[start : start + CHUNK])
         ack = await ch.recv_exact(1)
@@ -443,7 +303,7 @@ class TcpKVReceiver(KVReceiver):
 
     async def fetch(
         self, handle: KVHandle, timeout_s: float, purpose: str = HANDOFF
-    ) -> tuple[bytes, bytearray]:
+    ) -> tuple[bytes, Payload]:
         tid = handle.transfer_id
         self.states.label(tid, purpose)
         await self.states.set(tid, TransferState.WAITING)
@@ -465,18 +325,18 @@ class TcpKVReceiver(KVReceiver):
     async def open(self, handle: KVHandle) -> Channel:
         return await open_channel(handle.host, handle.port, self.tls, self.tls_hostname)
 
-    async def _fetch(self, handle: KVHandle) -> tuple[bytes, bytearray]:
+    async def _fetch(self, handle: KVHandle) -> tuple[bytes, Payload]:
         ch = await self.open(handle)
         try:
             tid = handle.transfer_id.encode()
-            await ch.sendall(_REQ.pack(MAGIC, len(tid)) + tid)
-            magic, status, meta_len, payload_len, checksum = _HDR.unpack(
-                await ch.recv_exact(_HDR.size)
+            await ch.sendall(REQUEST.pack(MAGIC, len(tid)) + tid)
+            magic, status, meta_len, payload_len, checksum = HEADER.unpack(
+                await ch.recv_exact(HEADER.size)
             )
             if magic != MAGIC or status != STATUS_OK:
                 raise TransferFailed("unknown, used or expired transfer id")
             await self.states.set(handle.transfer_id, TransferState.TRANSFERRING)
-            meta = (await ch.recv_exact(meta_len + _padding(meta_len)))[:meta_len]
+            meta = (await ch.recv_exact(meta_len + padding(meta_len)))[:meta_len]
             payload = self.allocate(payload_len)
             view = memoryview(payload).cast("B")
             if len(view) != payload_len:

@@ -97,9 +97,9 @@ async def test_sender_gone_mid_transfer_fails_within_timeout():
 
     async def stalling(reader, writer):
         await reader.read(100)
-        from shared.transfer.tcp import _HDR, MAGIC
+        from shared.transfer.frames import HEADER, MAGIC
 
-        writer.write(_HDR.pack(MAGIC, 0, 2, 1 << 20, 0) + b"{}" + b"x" * 1000)
+        writer.write(HEADER.pack(MAGIC, 0, 2, 1 << 20, 0) + b"{}" + b"x" * 1000)
         await writer.drain()
         await asyncio.sleep(30)
 

@@ -18,19 +18,13 @@ from services.prefill.args import PrefillSettings
 from shared import tls
 from shared.transfer import TransferFailed, TransferState, base, tcp
 from shared.transfer.base import Capabilities, Refusals, new_transfer_id
+from shared.transfer.channel import connect
 from shared.transfer.fake import FakeKVSender
+from shared.transfer.frames import HEADER, MAGIC, REQUEST, STATUS_UNKNOWN
 from shared.transfer.shm import SHM_DIR, SHM_MAGIC, ShmKVReceiver, ShmKVSender, host_id
-from shared.transfer.tcp import (
-    _HDR,
-    _REQ,
-    MAGIC,
-    STATUS_UNKNOWN,
-    TcpKVReceiver,
-    TcpKVSender,
-    connect,
-)
+from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 
-REFUSED = _HDR.pack(MAGIC, STATUS_UNKNOWN, 0, 0, 0)
+REFUSED = HEADER.pack(MAGIC, STATUS_UNKNOWN, 0, 0, 0)
 HAS_SHM = os.path.isdir(SHM_DIR) and bool(host_id())
 
 
@@ -45,7 +39,7 @@ async def ask(port: int, magic: bytes, transfer_id: bytes) -> bytes:
     loop = asyncio.get_running_loop()
     sock = await connect("127.0.0.1", port)
     try:
-        await loop.sock_sendall(sock, _REQ.pack(magic, len(transfer_id)) + transfer_id)
+        await loop.sock_sendall(sock, REQUEST.pack(magic, len(transfer_id)) + transfer_id)
         reply = b""
         try:
             while chunk := await loop.sock_recv(sock, 65536):
