@@ -23,7 +23,7 @@ def _error_code(response: object) -> str:
 
 
 @schemathesis.check
-def positive_data_accepted_within_the_context(ctx, response, case):  # noqa: ANN001, ANN201
+def positive_data_accepted_within_the_context(ctx, response, case):
     if response.status_code == 400 and _error_code(response) == "context_length_exceeded":
         return None
     return positive_data_acceptance(ctx, response, case)

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import make_database
 from tests.e2e.conftest import start_stack, stop_stack
-from tests.e2e.test_chat import reference, stream_chat  # noqa: F401 (fixture)
+from tests.e2e.test_chat import reference, stream_chat  # fixtures, used by name
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

@@ -14,7 +14,7 @@ import pytest
 from shared.natsd import EmbeddedNats
 from tests.conftest import make_database
 from tests.e2e.conftest import children_of, start_stack, stop_stack
-from tests.e2e.test_chat import reference, stream_chat  # noqa: F401 - reference: a fixture
+from tests.e2e.test_chat import reference, stream_chat  # fixtures, used by name
 from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

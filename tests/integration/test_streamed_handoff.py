@@ -30,10 +30,10 @@ from tests.integration.test_decode_admission import BLOCK_BYTES
 from tests.integration.test_instance_faults import (
     Events,
     gen,
-    nc,  # noqa: F401
+    nc,
     reference,
     running,
-    tiny,  # noqa: F401
+    tiny,
 )
 from tests.waiting import until
 
@@ -52,7 +52,7 @@ class Spy:
 
 
 @contextlib.asynccontextmanager
-async def cluster(nc, tiny, tag: str, stream: bool = True, decode_blocks: int = 64):  # noqa: F811
+async def cluster(nc, tiny, tag: str, stream: bool = True, decode_blocks: int = 64):
     """A prefill and a decode instance, subscribed as their __main__ subscribes them, and
     spies on the chunks and handoffs between them."""
     sender = TcpKVSender()
@@ -93,7 +93,7 @@ async def cluster(nc, tiny, tag: str, stream: bool = True, decode_blocks: int = 
     await sender.close()
 
 
-async def submit(nc, pre: PrefillInstance, dec: DecodeInstance, rid: str, prompt=LONG):  # noqa: F811
+async def submit(nc, pre: PrefillInstance, dec: DecodeInstance, rid: str, prompt=LONG):
     job = PrefillJob(request=gen(rid, prompt), decode_id=dec.instance_id)
     await bus.request(nc, subjects.prefill_submit(pre.instance_id), job, Ack, 5.0)
 
@@ -143,7 +143,7 @@ async def idle(pre: PrefillInstance, dec: DecodeInstance) -> None:
 
 
 @pytest.mark.parametrize("stream", [True, False])
-async def test_a_long_prompt_streams_to_decode_and_its_tokens_are_exact(nc, tiny, stream):  # noqa: F811
+async def test_a_long_prompt_streams_to_decode_and_its_tokens_are_exact(nc, tiny, stream):
     ref = reference(tiny, LONG)
     events = Events()
     await nc.subscribe(subjects.tokens("s1"), cb=events.on_msg)
@@ -168,7 +168,7 @@ async def test_a_long_prompt_streams_to_decode_and_its_tokens_are_exact(nc, tiny
     assert [s.tokens for s in handoff] == [len(LONG) - 6 * 16]  # what moved after the token
 
 
-async def test_a_stream_decode_has_no_room_for_falls_back_to_the_whole_kv(nc, tiny):  # noqa: F811
+async def test_a_stream_decode_has_no_room_for_falls_back_to_the_whole_kv(nc, tiny):
     """Decode's pool holds one long request at a time: the first stream reserves it, the
     second's first chunk is refused, holding nothing, and its KV goes whole with its first
     token, queued until the first request frees the pool."""
@@ -201,7 +201,7 @@ async def test_a_stream_decode_has_no_room_for_falls_back_to_the_whole_kv(nc, ti
     assert [c.request_id for c in chunks.got].count("f2") == 1  # only the refused first
 
 
-async def test_a_cancel_mid_stream_frees_the_blocks_on_both_sides(nc, tiny):  # noqa: F811
+async def test_a_cancel_mid_stream_frees_the_blocks_on_both_sides(nc, tiny):
     async with cluster(nc, tiny, "cancel") as (pre, dec, chunks, jobs, _):
         paced(pre)
         gate = hold_after(pre, 2)
@@ -224,7 +224,7 @@ async def test_a_cancel_mid_stream_frees_the_blocks_on_both_sides(nc, tiny):  # 
         assert not jobs.got  # no handoff for a cancelled request
 
 
-async def test_decode_dying_mid_stream_ends_the_request_retryably(nc, tiny):  # noqa: F811
+async def test_decode_dying_mid_stream_ends_the_request_retryably(nc, tiny):
     """The decode instance goes away after the first chunk: the rest of the stream is
     refused, the handoff after the first token finds nobody, and the request ends with an
     error the gateway re-places on, as it did before streaming."""

@@ -854,7 +854,7 @@ def test_app_database_unreachable(monkeypatch):
 class _Admin(BaseHTTPRequestHandler):
     state: dict = {}
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         found = self.path == "/admin/state"
         self.send_response(200 if found else 404)
         self.end_headers()

@@ -12,7 +12,7 @@ def logits(rows=1, seed=0):
     return torch.randn(rows, 1000, generator=g)
 
 
-def SampleRow(params, step):  # noqa: N802 - a row with nothing but its params
+def SampleRow(params, step):
     return RowContext(params, step)
 
 
