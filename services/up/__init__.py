@@ -9,8 +9,9 @@ It supervises: a service (or the embedded nats-server) that dies is started agai
 backoff that doubles while it keeps dying young, so a local cluster survives a crash
 (`--no-restart`: a death stops the cluster instead).
 
-settings.py holds the flags, cluster.py the processes and their supervision, banner.py
-what it prints once the cluster is ready; this module runs them in that order.
+settings.py holds the flags, ports.py checks the ports it will listen on before anything
+starts, cluster.py the processes and their supervision, banner.py what it prints once the
+cluster is ready; this module runs them in that order.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import logging
 from typing import Sequence
 
+from services.up import ports
 from services.up.banner import banner
 from services.up.cluster import LocalCluster, restart_delay
 from services.up.settings import UpSettings
@@ -35,9 +37,13 @@ log = logging.getLogger("halfmoon.up")
 
 
 async def run(s: UpSettings) -> int:
+    cluster = LocalCluster(s)
+    if problems := ports.taken(s, cluster.metrics_children()):
+        for line in problems:  # before anything starts: one line per port, nothing to undo
+            log.error(line)
+        return 1
     stop = asyncio.Event()
     install_stop_signals(stop)
-    cluster = LocalCluster(s)
     model_dir = await asyncio.to_thread(ensure_model, s.model)
     if not cluster.nats_url:
         cluster.nats = EmbeddedNats(cluster.home / "nats")

@@ -71,6 +71,10 @@ class LocalCluster:
             }
         )
 
+    def metrics_children(self) -> int:
+        """How many children get a /metrics port of their own (all but the gateway)."""
+        return sum(self.expected().values()) - 1
+
     def engines(self) -> tuple[int, int]:
         """(prefill, decode) engine processes; colocated ones register as prefill."""
         if self.s.colocated:
