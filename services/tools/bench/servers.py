@@ -165,6 +165,8 @@ class HalfmoonServer(Server):
             "--no-console",
             "--port",
             str(self.port),
+            "--metrics-base-port",  # not read here; fixed ports would clash with a running up
+            "0",
             "--model",
             str(self.model_dir),
             "--dtype",
