@@ -99,17 +99,64 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
     return error_response(err, rid, allow)
 
 
+# No request field nests deeper than a JSON schema in response_format might; a deeper body
+# is refused before anything walks it (the parser itself stops near 1,000 levels, with a
+# RecursionError, and what validates or compiles the body downstream could stop anywhere).
+MAX_JSON_DEPTH = 64
+
+
 async def read_json(request: web.Request) -> Any:
+    """The request body as JSON, or a 400 that says what is wrong with it: whatever the
+    decoding raises is the client's input, never a 500."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise errors.PayloadTooLarge("request body is too large") from None
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise errors.InvalidRequest("request body is not valid JSON") from None
+    body = decode_json(raw)
     check_unicode(body)
     return body
+
+
+def decode_json(raw: bytes) -> Any:
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise errors.InvalidRequest(
+            f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})"
+        ) from None
+    except UnicodeDecodeError:
+        raise errors.InvalidRequest("request body is not valid JSON: not UTF-8 text") from None
+    except ValueError:  # the one other: an integer past Python's 4,300 digits
+        raise errors.InvalidRequest(
+            "request body is not valid JSON: a number has too many digits"
+        ) from None
+    except RecursionError:
+        raise _too_deep() from None
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    return body
+
+
+def _too_deep() -> errors.InvalidRequest:
+    return errors.InvalidRequest(
+        f"request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep"
+    )
+
+
+def json_depth(value: Any) -> int:
+    """How deep arrays and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        )
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_JSON_DEPTH:  # past the limit the answer is known
+            level.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def check_unicode(body: Any, path: str = "") -> None:
