@@ -56,6 +56,12 @@ class TransferFailed(Exception):
     """The transfer ended FAILED: timeout, peer gone, checksum mismatch, unknown id."""
 
 
+class BadFrame(TransferFailed):
+    """A frame no sender of ours would send: another protocol, sizes that do not match the
+    offer, a payload whose checksum is wrong, or one cut short. Refused before anything is
+    allocated for it, and counted (KVReceiver.bad_frames)."""
+
+
 def new_transfer_id() -> str:
     return secrets.token_hex(TRANSFER_ID_BYTES)
 
@@ -250,6 +256,7 @@ class KVSender(abc.ABC):
 class KVReceiver(abc.ABC):
     def __init__(self) -> None:
         self.states = _States()
+        self.bad_frames = 0  # BadFrame refusals: a buggy or hostile peer, or version skew
 
     @abc.abstractmethod
     async def fetch(

@@ -39,6 +39,10 @@ def tune_socket(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class CutShort(ConnectionError):
+    """The peer closed the connection before the frame it announced was complete."""
+
+
 async def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     buf = bytearray(nbytes)
     await recv_into_exact(sock, memoryview(buf))
@@ -54,7 +58,7 @@ async def recv_into_exact(
     while got < total:
         n = await loop.sock_recv_into(sock, view[got : got + CHUNK])
         if n == 0:
-            raise ConnectionError(f"connection closed after {got} of {total} bytes")
+            raise CutShort(f"connection closed after {got} of {total} bytes")
         if hasher is not None:
             hasher.update(view[got : got + n])
         got += n
@@ -128,14 +132,19 @@ class TlsChannel(Channel):
         self.peer = host_of(writer.get_extra_info("peername"))
 
     async def recv_exact(self, nbytes: int) -> bytes:
-        return await self.reader.readexactly(nbytes)
+        try:
+            return await self.reader.readexactly(nbytes)
+        except asyncio.IncompleteReadError as exc:
+            raise CutShort(
+                f"connection closed after {len(exc.partial)} of {nbytes} bytes"
+            ) from None
 
     async def recv_into_exact(self, view: memoryview, hasher: Hasher | None = None) -> None:
         got, total = 0, len(view)
         while got < total:
             piece = await self.reader.read(min(CHUNK, total - got))
             if not piece:
-                raise ConnectionError(f"connection closed after {got} of {total} bytes")
+                raise CutShort(f"connection closed after {got} of {total} bytes")
             view[got : got + len(piece)] = piece
             if hasher is not None:
                 hasher.update(piece)

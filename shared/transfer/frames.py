@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 
-from shared.transfer.base import TRANSFER_ID_BYTES
+from shared.transfer.base import TRANSFER_ID_BYTES, BadFrame
 
 MAGIC = b"HMKV"
 REQUEST = struct.Struct("<4sH")
@@ -27,6 +27,20 @@ ALIGN = 64
 # and stays silent must not hold a task and a socket for ever.
 REQUEST_TIMEOUT_S = 10.0
 MAX_ID_LEN = 2 * TRANSFER_ID_BYTES  # hex; anything longer is refused unread
+# A KV export's meta (block hashes, token count, layout) is kilobytes; a header that
+# announces more is not one of ours, and is refused before anything is read or allocated.
+MAX_META_BYTES = 16 << 20
+
+
+def check_sizes(meta_len: int, payload_len: int, expected_payload: int) -> None:
+    """Refuse a header whose sizes are not the offer's: the payload is exactly the
+    handle's nbytes (the sender minted both), the meta within MAX_META_BYTES."""
+    if meta_len > MAX_META_BYTES:
+        raise BadFrame(f"meta of {meta_len} bytes announced (at most {MAX_META_BYTES})")
+    if payload_len != expected_payload:
+        raise BadFrame(
+            f"payload of {payload_len} bytes announced, the offer has {expected_payload}"
+        )
 
 
 def padding(meta_len: int) -> int:

@@ -40,9 +40,9 @@ from typing import Callable
 import xxhash
 
 from shared.messages import KVHandle
-from shared.transfer.base import Payload, TransferFailed, TransferState, short_id
+from shared.transfer.base import BadFrame, Payload, TransferFailed, TransferState, short_id
 from shared.transfer.channel import Channel
-from shared.transfer.frames import HEADER, MAGIC, REQUEST, STATUS_OK
+from shared.transfer.frames import HEADER, MAGIC, REQUEST, STATUS_OK, check_sizes
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 
 log = logging.getLogger(__name__)
@@ -321,8 +321,11 @@ class ShmKVReceiver(TcpKVReceiver):
         tid = handle.transfer_id.encode()
         await ch.sendall(REQUEST.pack(SHM_MAGIC, len(tid)) + tid)
         magic, status, meta_len, nbytes, checksum = HEADER.unpack(await ch.recv_exact(HEADER.size))
-        if magic != MAGIC or status != STATUS_OK:
+        if magic != MAGIC:
+            raise BadFrame(f"not a KV transfer header (magic {magic!r})")
+        if status != STATUS_OK:
             raise TransferFailed("unknown, used or expired transfer id")
+        check_sizes(meta_len, nbytes, handle.nbytes)
         await self.states.set(handle.transfer_id, TransferState.TRANSFERRING)
         meta = await ch.recv_exact(meta_len)
         (name_len,) = _U16.unpack(await ch.recv_exact(_U16.size))
@@ -330,7 +333,7 @@ class ShmKVReceiver(TcpKVReceiver):
         payload = map_segment(name, nbytes, checksum, self.allocate if self.copy else None)
         if payload is None:
             await ch.sendall(b"\x00")
-            raise TransferFailed("checksum mismatch")
+            raise BadFrame("checksum mismatch")
         unlink_segment(name)  # mapped (or copied): the name is no longer needed by anyone
         await ch.sendall(b"\x01")
         return meta, payload

@@ -29,6 +29,7 @@ from shared.messages import KVHandle
 from shared.tls import HANDSHAKE_TIMEOUT_S
 from shared.transfer.base import (
     HANDOFF,
+    BadFrame,
     Capabilities,
     KVReceiver,
     KVSender,
@@ -40,6 +41,7 @@ from shared.transfer.base import (
 )
 from shared.transfer.channel import (
     Channel,
+    CutShort,
     SocketChannel,
     TlsChannel,
     connect,
@@ -57,6 +59,7 @@ from shared.transfer.frames import (
     REQUEST_TIMEOUT_S,
     STATUS_OK,
     STATUS_UNKNOWN,
+    check_sizes,
     padding,
 )
 
@@ -249,6 +252,8 @@ class TcpKVSender(KVSender):
             )
             if tid:
                 await self._drop(tid, TransferState.FAILED)
+            else:  # a request cut short, silent or unreadable: refused like a bad id
+                self.refusals.refused(ch.peer, f"malformed request ({type(exc).__name__})")
         finally:
             ch.close()
 
@@ -314,7 +319,9 @@ class TcpKVReceiver(KVReceiver):
             raise TransferFailed(
                 f"transfer {short_id(tid)} timed out after {timeout_s:.1f}s"
             ) from exc
-        except (OSError, asyncio.IncompleteReadError, TransferFailed) as exc:
+        except (OSError, asyncio.IncompleteReadError, struct.error, TransferFailed) as exc:
+            if isinstance(exc, (BadFrame, CutShort)):
+                self.bad_frames += 1  # cut short counts too: the sender never finished it
             await self.states.set(tid, TransferState.FAILED)
             raise TransferFailed(
                 f"transfer {short_id(tid)} from {handle.host}:{handle.port}: {exc}"
@@ -333,8 +340,11 @@ class TcpKVReceiver(KVReceiver):
             magic, status, meta_len, payload_len, checksum = HEADER.unpack(
                 await ch.recv_exact(HEADER.size)
             )
-            if magic != MAGIC or status != STATUS_OK:
+            if magic != MAGIC:
+                raise BadFrame(f"not a KV transfer header (magic {magic!r})")
+            if status != STATUS_OK:
                 raise TransferFailed("unknown, used or expired transfer id")
+            check_sizes(meta_len, payload_len, handle.nbytes)
             await self.states.set(handle.transfer_id, TransferState.TRANSFERRING)
             meta = (await ch.recv_exact(meta_len + padding(meta_len)))[:meta_len]
             payload = self.allocate(payload_len)
@@ -345,7 +355,7 @@ class TcpKVReceiver(KVReceiver):
             await ch.recv_into_exact(view, hasher)
             if hasher.intdigest() != checksum:
                 await ch.sendall(b"\x00")
-                raise TransferFailed("checksum mismatch")
+                raise BadFrame("checksum mismatch")
             await ch.sendall(b"\x01")
             return meta, payload
         finally:
