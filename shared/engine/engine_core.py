@@ -48,10 +48,22 @@ class EngineCore:
             self.disk = DiskTier(Path(config.disk_tier_dir), config.disk_tier_bytes)
         self.tier = DiskLink(self.disk, self.kv, self.blocks)
 
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """ValueError unless the prompt fits the context, and prompt + output the pool."""
+    def check_fits(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
+    ) -> None:
+        """ValueError unless every token id is in the vocabulary, the prompt fits the
+        context, and prompt + output the pool. Checked before a request joins a batch: an
+        id past the embedding table fails the whole step, every request in it included."""
+        num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens < 1:
             raise ValueError("empty prompt")
+        vocab = int(self.lm.config.vocab_size)
+        for ids in (prompt_token_ids, output_token_ids or []):
+            if ids and not (0 <= min(ids) and max(ids) < vocab):
+                raise ValueError(f"token ids must be in [0, {vocab}): got {min(ids)}..{max(ids)}")
         if num_prompt_tokens >= self.lm.max_model_len:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens exceeds the context")
         need = -(-(num_prompt_tokens + params.max_tokens) // self.config.block_size)

@@ -36,7 +36,7 @@ class KVHandoff(EngineCore):
         salt: str = "",
     ) -> bool:
         """Continue a request prefilled elsewhere; False if the pool has no room yet."""
-        self.check_fits(len(prompt_token_ids), params)
+        self.check_fits(prompt_token_ids, params, output_token_ids)
         self.check_kv(kv.meta)
         seq = continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
         with self.book:
@@ -62,7 +62,7 @@ class KVHandoff(EngineCore):
         prealloc queue does); False, holding nothing, if the pool has no room now. Full
         blocks of the prompt this pool already caches (a sibling sample's) are shared,
         not fetched again into new ones."""
-        self.check_fits(len(prompt_token_ids), params)
+        self.check_fits(prompt_token_ids, params, output_token_ids)
         seq = continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
         if not 0 < num_kv_tokens <= seq.num_tokens:
             raise ValueError(f"KV of {num_kv_tokens} tokens for a sequence of {seq.num_tokens}")

@@ -109,7 +109,7 @@ class LLMEngine(KVHandoff):
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, salt: str = ""
     ) -> None:
-        self.check_fits(len(prompt_token_ids), params)
+        self.check_fits(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, salt)
         with self.book:
             self.register(seq)
@@ -128,7 +128,7 @@ class LLMEngine(KVHandoff):
         """Continue a request whose KV is out of reach (its transfer failed, or the instance
         that held it died): prompt + tokens so far are computed again here, as a preempted
         sequence is, and the stream goes on after the text already emitted."""
-        self.check_fits(len(prompt_token_ids), params)
+        self.check_fits(prompt_token_ids, params, output_token_ids)
         seq = continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
         with self.book:
             self.register(seq, output_token_ids, emitted_text)

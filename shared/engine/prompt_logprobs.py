@@ -17,7 +17,7 @@ def score_prompt(core: EngineCore, token_ids: list[int], top_k: int = 0) -> Prom
     """For positions 1 .. n-1: log p(token i | tokens before it), and the `top_k` most
     likely tokens there with their logprobs. Computed chunk by chunk on a throwaway
     sequence (its full blocks stay in the prefix cache). Engine thread only."""
-    core.check_fits(len(token_ids), SamplingParams(max_tokens=1))
+    core.check_fits(token_ids, SamplingParams(max_tokens=1))
     seq = Sequence(
         f"score:{id(token_ids):x}",
         list(token_ids),
