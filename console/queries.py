@@ -90,10 +90,11 @@ Read = Callable[[AsyncConnection], Awaitable[T]]
 
 
 async def _connected(url: str, read: Read[T]) -> T:
-    """await read(conn) on a fresh engine (bound to this event loop), disposed afterwards."""
+    """await read(conn) on a fresh engine (bound to this event loop), disposed afterwards;
+    past DB_TIMEOUT_S it raises TimeoutError."""
     engine = make_engine(url)
     try:
-        async with engine.connect() as conn:
+        async with asyncio.timeout(DB_TIMEOUT_S), engine.connect() as conn:
             return await read(conn)
     finally:
         await engine.dispose()
@@ -134,7 +135,7 @@ def _guarded(url: str, read: Read[T]) -> T:
     try:
         url = resolve_url(url)
         _check_sqlite_file(url)
-        return _run_sync(lambda: asyncio.wait_for(_connected(url, read), DB_TIMEOUT_S))
+        return _run_sync(lambda: _connected(url, read))
     except DatabaseUnavailable:
         raise
     except Exception as exc:  # any driver error becomes one clear message

@@ -86,7 +86,8 @@ async def close(nc: NATS, timeout_s: float = 5.0) -> None:
     """Drain (finish in-flight callbacks) if connected, else just close."""
     try:
         if nc.is_connected:
-            await asyncio.wait_for(nc.drain(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await nc.drain()
     except Exception as exc:  # noqa: BLE001 - shutting down: nothing left to protect
         log.debug("nats drain failed: %s", exc)
     finally:

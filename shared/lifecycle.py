@@ -18,7 +18,7 @@ from typing import Any, Callable, Coroutine
 from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry
 
-from shared import bus, subjects
+from shared import aio, bus, subjects
 from shared.messages import InstanceInfo
 from shared.metrics import serve_metrics
 from shared.settings import BaseSettings
@@ -65,8 +65,7 @@ async def heartbeat_loop(
     """Publish this instance's state until `stop`; a NATS outage only skips beats."""
     while not stop.is_set():
         await publish_heartbeat(nc, info())
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+        await aio.wait_set(stop, interval_s)
 
 
 def child_preexec() -> None:

@@ -14,7 +14,7 @@ from nats.aio.subscription import Subscription
 from services.conductor.args import ConductorSettings, parse_args
 from services.conductor.handlers import Conductor
 from services.conductor.leader import Election
-from shared import subjects
+from shared import aio, subjects
 from shared.db.records import RecordWriter
 from shared.db.session import make_engine
 from shared.lifecycle import ServiceRuntime, publish_heartbeat, run_main
@@ -26,8 +26,7 @@ log = logging.getLogger("services.conductor")
 async def _sweep(conductor: Conductor, stop: asyncio.Event, interval_s: float) -> None:
     while not stop.is_set():
         conductor.sweep()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+        await aio.wait_set(stop, interval_s)
 
 
 class Intake:
@@ -86,8 +85,7 @@ def make_election(
 async def _campaign(election: Election, stop: asyncio.Event, settings: ConductorSettings) -> None:
     # One heartbeat period first, so that a fresh conductor knows the instances before it can
     # lead (and a warm standby wins against it when a leader dies).
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), settings.heartbeat_interval_s)
+    await aio.wait_set(stop, settings.heartbeat_interval_s)
     await election.run(stop)
 
 

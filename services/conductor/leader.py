@@ -18,7 +18,6 @@ drives it with the KV calls and tells the conductor when it is elected or depose
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -31,6 +30,8 @@ from nats.aio.client import Client as NATS
 from nats.js.api import StorageType
 from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+
+from shared import aio
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +156,7 @@ class Election:
                 pause = self.lease.renew_s if self.is_leader else self.lease.renew_s / 2
                 if self.is_leader:
                     pause = max(0.0, min(pause, self.lease.valid_until - time.monotonic()))
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), pause)
+                await aio.wait_set(stop, pause)
         finally:
             await self.resign()
 
@@ -170,7 +170,8 @@ class Election:
                 # Never wait past our deadline: by then we must have stepped down. Opening
                 # the bucket again (after a failed renewal) counts against the same budget.
                 budget = max(0.01, self.lease.valid_until - sent_at)
-                rev = await asyncio.wait_for(self._renew(), budget)
+                async with asyncio.timeout(budget):
+                    rev = await self._renew()
                 self.lease.renewed(rev, sent_at)
             else:
                 kv = await self._bucket()
@@ -199,8 +200,10 @@ class Election:
             return
         await self._deposed("resigning")
         try:
-            kv = await asyncio.wait_for(self._bucket(), self.lease.renew_s)
-            await asyncio.wait_for(kv.delete(KEY, last=revision), self.lease.renew_s)
+            async with asyncio.timeout(self.lease.renew_s):
+                kv = await self._bucket()
+            async with asyncio.timeout(self.lease.renew_s):
+                await kv.delete(KEY, last=revision)
         except Exception as exc:  # noqa: BLE001 - it expires by itself anyway
             log.info("lease not released (%r); it expires within %.1fs", exc, self.lease.ttl_s)
 

@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from services.gateway.args import GatewaySettings
-from shared import bus, errors, subjects
+from shared import aio, bus, errors, subjects
 from shared.messages import (
     Ack,
     CancelRequest,
@@ -134,8 +134,7 @@ class TokenStream:
             remaining = deadline - now
             if remaining <= 0:
                 raise errors.Timeout(f"no output for {timeout_s:.0f}s")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), min(remaining, POLL_S))
+            await aio.wait_set(self._arrived, min(remaining, POLL_S))
         return self._pending.pop(self._next)
 
 

@@ -5,7 +5,6 @@ order: intake first (gateway), then scheduling, workers, the rest, NATS last."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -20,7 +19,7 @@ import nats
 from nats.aio.msg import Msg
 
 from services.up.settings import UpSettings
-from shared import bus, subjects
+from shared import aio, bus, subjects
 from shared.lifecycle import child_preexec
 from shared.messages import InstanceInfo
 from shared.natsd import EmbeddedNats
@@ -282,8 +281,7 @@ class LocalCluster:
                         dead.proc.returncode,
                     )
                     return 1
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
+            await aio.wait_set(stop, 0.5)
         return 0
 
     async def supervise(self, now: float) -> None:
@@ -339,7 +337,8 @@ class LocalCluster:
                 child.proc.send_signal(signal.SIGTERM)
             for child in group:
                 try:
-                    await asyncio.wait_for(child.proc.wait(), 20)
+                    async with asyncio.timeout(20):
+                        await child.proc.wait()
                 except TimeoutError:
                     log.warning("%s did not stop in 20s; killing it", child.name)
                     child.proc.kill()

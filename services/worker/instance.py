@@ -19,7 +19,7 @@ import torch
 from nats.aio.client import Client as NATS
 
 from services.worker.settings import WorkerSettings
-from shared import subjects
+from shared import aio, subjects
 from shared.engine import cpu
 from shared.engine.connector import KVConnector
 from shared.engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepTime
@@ -198,10 +198,7 @@ class EngineInstance:
             if not self.engine.has_work():
                 since = None
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.25)
-                except TimeoutError:
-                    pass
+                await aio.wait_set(self._wake, 0.25)
                 continue
             between = (
                 StepTime(time.perf_counter() - since.wall_s, time.thread_time() - since.cpu_s)

@@ -197,7 +197,8 @@ class _States:
                 await self._changed.wait_for(lambda: self._states.get(transfer_id) in TERMINAL)
                 return self._states[transfer_id]
 
-        return await asyncio.wait_for(_wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await _wait()
 
     def forget(self, transfer_id: str) -> None:
         self._states.pop(transfer_id, None)

@@ -72,7 +72,8 @@ class FakeKVReceiver(KVReceiver):
             raise TransferFailed(f"transfer {short_id(tid)}: unknown, used or expired id (fake)")
         await self.sender.states.set(tid, TransferState.TRANSFERRING)
         try:
-            await asyncio.wait_for(asyncio.sleep(self.delay_s), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await asyncio.sleep(self.delay_s)
             if self.fail:
                 raise TransferFailed(f"transfer {short_id(tid)} failed (fake)")
         except (TimeoutError, TransferFailed) as exc:

@@ -231,7 +231,8 @@ class TcpKVSender(KVSender):
     async def _serve_conn(self, ch: Channel) -> None:
         tid = ""
         try:
-            magic, presented = await asyncio.wait_for(self._read_request(ch), REQUEST_TIMEOUT_S)
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                magic, presented = await self._read_request(ch)
             tid = self._claim(ch.peer, magic, presented) or ""
             if not tid:
                 await ch.sendall(HEADER.pack(MAGIC, STATUS_UNKNOWN, 0, 0, 0))
@@ -313,7 +314,8 @@ class TcpKVReceiver(KVReceiver):
         self.states.label(tid, purpose)
         await self.states.set(tid, TransferState.WAITING)
         try:
-            result = await asyncio.wait_for(self._fetch(handle), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                result = await self._fetch(handle)
         except TimeoutError as exc:
             await self.states.set(tid, TransferState.FAILED)
             raise TransferFailed(

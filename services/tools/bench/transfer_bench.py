@@ -222,7 +222,8 @@ async def run(mib: int, rounds: int, frame: int) -> dict[str, Any]:
         if proc.returncode is None:
             proc.stdin.close()  # the child closes its senders and exits on EOF
             try:
-                await asyncio.wait_for(proc.wait(), 30)
+                async with asyncio.timeout(30):
+                    await proc.wait()
             except TimeoutError:
                 proc.kill()
     results = {m: _summary(mib << 20, *times[m]) for m in MODES}

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from shared import aio
 from shared.messages import InstanceInfo
 
 log = logging.getLogger("halfmoon.chaos")
@@ -40,8 +41,7 @@ class Faults:
         order: list[str] = []
         next_at = t0 + every_s / 2
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(0.0, next_at - time.monotonic()))
+            await aio.wait_set(stop, next_at - time.monotonic())
             if stop.is_set() or time.monotonic() >= until:
                 return
             if not order:  # every target once per round, each round in a new order
