@@ -1,22 +1,38 @@
 """Typed, versioned messages that cross the bus (JSON via pydantic).
 
-Every message carries `v` so a rolling upgrade can tell old from new. Replies that can
-fail are either the payload or {"error": ErrorBody}; see shared.bus.decode_reply.
+Every message carries `v` so a rolling upgrade can tell old from new: one of a version
+this code does not speak is refused, not misread. Replies that can fail are either the
+payload or {"error": ErrorBody}; see shared.bus.decode_reply.
+
+Values are bounded here, not only where they are made: anyone who can reach the bus can
+send a message (a buggy peer, a version skew, a stranger), and a value no sender of ours
+would send is refused when it is parsed, as an invalid request, before any service acts
+on it (tests/e2e/test_bus_fuzz.py).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 SCHEMA_VERSION = 1
+
+# Request ids name NATS subjects (tokens.<id>: no dots, wildcards or spaces) and SQL keys
+# (64 characters); instance ids name subjects and SQL keys of 128.
+RequestId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+InstanceId = Annotated[str, StringConstraints(max_length=128)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # the engine checks its own vocabulary
+Hash64 = Annotated[int, Field(ge=0, lt=2**64)]  # shared.hashing: 64 bits, unsigned
+Count = Annotated[int, Field(ge=0, lt=2**53)]
+Seconds = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]  # or a timestamp
+Port = Annotated[int, Field(ge=0, le=65535)]
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    v: int = SCHEMA_VERSION
+    v: int = Field(SCHEMA_VERSION, ge=1, le=SCHEMA_VERSION)
 
     def encode(self) -> bytes:
         return self.model_dump_json().encode()
@@ -47,21 +63,24 @@ class Constraint(BaseModel):
 class SamplingParams(BaseModel):
     """What the gateway validated; the engine's own type is shared.engine.params."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    max_tokens: int = 256
-    min_tokens: int = 0
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
+    # The gateway's bounds (services/gateway/protocol.py), again for what comes off the bus.
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: Count = 0  # 0: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_tokens: Count = 256
+    min_tokens: Count = 0
+    stop: list[str] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = Field(default_factory=dict)
-    logprobs: int | None = None  # None: none; k: the chosen token's and the top k
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
+        default_factory=dict, max_length=300
+    )
+    logprobs: int | None = Field(None, ge=0, le=20)  # None: none; k: the chosen and top k
     constraint: Constraint | None = None
 
 
@@ -109,42 +128,42 @@ class CostSample(BaseModel):
     TTFT holds beside its queue and prefill)."""
 
     kind: Literal["prefill", "decode", "handoff", "dispatch"]
-    tokens: int
-    context: float
-    seconds: float
+    tokens: Count
+    context: float = Field(ge=0.0, le=1e9, allow_inf_nan=False)
+    seconds: Seconds
     # The engine thread's CPU time in that work (time.thread_time): what it costs with a
     # core to itself. Wall seconds also hold the time it waited for a core, which on a
     # machine whose engines share cores grows with the cluster's load; the simulator
     # shares cores itself (SimConfig.cores), so it wants the work without the waiting.
-    cpu_seconds: float | None = None
+    cpu_seconds: Seconds | None = None
 
 
 class InstanceInfo(Message):
     """What a heartbeat says about its sender."""
 
-    instance_id: str
+    instance_id: InstanceId
     role: Role
     host: str = "127.0.0.1"
-    pid: int = 0
-    started_at: float = 0.0
-    sent_at: float = 0.0
+    pid: Count = 0
+    started_at: Seconds = 0.0
+    sent_at: Seconds = 0.0
     status: Literal["ready", "draining"] = "ready"
     kv_host: str = ""
-    kv_port: int = 0
-    queue_depth: int = 0  # requests waiting
-    running: int = 0  # requests being computed
-    kv_tokens_used: int = 0
-    queue_prompts: list[int] = Field(default_factory=list)  # tokens left per queued prompt
-    mean_context: float = 0.0  # tokens per running sequence (decode step cost)
+    kv_port: Port = 0
+    queue_depth: Count = 0  # requests waiting
+    running: Count = 0  # requests being computed
+    kv_tokens_used: Count = 0
+    queue_prompts: list[Count] = Field(default_factory=list)  # tokens left per queued prompt
+    mean_context: float = Field(0.0, ge=0.0, le=1e9, allow_inf_nan=False)  # per sequence
     model: str = ""
-    kv_blocks_total: int = 0  # DRAM tier; free blocks may still hold cached prefixes
-    kv_blocks_free: int = 0
-    kv_blocks_cached: int = 0
+    kv_blocks_total: Count = 0  # DRAM tier; free blocks may still hold cached prefixes
+    kv_blocks_free: Count = 0
+    kv_blocks_cached: Count = 0
     # Blocks' worth of KV held for a transfer: offered and not fetched yet (prefill), or
     # reserved in the pool for KV still arriving (decode). Back to 0 when idle.
-    kv_blocks_leased: int = 0
-    disk_blocks_used: int = 0  # disk tier (0 and 0 without one)
-    disk_blocks_free: int = 0
+    kv_blocks_leased: Count = 0
+    disk_blocks_used: Count = 0  # disk tier (0 and 0 without one)
+    disk_blocks_free: Count = 0
     kv_activity: KVActivity = Field(default_factory=KVActivity)
     # Engines: what picks the cost model's prior (model, dtype, quantization, threads, CPU),
     # and the costs of work done since the previous heartbeat.
@@ -173,25 +192,26 @@ class InstanceInfo(Message):
 class GenerateRequest(Message):
     """One accepted request, as the gateway hands it to the conductor."""
 
-    request_id: str
+    request_id: RequestId
     model: str
-    prompt_token_ids: list[int]
-    block_hashes: list[int] = Field(default_factory=list)
+    prompt_token_ids: list[TokenId]
+    block_hashes: list[Hash64] = Field(default_factory=list)
     sampling: SamplingParams
-    arrival_time: float
+    arrival_time: Seconds
     tenant: str = ""
-    ttft_slo_ms: float | None = None  # per-request SLOs (None: the conductor's defaults)
-    tbt_slo_ms: float | None = None
+    # per-request SLOs (None or 0: the conductor's defaults)
+    ttft_slo_ms: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    tbt_slo_ms: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     # Completions' echo with logprobs: every prompt position scored, top k each (the
     # prefill instance computes them; cached positions have no logits of their own).
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # A later sample of an n > 1 request: the prefill instance its first sample went to,
     # where the prompt is computed once for all of them (policy.follow).
     follow_prefill: str = ""
 
 
 class Placement(Message):
-    request_id: str
+    request_id: RequestId
     prefill_id: str
     decode_id: str
     policy: str = ""
@@ -203,7 +223,7 @@ class PrefillJob(Message):
     decode_id: str = ""  # where decode runs; empty when colocated (see `colocated`)
     # Cache load balancing: pull this many prefix blocks from another instance first.
     prefix_from: str = ""
-    prefix_blocks: int = 0
+    prefix_blocks: Count = 0
 
     @property
     def colocated(self) -> bool:
@@ -214,11 +234,11 @@ class PrefillJob(Message):
 class KVHandle(BaseModel):
     """Where the decode side fetches a prefilled KV cache from (data plane, never NATS)."""
 
-    transfer_id: str
+    transfer_id: str = Field(max_length=256)
     host: str
-    port: int
-    nbytes: int
-    num_tokens: int
+    port: Port
+    nbytes: Count
+    num_tokens: Count
     # Shared memory (shared.transfer.shm): a receiver whose host_id matches maps the
     # segment instead of streaming it; anyone else fetches the same transfer over TCP.
     transport: Literal["tcp", "shm"] = "tcp"
@@ -232,7 +252,7 @@ class KVChunk(Message):
     the whole prompt's blocks before it fetches anything; decode acks each chunk once it
     is in place, or refuses it (then the rest goes with the first token, as before)."""
 
-    request_id: str
+    request_id: RequestId
     prefill_id: str
     request: GenerateRequest | None = None  # the first chunk only
     kv: KVHandle
@@ -246,12 +266,12 @@ class DecodeJob(Message):
     kv: KVHandle | None
     # Leading blocks decode acked as streamed chunks (KVChunk): `kv` holds only the rest,
     # and decode's reservation for the request already holds these.
-    streamed_blocks: int = 0
-    output_token_ids: list[int]  # tokens already produced (the first one, by prefill)
+    streamed_blocks: Count = 0
+    output_token_ids: list[TokenId]  # tokens already produced (the first one, by prefill)
     emitted_text: str = ""  # text already streamed, so decode continues the same detokenization
-    events_sent: int = 0  # next TokenEvent index
-    cached_tokens: int = 0  # prompt tokens prefill found in its prefix cache
-    first_token_time: float = 0.0
+    events_sent: Count = 0  # next TokenEvent index
+    cached_tokens: Count = 0  # prompt tokens prefill found in its prefix cache
+    first_token_time: Seconds = 0.0
 
 
 class Usage(BaseModel):
@@ -267,9 +287,9 @@ class Usage(BaseModel):
 class TokenEvent(Message):
     """A piece of one request's output stream. `index` orders events from different senders."""
 
-    request_id: str
-    index: int
-    token_ids: list[int] = Field(default_factory=list)
+    request_id: RequestId
+    index: Count
+    token_ids: list[TokenId] = Field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked
     prompt_logprobs: list[TokenLogprob] | None = None  # positions 1.. of the prompt, first event
@@ -288,17 +308,17 @@ class KVEventKind(StrEnum):
 
 class KVEvent(Message):
     kind: KVEventKind
-    instance_id: str
+    instance_id: InstanceId
     tier: Literal["dram", "disk"] = "dram"
-    block_hashes: list[int] = Field(default_factory=list)
-    block_nbytes: int = 0
-    sent_at: float = 0.0
+    block_hashes: list[Hash64] = Field(default_factory=list)
+    block_nbytes: Count = 0
+    sent_at: Seconds = 0.0
 
 
 class KVExportRequest(Message):
     """Ask an instance to offer the cached blocks of a prefix on its data plane."""
 
-    block_hashes: list[int]
+    block_hashes: list[Hash64]
 
 
 class KVExportReply(Message):
@@ -307,7 +327,7 @@ class KVExportReply(Message):
 
 
 class KVMatchRequest(Message):
-    block_hashes: list[int]
+    block_hashes: list[Hash64]
 
 
 class KVMatchReply(Message):
@@ -317,5 +337,5 @@ class KVMatchReply(Message):
 
 
 class CancelRequest(Message):
-    request_id: str
+    request_id: RequestId
     reason: str = "client disconnected"

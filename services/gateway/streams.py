@@ -42,6 +42,7 @@ from shared.messages import (
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25  # how often a waiting stream checks its instances while nothing arrives
+FORGET_EXPIRIES = 20  # a silent instance is forgotten after this many expiry periods
 # Worker error codes that say "not here, not now" rather than "this request is bad".
 RETRYABLE = frozenset(
     {"unavailable", "no_responders", "timeout", "instance_lost", "kv_transfer_failed"}
@@ -152,12 +153,18 @@ class Liveness:
 
     def __init__(self, expiry_s: float) -> None:
         self.expiry_s = expiry_s
+        # A dead instance stays listed (as silent: /admin/state, the console) this long,
+        # then is forgotten: ids that come and go (restarts, scaling) must not pile up.
+        self.forget_s = FORGET_EXPIRIES * expiry_s
         self._seen: dict[str, _Seen] = {}
         self._latest = 0.0
 
     def beat(self, info: InstanceInfo, now: float) -> None:
         self._seen[info.instance_id] = _Seen(now, info)
         self._latest = max(self._latest, now)
+        gone = [iid for iid, s in self._seen.items() if self._latest - s.at > self.forget_s]
+        for iid in gone:
+            del self._seen[iid]
 
     def infos(self) -> list[InstanceInfo]:
         """Each instance's last heartbeat, in the order they were first heard."""

@@ -116,16 +116,26 @@ class RecordWriter:
 
     async def _write(self, ops: list[_Op]) -> None:
         try:
-            async with self._sessions.begin() as session:
-                for op in ops:
-                    await self._apply(session, op)
-        except Exception:
-            self.failures += 1
-            log.exception("SQL batch of %d writes failed", len(ops))
+            await self._commit(ops)
+        except Exception as exc:  # noqa: BLE001 - any driver error: retried one by one
+            # One bad write (a duplicate id, a value the column refuses) must not take the
+            # batch's others with it: each alone, so only what fails is lost, and named.
+            log.warning("SQL batch of %d writes failed (%s); writing each alone", len(ops), exc)
+            for op in ops:
+                try:
+                    await self._commit([op])
+                except Exception as one:  # noqa: BLE001 - counted and logged, never raised
+                    self.failures += 1
+                    log.error("SQL %s write of %s lost: %s", op.kind, _key(op), _brief(one))
         finally:
             for op in ops:
                 if op.done is not None and not op.done.done():
                     op.done.set_result(None)
+
+    async def _commit(self, ops: list[_Op]) -> None:
+        async with self._sessions.begin() as session:
+            for op in ops:
+                await self._apply(session, op)
 
     async def _apply(self, session: AsyncSession, op: _Op) -> None:
         t = RequestRecord
@@ -158,15 +168,37 @@ class RecordWriter:
         elif op.kind == "instance":
             await _upsert_instance(session, op.values)
         elif op.kind == "decision":
-            await session.execute(insert(DecisionRecord).values(**op.values))
-        elif op.kind == "load":
-            dialect = (
-                pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+            # The same request placed again (asked twice, or after a conductor failover):
+            # the last placement is where it went.
+            values = {k: v for k, v in op.values.items() if k != "request_id"}
+            await session.execute(
+                _insert(session, DecisionRecord)
+                .values(**op.values)
+                .on_conflict_do_update(index_elements=["request_id"], set_=values)
             )
+        elif op.kind == "load":
             # Another conductor may have sampled the same interval: keep the first row.
-            await session.execute(dialect(LoadSample).values(**op.values).on_conflict_do_nothing())
+            await session.execute(
+                _insert(session, LoadSample).values(**op.values).on_conflict_do_nothing()
+            )
         elif op.kind == "prune":
             await session.execute(delete(LoadSample).where(LoadSample.t < op.values["before"]))
+
+
+def _insert(session: AsyncSession, table: Any) -> Any:
+    """INSERT with ON CONFLICT, in the session's dialect (PostgreSQL or SQLite)."""
+    dialect = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    return dialect(table)
+
+
+def _key(op: _Op) -> str:
+    v = op.values
+    return str(v.get("id") or v.get("request_id") or v.get("instance_id") or "-")[:80]
+
+
+def _brief(exc: Exception) -> str:
+    """The driver's own message, without SQLAlchemy's statement and parameters."""
+    return str(getattr(exc, "orig", None) or exc).splitlines()[0][:300]
 
 
 async def _upsert_instance(session: AsyncSession, values: dict[str, Any]) -> None:

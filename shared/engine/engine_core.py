@@ -56,12 +56,14 @@ class EngineCore:
     ) -> None:
         """ValueError unless every token id is in the vocabulary, the prompt fits the
         context, and prompt + output the pool. Checked before a request joins a batch: an
-        id past the embedding table fails the whole step, every request in it included."""
+        id past the embedding table (or a logit_bias key past the logits) fails the whole
+        step, every request in it included."""
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens < 1:
             raise ValueError("empty prompt")
         vocab = int(self.lm.config.vocab_size)
-        for ids in (prompt_token_ids, output_token_ids or []):
+        biased = [t for t, _ in params.logit_bias]
+        for ids in (prompt_token_ids, output_token_ids or [], biased):
             if ids and not (0 <= min(ids) and max(ids) < vocab):
                 raise ValueError(f"token ids must be in [0, {vocab}): got {min(ids)}..{max(ids)}")
         if num_prompt_tokens >= self.lm.max_model_len:

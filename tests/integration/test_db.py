@@ -9,7 +9,7 @@ from sqlalchemy import inspect, select
 
 from shared.db import session as db
 from shared.db.records import RecordWriter
-from shared.db.schema import InstanceRecord, RequestRecord
+from shared.db.schema import DecisionRecord, InstanceRecord, RequestRecord
 
 
 async def _tables(url: str) -> set[str]:
@@ -100,6 +100,34 @@ async def test_a_failed_batch_does_not_kill_the_writer(db_url):
         writer.request_finished("dup", "cancelled")
         await writer.flush()
         assert (await _row(engine, "dup")).status == "cancelled"
+    finally:
+        await writer.close()
+        await engine.dispose()
+
+
+async def test_one_bad_write_loses_only_itself_and_a_request_placed_twice_keeps_its_last(
+    db_url,
+):
+    engine = db.make_engine(db_url)
+    writer = RecordWriter(engine, flush_interval_s=0.2)  # room for one batch to gather
+    await writer.start()
+    try:
+        writer.request_accepted(id="a", model="m", status="queued", arrival_time=1.0)
+        await writer.flush()
+        decision = dict(created=1.0, policy="kvcentric", candidates=[])
+        # one batch: a duplicate insert between two good writes, and the same request placed
+        # twice (the decision's last placement wins)
+        writer.request_accepted(id="b", model="m", status="queued", arrival_time=2.0)
+        writer.request_accepted(id="a", model="m", status="queued", arrival_time=1.0)
+        writer.decision(request_id="b", prefill_instance="p0", **decision)
+        writer.decision(request_id="b", prefill_instance="p1", **decision)
+        writer.request_finished("b", "completed")
+        await writer.flush()
+        assert writer.failures == 1  # the duplicate, alone
+        assert (await _row(engine, "b")).status == "completed"
+        async with engine.connect() as conn:
+            rows = (await conn.execute(select(DecisionRecord))).all()
+        assert [(r.request_id, r.prefill_instance) for r in rows] == [("b", "p1")]
     finally:
         await writer.close()
         await engine.dispose()

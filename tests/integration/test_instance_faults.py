@@ -154,7 +154,7 @@ async def test_a_job_delivered_twice_runs_once(nc, tiny):
         await dec.admit(job)  # done now: still never a second copy
         assert not dec.engine.has_work() and "r2" not in dec.streams  # (it would be by now)
         # Whatever it published came before this marker (one connection, in order).
-        marker = TokenEvent(request_id="marker", index=-1)
+        marker = TokenEvent(request_id="marker", index=10**6)
         await nc.publish(subjects.tokens("r2"), marker.encode())
         await until(lambda: events.got and events.got[-1].request_id == "marker")
         events.got.pop()

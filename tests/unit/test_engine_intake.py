@@ -25,6 +25,8 @@ def test_a_token_id_outside_the_vocabulary_is_refused_and_the_batch_runs(engine,
         engine.add_request("bad", [1, bad, 3], params)
     with pytest.raises(ValueError, match="token ids"):  # a continuation's output too
         engine.add_recompute("bad2", [1, 2], [bad], params)
+    with pytest.raises(ValueError, match="token ids"):  # and a logit_bias key (indexes logits)
+        engine.add_request("bad3", [1, 2], SamplingParams(max_tokens=2, logit_bias=((bad, 5.0),)))
     finished = []
     while not finished:  # two tokens: a few steps
         finished += [o for o in engine.step() if o.finish_reason is not None]

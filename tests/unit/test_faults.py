@@ -38,6 +38,17 @@ def test_silence_is_death_only_while_others_are_heard():
     assert live.lost("never-seen", None) is None
 
 
+def test_an_instance_silent_for_long_is_forgotten_and_one_silent_briefly_is_listed():
+    live = Liveness(expiry_s=3.0)
+    live.beat(info("gone"), now=100.0)
+    live.beat(info("gw", Role.GATEWAY), now=110.0)
+    assert [i.instance_id for i in live.infos()] == ["gone", "gw"]  # silent: still listed
+    live.beat(info("gw", Role.GATEWAY), now=100.0 + live.forget_s)
+    assert [i.instance_id for i in live.infos()] == ["gone", "gw"]
+    live.beat(info("gw", Role.GATEWAY), now=100.5 + live.forget_s)
+    assert [i.instance_id for i in live.infos()] == ["gw"]
+
+
 def test_a_restarted_process_has_lost_what_the_old_one_held():
     live = Liveness(expiry_s=3.0)
     live.beat(info("d0", started_at=1.0), now=10.0)
