@@ -141,6 +141,15 @@ class EngineMetrics:
                 "malformed requests (a run of them from one peer is also logged)",
                 sender.refusals.total,
             )
+        receiver = getattr(inst, "receiver", None)
+        if receiver is not None:
+            yield counter(
+                "halfmoon_kv_transfer_bad_frames",
+                "Frames this receiver refused: another protocol, a size past the bound or "
+                "not the offer's, a wrong checksum, a frame cut short (a buggy or hostile "
+                "sender, or version skew)",
+                receiver.bad_frames,
+            )
 
     def _kv_families(self, s: EngineStats) -> Iterable[Metric]:
         engine = self.inst.engine

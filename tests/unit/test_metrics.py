@@ -4,6 +4,7 @@ an engine instance on a random-weight model, real TCP transfers)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
@@ -18,6 +19,7 @@ from shared.messages import (
     InstanceInfo,
     KVEvent,
     KVEventKind,
+    KVHandle,
     KVMatchReply,
     KVMatchRequest,
     Role,
@@ -249,6 +251,21 @@ def tiny():
     return tiny_llama()
 
 
+async def stranger() -> KVHandle:
+    """A handle to a server that answers one fetch with an HTTP response, then closes."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        server.close()
+        await reader.read(100)
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 64)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return KVHandle(transfer_id="x", host="127.0.0.1", port=port, nbytes=16, num_tokens=1)
+
+
 async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_path):
     from services.prefill.args import PrefillSettings
     from services.prefill.handlers import PrefillInstance
@@ -285,6 +302,8 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
         await sender.wait(dead.transfer_id, 5)
         with pytest.raises(TransferFailed):  # expired: refused, and counted
             await receiver.fetch(dead, timeout_s=5, purpose="prefix")
+        with pytest.raises(TransferFailed):  # a sender that answers with another protocol
+            await receiver.fetch(await stranger(), timeout_s=5, purpose="prefix")
         got = scrape(m.registry)
     finally:
         inst.close_engine()
@@ -305,6 +324,7 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
     assert got["halfmoon_kv_transfer_seconds_count{direction=in,purpose=handoff}"] == 1
     assert got["halfmoon_kv_transfer_seconds_sum{direction=in,purpose=handoff}"] > 0
     assert got["halfmoon_kv_transfer_failures_total{direction=out,purpose=prefix}"] == 1
-    assert got["halfmoon_kv_transfer_failures_total{direction=in,purpose=prefix}"] == 1
+    assert got["halfmoon_kv_transfer_failures_total{direction=in,purpose=prefix}"] == 2  # +stranger
     assert got["halfmoon_kv_transfer_refused_total"] == 1
+    assert got["halfmoon_kv_transfer_bad_frames_total"] == 1
     assert "halfmoon_engine_pending_imports" not in got  # prefill has no import queue
