@@ -130,6 +130,11 @@ class Conductor:
             self.metrics.rejected(exc.code, time.perf_counter() - t0)
             await bus.respond(msg, exc)
             return
+        except Exception:  # a fault here still answers: never leave the gateway waiting
+            log.exception("request %s: placing it failed", req.request_id)
+            self.metrics.rejected("internal_error", time.perf_counter() - t0)
+            await bus.respond(msg, errors.HalfmoonError("the conductor failed to place it"))
+            return
         self.metrics.placed(placement.policy, time.perf_counter() - t0)
         await bus.respond(msg, placement)
 

@@ -76,13 +76,15 @@ class Registry:
         count: int = 1,
         blocks: int = 0,
     ) -> None:
-        """Account a dispatch (or, with negative values, take a failed one back)."""
+        """Account a dispatch (or, with negative values, take a failed one back). A
+        heartbeat between the two already left the failed one out of its report: what is
+        taken back stops at none (a batch of -1 once divided a decode view by zero)."""
         state = self._instances.get(instance_id)
         if state is not None:
-            state.dispatched_since_beat += count
-            state.pending_s += predicted_s
-            state.pending_tokens += tokens
-            state.pending_blocks += blocks
+            state.dispatched_since_beat = max(0, state.dispatched_since_beat + count)
+            state.pending_s = max(0.0, state.pending_s + predicted_s)
+            state.pending_tokens = max(0, state.pending_tokens + tokens)
+            state.pending_blocks = max(0, state.pending_blocks + blocks)
             state.prefill_view = state.decode_view = None
 
     def alive(self, role: Role, now: float) -> list[InstanceState]:

@@ -88,6 +88,18 @@ def test_a_dispatch_shows_in_the_next_decision_and_a_heartbeat_resets_it():
     assert beat.queue_s == before.queue_s and beat.load == before.load
 
 
+def test_a_failed_dispatch_taken_back_after_a_heartbeat_leaves_the_views_whole():
+    reg = Registry(expiry_s=EXPIRY_S)
+    idle = InstanceInfo(instance_id="d0", role=Role.DECODE, kv_blocks_total=64, kv_blocks_free=64)
+    reg.seen(idle, 0.0)
+    reg.dispatched("d0", 0.5, tokens=100, blocks=8)
+    reg.seen(idle, 0.1)  # the heartbeat: the job never arrived
+    reg.dispatched("d0", -0.5, tokens=-100, count=-1, blocks=-8)  # the dispatch failed
+    (view,) = snapshot.build([], reg.alive(Role.DECODE, 0.2), CostModel(), 1.5).decodes
+    assert (view.running, view.mean_context, view.kv_blocks_free) == (0, 0.0, 64)
+    assert reg.alive(Role.DECODE, 0.2)[0].load == 0
+
+
 def test_an_instance_drops_out_when_its_heartbeat_expires_and_comes_back_with_one():
     reg = Registry(expiry_s=EXPIRY_S)
     reg.seen(InstanceInfo(instance_id="p0", role=Role.PREFILL), 0.0)
