@@ -58,6 +58,12 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
     load_retention_s: float = Field(
         24 * 3600.0, gt=0, description="load samples older than this are deleted"
     )
+    request_retention_s: float = Field(
+        7 * 24 * 3600.0,
+        ge=0,
+        description="finished request records, decisions and dead instances' rows older "
+        "than this are deleted (0: kept for ever)",
+    )
     election: bool = Field(
         True,
         description="run active/standby: only the holder of a NATS KV "

@@ -79,8 +79,9 @@ class Conductor:
         if self.records is None:
             return
         if info.role in (Role.PREFILL, Role.DECODE):
+            s = self.settings
             self.records.load_sample(
-                info, now, self.settings.instance_record_interval_s, self.settings.load_retention_s
+                info, now, s.instance_record_interval_s, s.load_retention_s, s.request_retention_s
             )
         last = self._recorded_at.get(info.instance_id)
         if (

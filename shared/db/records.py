@@ -94,17 +94,27 @@ class RecordWriter:
 
     # -- load samples ---------------------------------------------------------------
     def load_sample(
-        self, info: InstanceInfo, now: float, interval_s: float, retention_s: float
+        self,
+        info: InstanceInfo,
+        now: float,
+        interval_s: float,
+        retention_s: float,
+        request_retention_s: float = 0.0,
     ) -> None:
         """Call on every heartbeat: one row per instance per interval is kept, and rows
-        older than retention_s are deleted now and then so the table stays bounded."""
+        older than retention_s are deleted now and then so the table stays bounded; so
+        are finished requests, their decisions and dead instances' rows older than
+        request_retention_s (0: kept for ever)."""
         row = self._sampler.sample(info, now, interval_s)
         if row is None:
             return
         self._queue.put_nowait(_Op("load", row))
         if now - self._pruned_at >= min(PRUNE_EVERY_S, retention_s):
             self._pruned_at = now
-            self._queue.put_nowait(_Op("prune", {"before": now - retention_s}))
+            requests_before = now - request_retention_s if request_retention_s > 0 else None
+            self._queue.put_nowait(
+                _Op("prune", {"before": now - retention_s, "requests_before": requests_before})
+            )
 
     async def _run(self) -> None:
         while True:
@@ -183,6 +193,20 @@ class RecordWriter:
             )
         elif op.kind == "prune":
             await session.execute(delete(LoadSample).where(LoadSample.t < op.values["before"]))
+            before = op.values.get("requests_before")
+            if before is not None:
+                await _prune_records(session, before)
+
+
+async def _prune_records(session: AsyncSession, before: float) -> None:
+    """Finished requests that arrived before `before`, decisions made before it, and rows
+    of instances dead since before it. A request still running is kept however old."""
+    r, d, i = RequestRecord, DecisionRecord, InstanceRecord
+    await session.execute(
+        delete(r).where(r.arrival_time < before, r.status.in_(list(TERMINAL_STATUSES)))
+    )
+    await session.execute(delete(d).where(d.created < before))
+    await session.execute(delete(i).where(i.status == "dead", i.last_heartbeat < before))
 
 
 def _insert(session: AsyncSession, table: Any) -> Any:

@@ -23,7 +23,7 @@ from services.conductor.handlers import Conductor
 from shared import subjects
 from shared.db import session as db
 from shared.db.records import RecordWriter
-from shared.db.schema import LoadSample
+from shared.db.schema import DecisionRecord, InstanceRecord, LoadSample, RequestRecord
 from shared.messages import InstanceInfo, KVActivity, Role
 from tests.waiting import until
 
@@ -140,4 +140,44 @@ async def test_two_conductors_one_row_and_old_samples_pruned(db_url):
     finally:
         for w in writers:
             await w.close()
+        await engine.dispose()
+
+
+async def test_finished_requests_decisions_and_dead_instances_past_retention_are_pruned(db_url):
+    engine = db.make_engine(db_url)
+    writer = RecordWriter(engine, flush_interval_s=0.0)
+    conductor = Conductor(
+        ConductorSettings(request_retention_s=600.0),
+        None,  # type: ignore[arg-type]
+        records=writer,
+    )
+    await writer.start()
+    now = time.time()
+    try:
+        for rid, age, status in [
+            ("old", 900, "completed"),
+            ("old-running", 900, None),
+            ("new", 60, "completed"),
+        ]:
+            writer.request_accepted(id=rid, model="m", status="queued", arrival_time=now - age)
+            writer.decision(request_id=rid, created=now - age, policy="p", candidates=[])
+            if status:
+                writer.request_finished(rid, status)
+        writer.instance_seen(
+            id="gone", role="decode", host="h", status="dead", started_at=0.0,
+            last_heartbeat=now - 900, info={},
+        )  # fmt: skip
+        await writer.flush()
+        # a heartbeat: its load sample prunes what is past retention
+        conductor._record_instance(InstanceInfo(instance_id="d1", role=Role.DECODE), now, "ready")
+        await writer.flush()
+        async with engine.connect() as conn:
+            requests = {r.id for r in await conn.execute(select(RequestRecord))}
+            decisions = {r.request_id for r in await conn.execute(select(DecisionRecord))}
+            instances = {r.id for r in await conn.execute(select(InstanceRecord))}
+        assert requests == {"old-running", "new"}  # a request still running is kept
+        assert decisions == {"new"}
+        assert instances == {"d1"}
+    finally:
+        await writer.close()
         await engine.dispose()
