@@ -132,6 +132,12 @@ def _chaos(argv: list[str]) -> int:
     return run.main(argv)
 
 
+def _soak(argv: list[str]) -> int:
+    from services.tools.soak import run
+
+    return run.main(argv)
+
+
 def _up(argv: list[str]) -> int:
     from services import up
 
@@ -149,6 +155,7 @@ COMMANDS = {
     "sim": _sim,
     "keys": _keys,
     "chaos": _chaos,
+    "soak": _soak,
 }
 
 USAGE = """usage: halfmoon <command> [args]
@@ -161,6 +168,7 @@ commands:
   keys create|list|revoke      API keys for the gateway (hashed in SQL; shown once)
   profile            measure the engine here and fit the conductor's cost model
   chaos              kill services and NATS under load: 0 hung requests, 0 lost records
+  soak               mixed traffic, cancels and faults for --minutes: no unbounded growth
   sim                simulate a cluster of any size on a Mooncake trace (same policy code)
   kv replay          replay a Mooncake trace through the KV index and eviction code
   kv synth           write a synthetic trace with the paper's statistics (long documents)

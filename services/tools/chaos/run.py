@@ -69,7 +69,7 @@ async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> LocalCluster:
     return cluster
 
 
-async def _model_name(url: str) -> str:
+async def model_name(url: str) -> str:
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/v1/models") as resp:
             return (await resp.json())["data"][0]["id"]
@@ -103,7 +103,7 @@ async def recover(url: str, model: str, beats: HeartbeatVictims, s: ChaosSetting
 async def chaos(
     s: ChaosSettings, url: str, nats_url: str, victims: Any, database_url: str, stop: asyncio.Event
 ) -> dict:
-    model = await _model_name(url)
+    model = await model_name(url)
     beats = HeartbeatVictims()
     nc = await bus.connect(BaseSettings(nats_url=nats_url), "chaos")
     await nc.subscribe(subjects.HEARTBEAT_ALL, cb=beats.on_beat)

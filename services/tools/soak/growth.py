@@ -1,0 +1,106 @@
+"""Growth of sampled series: a least-squares slope over the second half of a run, and
+whether it is within bounds (pure: no processes, sockets or SQL here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HOUR_S = 3600.0
+MIN_POINTS = 5  # fewer samples in the window: too few to fit, not judged
+# A series must cover this share of the window to be judged: a process restarted late in
+# it (a fault) has too short a life there to tell a leak from its warm-up.
+MIN_SPAN = 0.5
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How much a kind of series may grow across the window: `relative` of its mean, but
+    never less than `absolute` (a thread pool that starts one more worker is no leak)."""
+
+    relative: float
+    absolute: float
+
+
+RULES = {
+    "rss_mib": Rule(0.05, 2.0),
+    "fds": Rule(0.05, 2.0),
+    "threads": Rule(0.05, 2.0),
+    "rows": Rule(0.10, 50.0),
+    "jetstream_msgs": Rule(0.10, 50.0),
+    "jetstream_mib": Rule(0.10, 0.5),
+}
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of value over time (per second); 0 for fewer than two times."""
+    n = len(points)
+    if n < 2:
+        return 0.0
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    if var == 0:
+        return 0.0
+    return sum((t - mt) * (v - mv) for t, v in points) / var
+
+
+@dataclass(frozen=True)
+class Growth:
+    series: str  # e.g. "prefill-0 rss_mib", "sql requests rows"
+    kind: str  # a RULES key
+    points: int
+    mean: float
+    first: float
+    last: float
+    per_hour: float  # fitted growth per hour
+    over_window: float  # fitted growth across the window
+    allowed: float  # what the rule allows across the window
+    span: float  # share of the window the series covers
+
+    @property
+    def judged(self) -> bool:
+        return self.points >= MIN_POINTS and self.span >= MIN_SPAN
+
+    @property
+    def ok(self) -> bool:
+        return not self.judged or self.over_window <= self.allowed
+
+
+def judge(
+    series: str, kind: str, points: list[tuple[float, float]], t0: float, t1: float
+) -> Growth:
+    """Growth of `points` within [t0, t1] (the second half of a run)."""
+    window = [(t, v) for t, v in points if t0 <= t <= t1]
+    rule = RULES[kind]
+    s = slope(window)
+    mean = sum(v for _, v in window) / len(window) if window else 0.0
+    return Growth(
+        series,
+        kind,
+        len(window),
+        mean,
+        window[0][1] if window else 0.0,
+        window[-1][1] if window else 0.0,
+        s * HOUR_S,
+        s * (t1 - t0),
+        max(rule.absolute, rule.relative * abs(mean)),
+        (window[-1][0] - window[0][0]) / (t1 - t0) if window and t1 > t0 else 0.0,
+    )
+
+
+def table(growths: list[Growth]) -> str:
+    """The report's table: one line per series, the worst first."""
+    head = (
+        f"{'series':<30} {'kind':<14} {'mean':>9} {'first':>9} {'last':>9} {'per hour':>9}  verdict"
+    )
+    lines = [head, "-" * len(head)]
+    shown = [g for g in growths if g.points]  # a process dead before the window: nothing
+    for g in sorted(shown, key=lambda g: (g.ok, g.judged is False, g.series, g.kind)):
+        verdict = "flat" if g.ok else f"GROWS (> {g.allowed:.1f} over the window)"
+        if not g.judged:
+            verdict = f"not judged: {g.points} samples over {g.span:.0%} of the window"
+        lines.append(
+            f"{g.series:<30} {g.kind:<14} {g.mean:>9.1f} {g.first:>9.1f} {g.last:>9.1f} "
+            f"{g.per_hour:>+9.1f}  {verdict}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""The soak's judgement of growth: a least-squares slope over the second half of a run,
+against a tolerance relative to the series' mean (with an absolute floor)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.tools.soak.args import parse_args
+from services.tools.soak.growth import judge, slope, table
+
+
+def test_slope_is_the_least_squares_fit():
+    assert slope([(0, 1.0), (1, 3.0), (2, 5.0)]) == pytest.approx(2.0)
+    assert slope([(0, 5.0)]) == 0.0 and slope([(1, 2.0), (1, 4.0)]) == 0.0
+    rng = random.Random(7)
+    noisy = [(t, 100.0 + 0.5 * t + rng.gauss(0, 1)) for t in range(200)]
+    assert slope(noisy) == pytest.approx(0.5, abs=0.02)
+
+
+def test_a_flat_noisy_rss_passes_and_a_leak_of_ten_percent_fails():
+    rng = random.Random(1)
+    flat = [(t, 300.0 + rng.gauss(0, 3)) for t in range(0, 3600, 10)]
+    g = judge("decode-0 (pid 1)", "rss_mib", flat, 1800, 3600)
+    assert g.judged and g.ok and abs(g.per_hour) < 15
+    leak = [(t, 300.0 + 30.0 * t / 1800) for t in range(0, 3600, 10)]  # +10% per half
+    g = judge("decode-0 (pid 1)", "rss_mib", leak, 1800, 3600)
+    assert not g.ok and g.per_hour == pytest.approx(60.0)
+    assert "GROWS" in table([g])
+
+
+def test_only_the_window_counts_and_a_warm_up_before_it_does_not():
+    warm = [(t, 100.0 + t) for t in range(0, 1800, 10)] + [
+        (t, 1900.0) for t in range(1800, 3600, 10)
+    ]
+    assert judge("p", "fds", warm, 1800, 3600).ok
+
+
+def test_small_counts_have_an_absolute_floor_and_too_few_points_are_not_judged():
+    threads = [(t, 20.0 + (t > 3000)) for t in range(1800, 3600, 10)]  # one more worker
+    assert judge("p", "threads", threads, 1800, 3600).ok
+    growing = [(t, 20.0 + t / 100) for t in range(1800, 3600, 10)]  # +18 threads per half
+    assert not judge("p", "threads", growing, 1800, 3600).ok
+    few = judge("p", "fds", [(1900, 1.0), (2000, 90.0)], 1800, 3600)
+    assert not few.judged and few.ok
+    late = [(t, 100.0 + t) for t in range(3000, 3600, 10)]  # restarted late: a third covered
+    assert not judge("p", "rss_mib", late, 1800, 3600).judged
+
+
+def test_retention_defaults_to_a_quarter_of_the_run():
+    assert parse_args(["--minutes", "60"]).retention == 900.0
+    assert parse_args(["--minutes", "2"]).retention == 60.0
+    assert parse_args(["--minutes", "60", "--retention-s", "120"]).retention == 120.0
+    with pytest.raises(SystemExit):
+        parse_args(["--targets", "gateway"])
