@@ -30,6 +30,23 @@ def test_a_flat_noisy_rss_passes_and_a_leak_of_ten_percent_fails():
     assert "GROWS" in table([g])
 
 
+def test_bursts_above_a_flat_floor_are_no_leak_but_a_rising_floor_is():
+    # A Go heap between collections: a flat 24 MiB floor, with spikes that come more often
+    # late in the window (a busier spell). A fit through every sample calls it growth.
+    def heap(t: int) -> float:
+        every = 120 if t < 2700 else 20
+        return 24.0 + (8.0 if t % every == 0 else 0.0)
+
+    bursty = [(t, heap(t)) for t in range(1800, 3600, 10)]
+    g = judge("nats-server (pid 1)", "rss_mib", bursty, 1800, 3600)
+    assert g.raw_per_hour * 0.5 > g.allowed  # the raw fit would have failed it
+    assert g.ok and g.per_hour == pytest.approx(0.0)
+    # The same spikes over a floor that rises 3 MiB across the half: a leak, and judged so.
+    rising = [(t, v + 3.0 * (t - 1800) / 1800) for t, v in bursty]
+    g = judge("nats-server (pid 1)", "rss_mib", rising, 1800, 3600)
+    assert not g.ok and g.over_window == pytest.approx(3.0, abs=0.2)
+
+
 def test_only_the_window_counts_and_a_warm_up_before_it_does_not():
     warm = [(t, 100.0 + t) for t in range(0, 1800, 10)] + [
         (t, 1900.0) for t in range(1800, 3600, 10)

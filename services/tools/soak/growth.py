@@ -1,5 +1,11 @@
 """Growth of sampled series: a least-squares slope over the second half of a run, and
-whether it is within bounds (pure: no processes, sockets or SQL here)."""
+whether it is within bounds (pure: no processes, sockets or SQL here).
+
+The slope judged is that of the series' floor, the lowest sample in each of a few equal
+slices of the window, not of every sample. A leak raises the floor. Much else rises above
+it and falls back: a garbage-collected heap between collections (nats-server is Go), rows
+between retention prunes, a burst of traffic's buffers. A fit through every sample reads a
+late burst as growth; the floor does not. The raw fit is reported beside it."""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ MIN_POINTS = 5  # fewer samples in the window: too few to fit, not judged
 # A series must cover this share of the window to be judged: a process restarted late in
 # it (a fault) has too short a life there to tell a leak from its warm-up.
 MIN_SPAN = 0.5
+# Slices of the window whose lowest samples make the floor: enough to fit a line through,
+# few enough that each holds several collections or prunes (5 minutes of a 30-minute half).
+FLOOR_SLICES = 6
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,20 @@ def slope(points: list[tuple[float, float]]) -> float:
     return sum((t - mt) * (v - mv) for t, v in points) / var
 
 
+def floor(points: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:
+    """The lowest sample of each of FLOOR_SLICES equal slices of [t0, t1], at its own time
+    (slices without a sample give nothing)."""
+    width = (t1 - t0) / FLOOR_SLICES
+    if width <= 0:
+        return list(points)
+    lowest: dict[int, tuple[float, float]] = {}
+    for t, v in points:
+        k = min(FLOOR_SLICES - 1, int((t - t0) / width))
+        if k not in lowest or v < lowest[k][1]:
+            lowest[k] = (t, v)
+    return [lowest[k] for k in sorted(lowest)]
+
+
 @dataclass(frozen=True)
 class Growth:
     series: str  # e.g. "prefill-0 rss_mib", "sql requests rows"
@@ -52,8 +75,9 @@ class Growth:
     mean: float
     first: float
     last: float
-    per_hour: float  # fitted growth per hour
-    over_window: float  # fitted growth across the window
+    per_hour: float  # the floor's fitted growth per hour
+    over_window: float  # the floor's fitted growth across the window (what is judged)
+    raw_per_hour: float  # a fit through every sample, per hour (shown, not judged)
     allowed: float  # what the rule allows across the window
     span: float  # share of the window the series covers
 
@@ -72,7 +96,7 @@ def judge(
     """Growth of `points` within [t0, t1] (the second half of a run)."""
     window = [(t, v) for t, v in points if t0 <= t <= t1]
     rule = RULES[kind]
-    s = slope(window)
+    s = slope(floor(window, t0, t1))
     mean = sum(v for _, v in window) / len(window) if window else 0.0
     return Growth(
         series,
@@ -83,6 +107,7 @@ def judge(
         window[-1][1] if window else 0.0,
         s * HOUR_S,
         s * (t1 - t0),
+        slope(window) * HOUR_S,
         max(rule.absolute, rule.relative * abs(mean)),
         (window[-1][0] - window[0][0]) / (t1 - t0) if window and t1 > t0 else 0.0,
     )
@@ -91,7 +116,8 @@ def judge(
 def table(growths: list[Growth]) -> str:
     """The report's table: one line per series, the worst first."""
     head = (
-        f"{'series':<30} {'kind':<14} {'mean':>9} {'first':>9} {'last':>9} {'per hour':>9}  verdict"
+        f"{'series':<30} {'kind':<14} {'mean':>9} {'first':>9} {'last':>9} {'floor/h':>9} "
+        f"{'all/h':>9}  verdict"
     )
     lines = [head, "-" * len(head)]
     shown = [g for g in growths if g.points]  # a process dead before the window: nothing
@@ -101,6 +127,6 @@ def table(growths: list[Growth]) -> str:
             verdict = f"not judged: {g.points} samples over {g.span:.0%} of the window"
         lines.append(
             f"{g.series:<30} {g.kind:<14} {g.mean:>9.1f} {g.first:>9.1f} {g.last:>9.1f} "
-            f"{g.per_hour:>+9.1f}  {verdict}"
+            f"{g.per_hour:>+9.1f} {g.raw_per_hour:>+9.1f}  {verdict}"
         )
     return "\n".join(lines)

@@ -108,7 +108,10 @@ async def soak(s: SoakSettings, cluster: LocalCluster, stop: asyncio.Event) -> d
         judge(series, kind, points, half, end)
         for (series, kind), points in sorted(samples.points.items())
     ]
-    return report(s, traffic, faults, records.lost, lost, growths, end)
+    r = report(s, traffic, faults, records.lost, lost, growths, end)
+    # Every sample, so that a run's verdict can be checked or judged again from its report.
+    r["samples"] = {f"{series} | {kind}": pts for (series, kind), pts in samples.points.items()}
+    return r
 
 
 def report(
@@ -154,7 +157,7 @@ def summary(r: dict[str, Any]) -> str:
         f"records lost {r['records_lost']}",
         *(f"  {kind}: {e}" for kind, es in r["examples"].items() for e in es),
         *(f"  no terminal record: {rid}" for rid in r["records_lost_ids"]),
-        "growth over the second half (least squares):",
+        "growth over the second half (least squares through each slice's lowest sample):",
         r["table"],
         "soak: FAILED" if failed(r) else "soak: passed",
     ]
