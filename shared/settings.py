@@ -13,7 +13,16 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Sequence, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from shared.model_context import parse_rope_scaling
 
 ENV_PREFIX = "HALFMOON_"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -80,6 +89,27 @@ class BaseSettings(BaseModel):
             if path and not Path(path).expanduser().is_file():
                 raise ValueError(f"{name}: no such file: {path}")
         return self
+
+
+class ContextSettings(BaseModel):
+    """The served context, set alike on the gateway and every engine (`halfmoon up` passes
+    its own to each); shared/model_context.py holds the rule."""
+
+    max_model_len: int = Field(
+        0, ge=0, description="longest prompt + output served (0: the model's, as stretched)"
+    )
+    rope_scaling: str = Field(
+        "",
+        description="stretch the model's rotary positions: TYPE:FACTOR (linear, yarn, "
+        'llama3, dynamic; e.g. yarn:4) or a JSON object such as {"rope_type": "yarn", '
+        '"factor": 4, "original_max_position_embeddings": 8192} (empty: as it ships)',
+    )
+
+    @field_validator("rope_scaling")
+    @classmethod
+    def _parses(cls, v: str) -> str:
+        parse_rope_scaling(v)  # a bad value fails at start, naming the setting
+        return v
 
 
 class DatabaseSettings(BaseModel):

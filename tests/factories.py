@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.engine.runner import LoadedModel
 from shared.messages import GenerateRequest, SamplingParams
+from shared.model_context import model_context
 
 
 def tiny_llama(
@@ -29,21 +30,28 @@ def tiny_llama(
     intermediate: int = 128,
     vocab: int = 300,
     max_len: int = 512,
+    rope_scaling: str = "",
 ) -> LoadedModel:
-    """A random Llama (seed 0, fp32, CPU, no tokenizer): the same weights on every call."""
+    """A random Llama (seed 0, fp32, CPU, no tokenizer): the same weights on every call.
+    `rope_scaling` (e.g. "yarn:4") stretches its `max_len` trained positions, as
+    `--rope-scaling` does a served model's."""
+    fields = {
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_len,
+    }
+    ctx = model_context(fields, rope_scaling=rope_scaling)
     cfg = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_len,
+        **{**fields, **ctx.overrides},
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
-    return LoadedModel("tiny", model, None, torch.float32, "cpu", max_len, frozenset())
+    return LoadedModel("tiny", model, None, torch.float32, "cpu", ctx.max_model_len, frozenset())
 
 
 def request(

@@ -19,6 +19,7 @@ from shared.db.records import RecordWriter
 from shared.db.session import make_engine
 from shared.lifecycle import ServiceRuntime, run_main
 from shared.messages import InstanceInfo, Role
+from shared.model_context import for_model
 from shared.model_store import ensure_model
 
 log = logging.getLogger("services.gateway")
@@ -27,11 +28,16 @@ log = logging.getLogger("services.gateway")
 async def load_prompts(settings: GatewaySettings) -> PromptBuilder:
     """The tokenizer and chat template (off the event loop: it reads the model folder)."""
     model_dir = await asyncio.to_thread(ensure_model, settings.model)
+    try:
+        context = for_model(model_dir, settings.max_model_len, settings.rope_scaling)
+    except ValueError as exc:
+        raise SystemExit(f"gateway: {exc}") from None  # a setting at fault: one line
     return await asyncio.to_thread(
         PromptBuilder,
         model_dir,
         settings.served_model_name or model_dir.name,
         settings.default_max_tokens,
+        max_model_len=context.max_model_len,
         max_messages=settings.max_messages,
         max_prompt_tokens=settings.max_prompt_tokens,
         max_output_tokens=settings.max_output_tokens,

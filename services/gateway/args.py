@@ -7,10 +7,16 @@ from typing import Sequence
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from services.gateway.keys import parse_key_specs, parse_rate_limit, read_key_file
-from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, DatabaseSettings, parse_settings
+from shared.settings import (
+    DEFAULT_MODEL_NAME,
+    BaseSettings,
+    ContextSettings,
+    DatabaseSettings,
+    parse_settings,
+)
 
 
-class GatewaySettings(BaseSettings, DatabaseSettings):
+class GatewaySettings(BaseSettings, DatabaseSettings, ContextSettings):
     # A bad value must not echo into logs or a terminal: it may hold API keys.
     model_config = ConfigDict(hide_input_in_errors=True)
 

@@ -12,6 +12,7 @@ from services.gateway.completion_protocol import DEFAULT_MAX_TOKENS, CompletionR
 from services.gateway.protocol import AssistantMessage, ChatCompletionRequest, ChatMessage
 from services.gateway.tools import HermesFormat, format_for
 from shared import errors
+from shared.model_context import trained_length
 
 # The tools as transformers' chat templates take them (each a JSON schema, here).
 TemplateTools = list[dict[Any, Any] | Callable[..., Any]]
@@ -24,6 +25,7 @@ class PromptBuilder:
         model_name: str,
         default_max_tokens: int,
         *,
+        max_model_len: int = 0,
         max_messages: int = 0,
         max_prompt_tokens: int = 0,
         max_output_tokens: int = 0,
@@ -31,7 +33,8 @@ class PromptBuilder:
     ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         config = json.loads((model_dir / "config.json").read_text())
-        self.max_model_len = int(config.get("max_position_embeddings", 2048))
+        # As served (--max-model-len, --rope-scaling), which the engines load with too.
+        self.max_model_len = max_model_len or trained_length(config)
         self.vocab_size = int(config.get("vocab_size", len(self.tokenizer)))
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens

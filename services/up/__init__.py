@@ -26,6 +26,7 @@ from services.up.cluster import LocalCluster, restart_delay
 from services.up.settings import UpSettings
 from shared.db import session as db
 from shared.lifecycle import install_stop_signals, setup_logging
+from shared.model_context import for_model
 from shared.model_store import ensure_model
 from shared.natsd import EmbeddedNats
 from shared.settings import parse_settings
@@ -45,6 +46,11 @@ async def run(s: UpSettings) -> int:
     stop = asyncio.Event()
     install_stop_signals(stop)
     model_dir = await asyncio.to_thread(ensure_model, s.model)
+    try:  # a context the model cannot serve: one line now, not a crash loop per engine
+        for_model(model_dir, s.max_model_len, s.rope_scaling)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 1
     if not cluster.nats_url:
         cluster.nats = EmbeddedNats(cluster.home / "nats")
         cluster.nats_url = await asyncio.to_thread(cluster.nats.start)

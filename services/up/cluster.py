@@ -142,11 +142,18 @@ class LocalCluster:
             str(threads),
             "--nice",
             str(self.s.engine_nice),
+            *(["--kv-cache-gb", str(self.s.kv_cache_gb)] if self.s.kv_cache_gb else []),
+            *self._context_args(),
         ]
+
+    def _context_args(self) -> list[str]:
+        """The served context, the same on the gateway and every engine."""
+        args = ["--max-model-len", str(self.s.max_model_len)] if self.s.max_model_len else []
+        return args + (["--rope-scaling", self.s.rope_scaling] if self.s.rope_scaling else [])
 
     async def start(self, model_dir: Path) -> None:
         n_prefill, n_decode = self.engines()
-        common = ["--model", str(model_dir)]
+        common = ["--model", str(model_dir), *self._context_args()]
         engine = self._engine_args(model_dir)
         layout = "colocated" if self.s.colocated else "disaggregated"
         conductor = ["--policy", self.s.policy, "--layout", layout]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
-from shared.settings import DEFAULT_MODEL_NAME
+from shared.settings import DEFAULT_MODEL_NAME, ContextSettings
 
 
-class UpSettings(BaseModel):
+class UpSettings(ContextSettings):
     host: str = Field("127.0.0.1", description="address the gateway and console bind")
     port: int = Field(8000, ge=1, le=65535, description="gateway HTTP port")
     console: bool = Field(True, description="start the Streamlit console")
@@ -60,6 +60,11 @@ class UpSettings(BaseModel):
         le=19,
         description="niceness of engine processes, so the "
         "control plane stays responsive when the cores are busy",
+    )
+    # None: each engine's own default (1 GiB, or its HALFMOON_KV_CACHE_GB), so the tools
+    # that build these settings in code do not override an operator's variable.
+    kv_cache_gb: float | None = Field(
+        None, gt=0, description="KV pool (DRAM tier) of each engine instance, in GiB (default 1)"
     )
     nats_url: str = Field("", description="external NATS (empty: embedded nats-server)")
     database_url: str = Field("", description="SQLAlchemy URL (empty: SQLite in HALFMOON_HOME)")

@@ -8,6 +8,7 @@ import os
 from services.worker.settings import WorkerSettings
 from shared.engine.runner import LoadedModel, load_model
 from shared.lifecycle import new_instance_id, setup_logging
+from shared.model_context import for_model
 from shared.model_store import ensure_model
 from shared.settings import S
 
@@ -24,6 +25,10 @@ async def load_for(settings: WorkerSettings, role: str) -> LoadedModel:
         os.nice(settings.nice)
     model_dir = await asyncio.to_thread(ensure_model, settings.model)
     name = settings.served_model_name or model_dir.name
+    try:
+        context = for_model(model_dir, settings.max_model_len, settings.rope_scaling)
+    except ValueError as exc:
+        raise SystemExit(f"{role}: {exc}") from None  # a setting at fault: one line, no trace
     return await asyncio.to_thread(
-        load_model, model_dir, settings.dtype, settings.device, settings.threads, name
+        load_model, model_dir, settings.dtype, settings.device, settings.threads, name, context
     )

@@ -8,11 +8,11 @@ from pydantic import Field, model_validator
 
 from shared import tls
 from shared.engine.llm_engine import EngineConfig
-from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, halfmoon_home
+from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, ContextSettings, halfmoon_home
 from shared.transfer import KVReceiver, KVSender
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(BaseSettings, ContextSettings):
     instance_id: str = Field("", description="instance id (empty: generated)")
     model: str = Field(
         DEFAULT_MODEL_NAME, description="model folder, or a name in HALFMOON_HOME/models"

@@ -104,6 +104,14 @@ class LLMEngine(KVHandoff):
             config.quantization,
             kernels.status() if self.model.native else "off (torch path)",
         )
+        if self.blocks.num_blocks * config.block_size < lm.max_model_len:
+            # Not fatal (shorter requests run), but a long one will be refused: say so now.
+            log.warning(
+                "the KV pool holds %d tokens, less than the %d-token context: longer "
+                "requests are refused; raise --kv-cache-gb (HALFMOON_KV_CACHE_GB)",
+                self.blocks.num_blocks * config.block_size,
+                lm.max_model_len,
+            )
 
     # -- intake -------------------------------------------------------------------------
     def add_request(

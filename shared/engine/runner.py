@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from shared.engine import cpu
 from shared.engine.hf_types import HFConfig, causal_lm
+from shared.model_context import ModelContext, for_model
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,10 @@ def load_model(
     device: str = "cpu",
     threads: int = 0,
     name: str = "",
+    context: ModelContext | None = None,
 ) -> LoadedModel:
-    """`dtype` auto picks bfloat16 where the device computes it natively, else float32."""
+    """`dtype` auto picks bfloat16 where the device computes it natively, else float32.
+    `context` (default: the model's own) sets the context length and RoPE scaling."""
     dtype, why = cpu.resolve_dtype(dtype, device)
     if device == "cpu" and dtype == "bfloat16" and not cpu.detect().native_bf16:
         log.warning(
@@ -76,13 +79,17 @@ def load_model(
     path = Path(model_dir)
     hf_logging.disable_progress_bar()  # one line per load in the logs, not a progress bar
     t0 = time.perf_counter()
+    context = context or for_model(path)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True, **context.overrides)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=DTYPES[dtype], local_files_only=True
+    )
     # transformers' typing of .to wraps it past recognition: the plain Module signature.
     cast(torch.nn.Module, model).to(device).eval()
     cfg = model.config
     log.info(
-        "loaded %s in %.1fs: %s on %s (%s); CPU %s, torch dispatch %s",
+        "loaded %s in %.1fs: %s on %s (%s); CPU %s, torch dispatch %s; context %d tokens%s",
         path,
         time.perf_counter() - t0,
         dtype,
@@ -90,6 +97,8 @@ def load_model(
         why,
         cpu.detect().level,
         torch.backends.cpu.get_cpu_capability(),
+        context.max_model_len,
+        _stretch(context),
     )
     return LoadedModel(
         name=name or path.name,
@@ -97,6 +106,13 @@ def load_model(
         tokenizer=tok,
         dtype=DTYPES[dtype],
         device=device,
-        max_model_len=int(cfg.max_position_embeddings),
+        max_model_len=context.max_model_len,
         eos_token_ids=eos_ids(path, tok, cfg),
     )
+
+
+def _stretch(context: ModelContext) -> str:
+    rope = context.overrides.get("rope_parameters")
+    if not rope:
+        return ""
+    return f" (RoPE {rope['rope_type']} from {context.trained_len} trained positions)"

@@ -10,6 +10,7 @@ import pytest
 from services.gateway.prompt import PromptBuilder
 from services.gateway.protocol import parse_request
 from shared import errors
+from shared.model_context import for_model
 
 pytestmark = pytest.mark.model
 
@@ -91,3 +92,17 @@ def test_the_length_check_never_refuses_what_would_fit(builder):
     text = "x" + builder.tokenizer.convert_tokens_to_string([longest]) * 20 + "x"
     ids, _ = builder.build(chat(text))
     assert len(ids) <= 64 and len(text) > 64 * 4
+
+
+def test_the_context_admitted_is_the_one_the_engines_are_loaded_with(model_dir, builder):
+    """--max-model-len caps the context below the model's; --rope-scaling stretches it."""
+    long = chat("word " * 10_000)  # about 10k tokens: past the model's 8,192 positions
+    err = refused(PromptBuilder(model_dir, "m", 8), long)
+    assert err.code == "context_length_exceeded" and "8192" in err.message
+    capped = PromptBuilder(model_dir, "m", 8, max_model_len=4096)
+    err = refused(capped, chat("word " * 5_000))
+    assert err.code == "context_length_exceeded" and "4096" in err.message
+    stretched = for_model(model_dir, rope_scaling="yarn:4").max_model_len
+    assert stretched == 32768
+    ids, _ = PromptBuilder(model_dir, "m", 8, max_model_len=stretched).build(long)
+    assert 8192 < len(ids) < 32768

@@ -87,3 +87,22 @@ def test_bf16_decode_batch_is_as_close_to_transformers_as_torch_is(tiny):
             ref = torch.stack([model(torch.tensor([s])).logits[0, -1].float() for s in seqs])
         errors[native] = ((logits - ref).abs().mean() / ref.abs().mean()).item()
     assert errors[True] <= 2 * errors[False] + 1e-3, errors
+
+
+@pytest.mark.parametrize("kind", ["linear", "yarn", "llama3", "dynamic"])
+def test_a_stretched_rope_runs_past_the_trained_positions_as_transformers_does(kind):
+    """Trained on 64 positions, stretched x4: a 150-token prompt, prefilled in chunks
+    and decoded, gives transformers' own tokens under the same scaled config."""
+    lm = tiny_llama(max_len=64, rope_scaling=f"{kind}:4")
+    assert lm.max_model_len == 256
+    prompts = [[(7 * i) % 300 for i in range(150)], list(range(1, 90))]
+    refs = [reference(lm, p) for p in prompts]
+    assert greedy_run(lm, native=False, prompts=prompts) == refs
+    if kernels.available():
+        assert greedy_run(lm, native=True, prompts=prompts) == refs
+
+
+def test_past_the_context_a_prompt_is_refused_before_it_runs():
+    engine = LLMEngine(tiny_llama(max_len=64), EngineConfig(kv_cache_bytes=4 << 20))
+    with pytest.raises(ValueError, match="exceeds the context"):
+        engine.add_request("long", list(range(1, 100)), SamplingParams(max_tokens=2))
