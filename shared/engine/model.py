@@ -12,6 +12,11 @@ Two paths compute the same arithmetic (rounding included, see csrc/ops.c):
   A decode step of a few rows runs all of that for every layer in one call
   (decode_step.py), since Python between the kernels was a tenth of such a step.
 - torch (no compiler, or CUDA): transformers' own norm and rotary modules, eager ops.
+
+A stage of a pipelined prefill runs a contiguous range of the layers over a pool that
+holds only their KV (`layers=(first, end)`): the first stage embeds token ids, the others
+take the residual stream the stage before handed on; the last ends in logits, the others
+hand on the residual stream after their last layer.
 """
 
 from __future__ import annotations
@@ -57,10 +62,22 @@ class _Layer:
 
 
 class PagedLlama:
-    def __init__(self, hf_model: torch.nn.Module, kv: KVCache, quantization: str = "none") -> None:
+    def __init__(
+        self,
+        hf_model: torch.nn.Module,
+        kv: KVCache,
+        quantization: str = "none",
+        layers: tuple[int, int] | None = None,
+    ) -> None:
         hf = causal_lm(hf_model)
         cfg = hf.config
         self.config = cfg
+        self.first_layer, self.end_layer = layer_range(cfg, layers)
+        if kv.shape.num_layers != self.end_layer - self.first_layer:
+            raise ValueError(
+                f"a pool of {kv.shape.num_layers} layers for layers "
+                f"[{self.first_layer}, {self.end_layer})"
+            )
         self.kv = kv
         self.quantization = quantization
         base = hf.model
@@ -70,10 +87,13 @@ class PagedLlama:
         # The head stays in the activation dtype under int8: quantizing the final hidden
         # state per token cost about 1.2% perplexity on its own (the layers' int8, under
         # 0.1%), more than the 2% budget leaves once bf16 is added.
-        self.lm_head = make_linear(
-            hf.lm_head.weight, None, "none" if quantization == "int8" else quantization
-        )
-        self.layers = [_Layer(layer, quantization) for layer in base.layers]
+        self.lm_head: Linear | None = None  # a stage before the last has no head
+        if self.end_layer == cfg.num_hidden_layers:
+            self.lm_head = make_linear(
+                hf.lm_head.weight, None, "none" if quantization == "int8" else quantization
+            )
+        chosen = list(base.layers)[self.first_layer : self.end_layer]
+        self.layers = [_Layer(layer, quantization) for layer in chosen]
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = _head_dim(cfg)
@@ -94,45 +114,66 @@ class PagedLlama:
         self._step: NativeDecodeStep | bool | None = None  # False: not for this model
 
     @staticmethod
-    def kv_shape(cfg: HFConfig, block_size: int, dtype: torch.dtype) -> KVShape:
-        return KVShape(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, _head_dim(cfg), block_size, dtype
-        )
+    def kv_shape(
+        cfg: HFConfig, block_size: int, dtype: torch.dtype, layers: tuple[int, int] | None = None
+    ) -> KVShape:
+        first, end = layer_range(cfg, layers)
+        return KVShape(end - first, cfg.num_key_value_heads, _head_dim(cfg), block_size, dtype)
+
+    @property
+    def is_first(self) -> bool:
+        """Embeds token ids (else takes the residual stream from the stage before)."""
+        return self.first_layer == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Ends in logits (else hands on the residual stream)."""
+        return self.end_layer == self.config.num_hidden_layers
 
     @property
     def weight_nbytes(self) -> int:
         """Bytes of weights one decode step reads (every linear layer; embeddings are a
         gather of a few rows)."""
-        return (
-            sum(lin.nbytes for layer in self.layers for lin in layer.linears) + self.lm_head.nbytes
-        )
+        head = self.lm_head.nbytes if self.lm_head is not None else 0
+        return sum(lin.nbytes for layer in self.layers for lin in layer.linears) + head
 
     @torch.inference_mode()
-    def forward(self, meta: BatchMeta) -> torch.Tensor:
-        """Logits (fp32) for `meta.logit_rows`, after writing every token's K/V to the pool."""
+    def forward(self, meta: BatchMeta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (fp32) for `meta.logit_rows`, after writing every token's K/V to the pool.
+        A stage before the last returns the residual stream [N, hidden] instead, and a
+        stage after the first takes the one before's as `hidden` (it is not changed)."""
+        if self.is_first == (hidden is not None):
+            raise ValueError("the first stage takes token ids, every later one hidden states")
+        h = self.embed(meta.input_ids) if hidden is None else hidden.to(self.dtype, copy=True)
         if self.native:
-            return self._forward_native(meta)
-        return self._forward_torch(meta)
+            return self._forward_native(h, meta)
+        return self._forward_torch(h, meta)
 
     # -- native path ----------------------------------------------------------------------
-    def _forward_native(self, meta: BatchMeta) -> torch.Tensor:
-        h = self.embed(meta.input_ids)
+    def _forward_native(self, h: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         cos, sin, positions = self._rope(h, meta.positions)
         step = self._decode_step(cos, sin)
         if step is not None and step.fits(meta):
             delta = step(h, positions, meta)  # every layer in one native call
         else:
             delta = self._layers_native(h, cos, sin, positions, meta)
+        if not self.is_last:
+            return h.add_(delta)  # rounded to the dtype as the next layer's fused add does
         rows = meta.logit_rows
         x = fused.rms_norm(
             h.index_select(0, rows), delta.index_select(0, rows), self.norm.weight, self.eps
         )
-        return self.lm_head(x).float()
+        return self._head()(x).float()
+
+    def _head(self) -> Linear:
+        assert self.lm_head is not None, "logits asked of a stage before the last"
+        return self.lm_head
 
     def _decode_step(self, cos: torch.Tensor, sin: torch.Tensor) -> NativeDecodeStep | None:
         """The one-call decode step, where the shapes allow it and the RoPE table is fixed."""
         if self._step is None:
-            static = cos is (self._rope_table or (None,))[0]
+            whole = self.is_first and self.is_last  # a stage only prefills
+            static = whole and cos is (self._rope_table or (None,))[0]
             self._step = (
                 NativeDecodeStep(self, cos, sin)
                 if static and NativeDecodeStep.supports(self)
@@ -212,8 +253,7 @@ class PagedLlama:
         return out
 
     # -- torch path -----------------------------------------------------------------------
-    def _forward_torch(self, meta: BatchMeta) -> torch.Tensor:
-        h = self.embed(meta.input_ids)
+    def _forward_torch(self, h: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         cos, sin = self.rotary(h, meta.positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, D]
         for i, layer in enumerate(self.layers):
@@ -223,8 +263,10 @@ class PagedLlama:
             h = h + layer.down(
                 F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
             )
+        if not self.is_last:
+            return h
         h = self.norm(h.index_select(0, meta.logit_rows))
-        return self.lm_head(h).float()
+        return self._head()(h).float()
 
     def _attention_torch(
         self,
@@ -279,6 +321,15 @@ class PagedLlama:
             qh, k.unsqueeze(0), v.unsqueeze(0), scale=self.scale, enable_gqa=True, **kwargs
         )
         return o[0].transpose(0, 1)
+
+
+def layer_range(cfg: HFConfig, layers: tuple[int, int] | None) -> tuple[int, int]:
+    """[first, end) of the model's layers (None: all of them), or ValueError."""
+    total = int(cfg.num_hidden_layers)
+    first, end = layers or (0, total)
+    if not 0 <= first < end <= total:
+        raise ValueError(f"layers [{first}, {end}) is not a range within the model's {total}")
+    return first, end
 
 
 def _head_dim(cfg: HFConfig) -> int:

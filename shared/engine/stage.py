@@ -1,0 +1,104 @@
+"""One stage of a pipelined prefill: a contiguous range of the model's layers over a KV pool
+of its own, run a chunk at a time (Mooncake's chunked pipeline parallelism, FAST'25 §3.3).
+
+A long prompt is cut into chunks. Stage 0 embeds chunk i and runs its layers while stage 1
+runs chunk i-1 on the hidden states stage 0 handed it, and so on; the last stage's logits
+of the prompt's last token give the first token. No all-reduce between stages: each hop
+carries one chunk's residual stream ([tokens, hidden], a few hundred KiB), and each stage
+keeps the KV of its own layers, which the decode handoff gathers from all of them.
+
+This is the engine's side only: no bus, no sockets. The prefill service drives the chunks
+and moves the hidden states between stages. A stage's prefix cache works as an engine's
+does, by the same block hashes; since every stage of a group must start a prompt at the
+same token, the driver takes the least of their hits and `rewind`s the others to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.batch import build_batch
+from shared.engine.block_manager import BlockManager
+from shared.engine.engine_types import EngineConfig
+from shared.engine.kv_cache import KVCache
+from shared.engine.model import PagedLlama
+from shared.engine.params import SamplingParams
+from shared.engine.runner import LoadedModel
+from shared.engine.scheduler import ScheduledSeq
+from shared.engine.sequence import Sequence
+
+
+class NoRoom(RuntimeError):
+    """The stage's pool cannot take the chunk's blocks now (nothing was taken)."""
+
+
+class StageRunner:
+    def __init__(self, lm: LoadedModel, config: EngineConfig, layers: tuple[int, int]) -> None:
+        self.lm = lm
+        self.config = config
+        shape = PagedLlama.kv_shape(lm.config, config.block_size, lm.dtype, layers)
+        num_blocks = shape.num_blocks_for(config.kv_cache_bytes)
+        self.kv = KVCache(shape, num_blocks, lm.device)
+        self.model = PagedLlama(lm.model, self.kv, config.quantization, layers)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.hot_hits, config.pin_ttl_s)
+        self.seqs: dict[str, Sequence] = {}
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return self.model.first_layer, self.model.end_layer
+
+    def open(self, seq_id: str, prompt_token_ids: list[int], salt: str = "") -> int:
+        """Start a prompt; returns the leading tokens this stage's prefix cache holds."""
+        if seq_id in self.seqs:
+            raise ValueError(f"{seq_id}: already open on this stage")
+        if not 0 < len(prompt_token_ids) < self.lm.max_model_len:
+            raise ValueError(
+                f"{seq_id}: a prompt of {len(prompt_token_ids)} tokens does not fit the "
+                f"{self.lm.max_model_len}-token context"
+            )
+        seq = Sequence(seq_id, list(prompt_token_ids), len(prompt_token_ids), SamplingParams())
+        self.seqs[seq_id] = seq
+        return self.blocks.match_prefix(seq)
+
+    def rewind(self, seq_id: str, num_tokens: int) -> None:
+        """Keep only the blocks of the first `num_tokens` (a block multiple): the group
+        starts where its least-cached stage does."""
+        seq = self.seqs[seq_id]
+        if num_tokens % self.config.block_size or num_tokens > seq.num_computed_tokens:
+            raise ValueError(f"{seq_id}: cannot rewind to {num_tokens} tokens")
+        keep = num_tokens // self.config.block_size
+        self.blocks.release(reversed(seq.block_table[keep:]))
+        del seq.block_table[keep:], seq.block_hashes[keep:]
+        seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
+
+    def run(self, seq_id: str, num_tokens: int, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The prompt's next `num_tokens` through this stage's layers, their KV written to
+        its pool. The first stage takes no `hidden`; every later one takes the stage
+        before's output for the same tokens. Returns the residual stream [num_tokens,
+        hidden] to hand on, or on the last stage the logits [1, vocab] (fp32) once the
+        chunk ends the prompt ([0, vocab] before that)."""
+        seq = self.seqs[seq_id]
+        if not 0 < num_tokens <= seq.num_uncomputed_tokens:
+            raise ValueError(
+                f"{seq_id}: {num_tokens} tokens asked, {seq.num_uncomputed_tokens} left"
+            )
+        if hidden is not None and hidden.shape[0] != num_tokens:
+            raise ValueError(f"{seq_id}: {hidden.shape[0]} hidden rows for {num_tokens} tokens")
+        if not self.blocks.allocate(seq, num_tokens):
+            raise NoRoom(f"{seq_id}: no room for {num_tokens} more tokens on this stage")
+        meta, _ = build_batch([ScheduledSeq(seq, num_tokens)], self.config.block_size, "cpu")
+        out = self.model.forward(meta, hidden)
+        seq.num_computed_tokens += num_tokens
+        self.blocks.commit(seq)  # full blocks join the prefix cache as they complete
+        return out
+
+    def block_table(self, seq_id: str) -> list[int]:
+        """The pool blocks holding the prompt's KV for this stage's layers, in order."""
+        return list(self.seqs[seq_id].block_table)
+
+    def close(self, seq_id: str) -> None:
+        """Done with the prompt (handed off, or abandoned): its blocks stay cached by hash
+        until evicted."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.blocks.free(seq)
