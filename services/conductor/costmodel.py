@@ -5,6 +5,7 @@ Fitted by `halfmoon profile` from the engine's own timings on this machine:
   a + b·n + d·n² + e·n·c   (attention makes it quadratic in n, and linear in n·c)
 - decode step(batch, context) = a + b·batch + c·batch·context
 - transfer(bytes) = latency + bytes / bandwidth
+- pipelined prefill over a group of instances: pipeline.py, from prefill and transfer
 - handoff(blocks) = a + b·blocks on top of the transfer (what decode instances measure from
   the first token to the KV in place: the offer's copy, the bus, the fetch, the import),
   times a factor drawn from the measured spread around that line when a simulator asks
@@ -60,6 +61,11 @@ class CostModel:
     handoff_spread: list[float] = field(default_factory=list)
     block_bytes: int = 368_640
     block_size: int = 16
+    # What a pipelined prefill (pipeline.py) needs: the layers split among stages, the
+    # bytes of one token's hidden state handed from stage to stage, and the prefill chunk.
+    num_layers: int = 30
+    hidden_bytes_per_token: int = 1152
+    chunk_tokens: int = 512
     source: str = "built-in defaults (run `halfmoon profile` to fit this machine)"
     key: str = ""  # the engines it was fitted for (cpu.engine_key); empty: any
 

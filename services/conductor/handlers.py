@@ -15,7 +15,7 @@ from services.conductor.args import ConductorSettings
 from services.conductor.calibration import Calibrator
 from services.conductor.costmodel import CostModel, load_cost_model, prior_for
 from services.conductor.metrics import ConductorMetrics
-from services.conductor.policy import Decision, follow, make_policy
+from services.conductor.policy import Candidate, Decision, follow, make_policy
 from services.conductor.registry import Registry
 from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
@@ -220,6 +220,7 @@ class Conductor:
                     "queue_ms": c.queue_s * 1e3,
                     "prefill_ms": c.prefill_s * 1e3,
                     "ttft_ms": c.ttft_s * 1e3,
+                    **({"stages": stage_record(c)} if c.stages else {}),
                 }
                 for c in d.candidates
             ],
@@ -271,6 +272,19 @@ class Conductor:
             count=sign if d.decode_id else 0,
             blocks=sign * d.decode_blocks,
         )
+
+
+def stage_record(c: Candidate) -> list[dict[str, object]]:
+    """A group's stages as the decision record shows them: who, which layers, when."""
+    return [
+        {
+            "instance": instance_id,
+            "layers": list(t.layers),
+            "start_ms": t.start_s * 1e3,
+            "end_ms": t.end_s * 1e3,
+        }
+        for instance_id, t in c.stages
+    ]
 
 
 def prefill_job(req: GenerateRequest, d: Decision) -> PrefillJob:

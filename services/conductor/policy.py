@@ -14,6 +14,14 @@ TTFT wins. The baselines (random, round_robin, least_loaded, largest_prefix) pla
 their own rule and reuse only the chosen instance's own cache, as the paper's baselines
 do. Every policy then picks decode by predicted TBT among the instances with room for the
 request's KV, and rejects before any compute what misses its SLOs.
+
+`kvcentric` also places a long prompt on a group of prefill instances that pipeline it
+(CPP, pipeline.py), when the snapshot allows groups (`max_stages` > 1): for a prompt of
+at least `pipeline_min_tokens`, or one no single instance can prefill within its TTFT SLO.
+A group forms from idle instances only (no stage waits on another's queue while the
+others hold their cores) and, for now, reuses no cached prefix (a prefix split by layer
+range among a group is not in the KV index yet). The lowest predicted TTFT wins, group
+or single.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from services.conductor.costmodel import CostModel
+from services.conductor.pipeline import StageTime, pipelined, prefill_end_s
 
 
 @dataclass(slots=True)  # built per instance per decision: keep construction cheap
@@ -55,6 +64,9 @@ class Candidate:
     queue_s: float
     prefill_s: float
     overhead_s: float = 0.0
+    # A pipelined prefill: (instance, its layers and times) per stage, in pipeline order,
+    # the first being `instance_id`; empty for a single instance.
+    stages: tuple[tuple[str, StageTime], ...] = ()
 
     @property
     def ttft_s(self) -> float:
@@ -84,6 +96,10 @@ class Snapshot:
     balancing_threshold: float = 1.5  # pull when the best holder has this many times more
     slo_margin: float = 1.0  # admit only predictions within this share of the SLO
     colocated: bool = False  # each instance decodes what it prefills (decodes == prefills)
+    # Pipelined prefill (kvcentric): groups of up to max_stages instances (1: none), for
+    # prompts of at least pipeline_min_tokens (0: only those no instance serves in time).
+    max_stages: int = 1
+    pipeline_min_tokens: int = 0
 
 
 def best_holder(req: RequestView) -> tuple[str, int]:
@@ -316,6 +332,11 @@ class KVCentricPolicy(Policy):
         holder = best_holder(req)
         cands = self.contenders(snap, req, holder)
         chosen = min(cands, key=lambda c: (c.ttft_s, c.instance_id))
+        if wants_group(snap, req, chosen):
+            groups = group_candidates(snap, req)
+            if groups:
+                cands = cands + groups
+                chosen = min(cands, key=lambda c: (c.ttft_s, c.instance_id))
         return finish(self.name, snap, req, chosen, cands)
 
     @staticmethod
@@ -344,6 +365,39 @@ class KVCentricPolicy(Policy):
                 groups[own] = (c, fixed, (ttft, p.instance_id, i, p))
         chosen = sorted((best[2], c, best[3]) for c, _, best in groups.values())
         return [c if c.instance_id == p.instance_id else with_queue(c, p) for _, c, p in chosen]
+
+
+def wants_group(snap: Snapshot, req: RequestView, single: Candidate) -> bool:
+    """Groups are weighed for a prompt of at least pipeline_min_tokens, or one whose best
+    single placement misses its TTFT SLO."""
+    if snap.max_stages < 2:
+        return False
+    long = snap.pipeline_min_tokens > 0 and req.prompt_tokens >= snap.pipeline_min_tokens
+    return long or single.ttft_s > req.ttft_slo_s * snap.slo_margin
+
+
+def group_candidates(snap: Snapshot, req: RequestView) -> list[Candidate]:
+    """A group of each size from 2 to max_stages, of the idle instances (smallest ids
+    first), its layers split evenly; none when fewer than two are idle."""
+    idle = sorted(p.instance_id for p in snap.prefills if p.queue_s <= 0.0)
+    sizes = range(2, min(snap.max_stages, len(idle), snap.cost.num_layers) + 1)
+    out = []
+    for size in sizes:
+        members = idle[:size]
+        times = pipelined(snap.cost, req.prompt_tokens, 0, [0.0] * size)
+        out.append(
+            Candidate(
+                members[0],
+                0,
+                "",
+                0.0,
+                0.0,
+                prefill_end_s(times),
+                snap.cost.overhead_s,
+                tuple(zip(members, times)),
+            )
+        )
+    return out
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -142,6 +142,9 @@ def fit(args: argparse.Namespace) -> tuple[CostModel, dict[str, dict[str, float]
         transfer_bytes_per_s=bandwidth,
         block_bytes=engine.kv.shape.block_nbytes,
         block_size=engine.config.block_size,
+        num_layers=lm.num_layers,
+        hidden_bytes_per_token=int(lm.config.hidden_size) * lm.dtype.itemsize,
+        chunk_tokens=args.chunk_tokens,
         source=f"halfmoon profile: {lm.name} {dtype} {args.quantization}, "
         f"{args.threads} threads, "
         f"chunk {args.chunk_tokens}, {time.strftime('%Y-%m-%d %H:%M')}",

@@ -1,5 +1,7 @@
 """Exact decisions of every placement policy on crafted cluster states."""
 
+from dataclasses import replace
+
 import pytest
 
 from services.conductor import snapshot
@@ -252,3 +254,52 @@ def test_an_instance_reporting_no_pool_is_assumed_to_have_room():
     reg = Registry(expiry_s=3)
     reg.seen(InstanceInfo(instance_id="d0", role=Role.DECODE), now=0)
     assert snapshot.decode_view(reg.alive(Role.DECODE, 0)[0]).kv_blocks_free is None
+
+
+# ---- pipelined prefill (groups) -------------------------------------------------------------
+
+FAST_HOPS = replace(COST, transfer_bytes_per_s=1e12)  # hidden states hop at no cost
+
+
+def group_snap(queues, max_stages=3, min_tokens=8000):
+    s = snap(queues)
+    return replace(s, cost=FAST_HOPS, max_stages=max_stages, pipeline_min_tokens=min_tokens)
+
+
+def test_a_long_prompt_goes_to_the_group_that_prefills_it_soonest():
+    d = make_policy("kvcentric").decide(
+        group_snap([("a", 0), ("b", 0), ("c", 0)]), req(prompt=16384)
+    )
+    c = d.prefill
+    assert [i for i, _ in c.stages] == ["a", "b", "c"] and c.instance_id == "a"
+    assert [t.layers for _, t in c.stages] == [(0, 10), (10, 20), (20, 30)]
+    # 32 chunks of 0.512 s over 3 equal stages: (32 + 2) * 0.512 / 3, against 16.384 s alone
+    assert c.ttft_s == pytest.approx(34 * 0.512 / 3)
+    sizes = sorted(len(x.stages) for x in d.candidates)
+    assert sizes == [0, 2, 3]  # one single prediction (same prefix everywhere), two groups
+
+
+def test_groups_form_from_idle_instances_only_and_need_two():
+    d = make_policy("kvcentric").decide(
+        group_snap([("a", 0), ("b", 3.0), ("c", 0)]), req(prompt=16384)
+    )
+    assert [i for i, _ in d.prefill.stages] == ["a", "c"]
+    d = make_policy("kvcentric").decide(group_snap([("a", 0), ("b", 3.0)]), req(prompt=16384))
+    assert not d.prefill.stages
+
+
+def test_below_the_threshold_a_group_is_weighed_only_when_no_single_meets_the_slo():
+    policy, s = make_policy("kvcentric"), group_snap([("a", 0), ("b", 0)], min_tokens=20000)
+    d = policy.decide(s, req(prompt=16384, ttft=100.0))
+    assert not d.prefill.stages and all(not x.stages for x in d.candidates)
+    d = policy.decide(s, req(prompt=16384, ttft=10.0))  # alone 16.4 s; two stages 8.4 s
+    assert len(d.prefill.stages) == 2 and not d.rejected
+    off = replace(s, max_stages=1)
+    assert policy.decide(off, req(prompt=16384, ttft=10.0)).rejected
+
+
+def test_a_cached_prefix_on_one_instance_beats_a_cold_group():
+    d = make_policy("kvcentric").decide(
+        group_snap([("a", 0), ("b", 0), ("c", 0)]), req({"b": 900}, prompt=16384)
+    )
+    assert d.prefill.instance_id == "b" and not d.prefill.stages
