@@ -33,6 +33,11 @@ class Outgoing:
 
 
 def worth_streaming(request: GenerateRequest, chunk_tokens: int) -> bool:
+    return streams(len(request.prompt_token_ids), request.sampling.max_tokens, chunk_tokens)
+
+
+def streams(prompt_tokens: int, max_tokens: int, chunk_tokens: int) -> bool:
     """More than one prefill chunk, and a request that goes on after its first token (one
-    that ends at prefill would leave decode a reservation for nothing)."""
-    return len(request.prompt_token_ids) > chunk_tokens and request.sampling.max_tokens > 1
+    that ends at prefill would leave decode a reservation for nothing). The simulator asks
+    this too."""
+    return prompt_tokens > chunk_tokens and max_tokens > 1

@@ -450,3 +450,48 @@ def test_a_background_that_runs_dry_between_events_changes_the_rate_there():
     assert cores.remaining_s("a", 0.0) == pytest.approx(2.0)  # at the current rate
     cores.settle(1.0)  # 0.2 done by 0.4, then 0.6 alone
     assert cores.backlog == 0.0 and cores.next_done() == pytest.approx((1.2, "a"))
+
+
+# ---- pipelined prefill and the streamed handoff -----------------------------------------------
+
+
+def piped_cfg(**kw):
+    """4 layers; hidden states hop for free; 100-token chunks of 1 s each."""
+    c = replace(cost(), num_layers=4, hidden_bytes_per_token=0, chunk_tokens=100)
+    return cfg(num_prefill=3, cost=c, max_stages=2, pipeline_min_tokens=1000, **kw)
+
+
+def test_a_long_prompt_pipelines_over_two_idle_instances_and_holds_them():
+    reqs = [
+        req(0, 0.0, range(0, 100)),  # 1,000 tokens: 10 chunks, 2 stages: (10 + 1) x 0.5 s
+        req(1, 1.0, range(100, 200)),  # one instance idle: alone, 10 s
+        req(2, 6.0, range(200, 300)),  # the group is free again at 5.5 s
+        req(3, 20.0, range(0, 100)),  # the first prompt again
+    ]
+    outs, _, cluster = simulate(reqs, piped_cfg(), "kvcentric")
+    assert (outs[0].stages, outs[0].prefill_id) == (2, "p00")
+    assert outs[0].ttft_s == pytest.approx(5.5)
+    assert (outs[1].stages, outs[1].prefill_id) == (0, "p02")
+    assert outs[1].ttft_s == pytest.approx(10.0)
+    assert outs[2].stages == 2 and outs[2].ttft_s == pytest.approx(5.5)
+    # A prefix split by layers among a group is not cached anywhere (yet): computed again.
+    assert outs[3].reused_blocks == 0
+    assert cluster.index.match(list(range(100))).per_instance == {}
+
+
+def test_groups_are_refused_where_the_simulator_cannot_model_them():
+    with pytest.raises(ValueError, match="pipelined prefill"):
+        piped_cfg(cores=2.0)
+    with pytest.raises(ValueError, match="pipelined prefill"):
+        piped_cfg(prefill_chunk_tokens=100)
+
+
+def test_a_streamed_handoff_moves_only_the_tail_after_the_first_token():
+    # Handoffs cost 1 s per block beyond the transfer, so their share shows in the gap.
+    c = replace(cost(), chunk_tokens=100, handoff_s_per_block=1.0)
+    reqs = [req(0, 0.0, range(0, 50), output=2)]  # 500 tokens: 5 chunks, 50 blocks
+    whole, _, _ = simulate(reqs, cfg(cost=c, streamed_handoff=False), "kvcentric")
+    streamed, _, _ = simulate(reqs, cfg(cost=c), "kvcentric")
+    decode_step = 0.1
+    assert whole[0].tbt_s == pytest.approx(50.0 + decode_step)
+    assert streamed[0].tbt_s == pytest.approx(10.0 + decode_step)  # the last chunk's 10

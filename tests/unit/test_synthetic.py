@@ -59,3 +59,14 @@ def test_the_same_seed_gives_the_same_trace_and_another_seed_another():
     )
     assert a == b
     assert a != synthetic_trace(SyntheticShape(requests=200), 8)
+
+
+def test_the_long_document_shape_asks_8k_to_32k_documents_several_times():
+    from services.kvmanager.synthetic import LONG_DOCUMENTS
+
+    trace = synthetic_trace(LONG_DOCUMENTS, seed=3)
+    inputs = [r.input_length for r in trace]
+    assert min(inputs) >= 8_192 and max(inputs) <= 32_768
+    docs = {r.hash_ids[0] for r in trace}  # every request starts with its document
+    assert len(trace) / len(docs) >= 4  # several questions per document
+    assert replay_requests(trace, None).hit_ratio > 0.7

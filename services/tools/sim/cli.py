@@ -92,6 +92,26 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
         f"paper's local cache-aware baseline), or all = the first five (default: all)",
     )
     p.add_argument(
+        "--max-stages",
+        type=int,
+        default=1,
+        help="kvcentric may pipeline a prompt's prefill over up to this many idle "
+        "instances (1: never; %(default)s)",
+    )
+    p.add_argument(
+        "--pipeline-min-tokens",
+        type=int,
+        default=0,
+        help="weigh pipelines for prompts this long (0: only when no single instance "
+        "meets the TTFT SLO; %(default)s)",
+    )
+    p.add_argument(
+        "--no-streamed-handoff",
+        action="store_true",
+        help="move a prompt's whole KV after its first token (default: long prompts "
+        "stream it during prefill, as the live prefill does)",
+    )
+    p.add_argument(
         "--time-scale",
         type=float,
         default=DEFAULT_TIME_SCALE,
@@ -192,6 +212,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         balancing_threshold=args.balancing_threshold,
         reject=not args.no_reject,
         prewarm=not args.no_prewarm,
+        max_stages=args.max_stages,
+        pipeline_min_tokens=args.pipeline_min_tokens,
+        streamed_handoff=not args.no_streamed_handoff,
     )
 
 
@@ -207,7 +230,7 @@ def format_table(results: Sequence[SimResult]) -> str:
     head = (
         f"{'policy':>14} {'reqs':>6} {'reject':>6} {'avgTTFT':>8} {'p50':>7} {'p90':>7} "
         f"{'p99':>7} {'avgTBTms':>8} {'p99TBTms':>8} {'hit %':>6} {'pulled':>7} "
-        f"{'makespan':>9} {'wall s':>7}"
+        f"{'piped':>6} {'makespan':>9} {'wall s':>7}"
     )
     rows = [head, "-" * len(head)]
     for r in results:
@@ -215,7 +238,7 @@ def format_table(results: Sequence[SimResult]) -> str:
             f"{r.policy:>14} {r.requests:6d} {r.rejected:6d} {r.avg_ttft_s:8.2f} "
             f"{r.p50_ttft_s:7.2f} {r.p90_ttft_s:7.2f} {r.p99_ttft_s:7.2f} "
             f"{1e3 * r.avg_tbt_s:8.1f} {1e3 * r.p99_tbt_s:8.1f} {100 * r.hit_ratio:6.2f} "
-            f"{r.pulled_blocks:7d} {r.makespan_s:9.1f} {r.wall_s:7.1f}"
+            f"{r.pulled_blocks:7d} {r.pipelined:6d} {r.makespan_s:9.1f} {r.wall_s:7.1f}"
         )
     ratio = ttft_ratio(results)
     if ratio is not None:
@@ -239,9 +262,10 @@ def _describe(args: argparse.Namespace, cfg: SimConfig, n: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.prefill < 1 or args.decode < 1 or not args.time_scale > 0:
+    if args.prefill < 1 or args.decode < 1 or not args.time_scale > 0 or args.max_stages < 1:
         print(
-            "halfmoon sim: --prefill and --decode must be >= 1, --time-scale > 0", file=sys.stderr
+            "halfmoon sim: --prefill, --decode and --max-stages must be >= 1, --time-scale > 0",
+            file=sys.stderr,
         )
         return 2
     try:

@@ -25,7 +25,11 @@ Modelling choices (the honest simplifications):
   of the machine's work (the gateway, the conductor, the bus) comes with each request and
   runs beside them by its scheduling weight (Cores' background).
 - A handoff takes the cost model's line in blocks, or with a measured spread a draw from
-  it (seeded: SimConfig.seed).
+  it (seeded: SimConfig.seed); streamed, only the last chunk's blocks (handoff.py).
+- A pipelined prefill (SimConfig.max_stages > 1) holds each of its idle instances for
+  its stage, from now to the stage's end in the conductor's own flow shop
+  (services/conductor/pipeline.py, with the work cost); its prompt's blocks are not
+  cached anywhere afterwards (a prefix split by layers is not in the index yet).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Outcome:
     decode_id: str = ""
     predicted_ttft_s: float = 0.0
     reused_blocks: int = 0  # own + pulled, known at prefill start
+    stages: int = 0  # prefilled by a pipeline of this many instances (0: by one)
     pulled_blocks: int = 0
     prefill_start_s: float = math.nan
     prefill_end_s: float = math.nan
@@ -94,6 +99,11 @@ def llama3_70b_8xa800() -> CostModel:
         overhead_s=0.0,
         block_bytes=512 * 327_680,
         block_size=512,
+        # Pipelined prefill: 80 layers; a token's hidden state is 16 KiB in bf16, so a
+        # 1,024-token chunk (~0.1 s of one instance's prefill) hops in under 1 ms.
+        num_layers=80,
+        hidden_bytes_per_token=8192 * 2,
+        chunk_tokens=1024,
         source="preset llama3-70b-8xa800 (first-principles approximation)",
     )
 

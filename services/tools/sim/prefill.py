@@ -20,6 +20,10 @@ class PrefillJob:
     pull_from: str  # "" = own cache only
     pull_blocks: int  # prefix length the conductor expects to pull
     predicted_s: float  # transfer + prefill, as predicted at placement
+    # A stage of a pipelined prefill: its place in the group (-1: a whole prompt alone);
+    # only the last stage's end gives the first token.
+    stage: int = -1
+    last: bool = True
 
 
 @dataclass
@@ -70,6 +74,13 @@ class PrefillInstance:
         self.running, self.running_end_s = job, now + duration
         self._idle_view = None
         return True
+
+    def run_stage(self, job: PrefillJob, now: float, end_s: float) -> None:
+        """Hold the (idle) instance for its stage of a pipelined prefill until `end_s`."""
+        if self.running is not None or self.queue:
+            raise RuntimeError(f"{self.instance_id}: a stage placed on a busy instance")
+        self.running, self.running_end_s = job, end_s
+        self._idle_view = None
 
     def finish_running(self) -> list[PrefillJob]:
         job, self.running = self.running, None

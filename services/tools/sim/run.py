@@ -26,13 +26,16 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence, cast
 
 from services.conductor.costmodel import CostModel
-from services.conductor.policy import Policy, RequestView, Snapshot, make_policy
+from services.conductor.pipeline import balanced_split, chunk_sizes, chunk_work, pipelined
+from services.conductor.policy import Candidate, Policy, RequestView, Snapshot, make_policy
 from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import kept_runs
 from services.kvmanager.traces import TraceRequest
+from services.prefill.streaming import streams
 from services.tools.sim.cores import BACKGROUND, Cores
 from services.tools.sim.decode import DecodeInstance
+from services.tools.sim.handoff import after_prefill_s, tail_blocks
 from services.tools.sim.model import Outcome, SimRequest
 from services.tools.sim.prefill import ChunkedPrefillInstance, PrefillInstance, PrefillJob
 from shared.stats import percentile
@@ -82,6 +85,15 @@ class SimConfig:
     # Prefill runs the engine's chunked steps of this many tokens, packed across prompts
     # (model.ChunkedPrefillInstance); None: one whole prompt at a time, FIFO.
     prefill_chunk_tokens: int | None = None
+    # Pipelined prefill: the policy may put a prompt on a group of up to this many idle
+    # prefill instances (1: never), for prompts of at least pipeline_min_tokens (0: only
+    # when no single instance meets the TTFT SLO). Groups need whole-prompt prefill
+    # instances on their own hardware (no prefill_chunk_tokens, no cores).
+    max_stages: int = 1
+    pipeline_min_tokens: int = 0
+    # The live prefill's default: a prompt longer than a chunk streams its KV to decode
+    # while it is computed (handoff.py); False: all of it after the first token.
+    streamed_handoff: bool = True
 
     def __post_init__(self) -> None:
         # The policies size a prefix with cost.block_size, the pools count trace blocks:
@@ -95,6 +107,11 @@ class SimConfig:
             raise ValueError("need at least one prefill and one decode instance")
         if self.background_s_per_request < 0:
             raise ValueError(f"background_s_per_request < 0: {self.background_s_per_request}")
+        if self.max_stages > 1 and (self.cores or self.prefill_chunk_tokens):
+            raise ValueError(
+                "pipelined prefill is simulated on whole-prompt instances on their own "
+                "hardware: max_stages > 1 takes neither cores nor prefill_chunk_tokens"
+            )
 
 
 def to_sim_requests(trace: Sequence[TraceRequest], time_scale: float) -> list[SimRequest]:
@@ -156,6 +173,8 @@ class Cluster:
             self.cost,
             self.cfg.balancing_threshold,
             self.cfg.slo_margin,
+            max_stages=self.cfg.max_stages,
+            pipeline_min_tokens=self.cfg.pipeline_min_tokens,
         )
         view = RequestView(
             str(req.index),
@@ -178,6 +197,9 @@ class Cluster:
         assert chosen is not None
         out.prefill_id, out.decode_id = chosen.instance_id, decision.decode_id
         self.decodes[out.decode_id].assign(req.input_length + 1)
+        if chosen.stages:
+            self._start_group(out, chosen, now)
+            return
         inst = self.prefills[chosen.instance_id]
         inst.enqueue(
             PrefillJob(
@@ -185,6 +207,20 @@ class Cluster:
             )
         )
         self._start(inst, now)
+
+    def _start_group(self, out: Outcome, chosen: Candidate, now: float) -> None:
+        """Each stage holds its (idle) instance until its part of the flow shop ends, as
+        the conductor predicted it but with the work cost; the last stage's end is the
+        first token."""
+        layers = [t.layers for _, t in chosen.stages]
+        times = pipelined(self.work, out.request.input_length, 0, [0.0] * len(layers), layers)
+        out.stages, out.reused_blocks, out.prefill_start_s = len(layers), 0, now
+        for k, ((instance_id, _), t) in enumerate(zip(chosen.stages, times)):
+            inst = self.prefills[instance_id]
+            assert isinstance(inst, PrefillInstance)  # SimConfig allows groups only so
+            job = PrefillJob(out, "", 0, t.end_s, stage=k, last=k == len(layers) - 1)
+            inst.run_stage(job, now, now + t.end_s)
+            self._push(now + t.end_s, _PREFILL_DONE, instance_id, None)
 
     def _start(self, inst: PrefillInstance | ChunkedPrefillInstance, now: float) -> None:
         if not inst.start_next(now, self.work, self.cfg.block_tokens, self._pool):
@@ -234,17 +270,39 @@ class Cluster:
 
     def _prefill_done(self, inst: PrefillInstance | ChunkedPrefillInstance, now: float) -> None:
         for job in inst.finish_running():
+            if not job.last:
+                continue  # a stage before the last: it only frees its instance
             out, req = job.outcome, job.outcome.request
-            self._admit(inst, req.hash_ids, now)
+            if job.stage < 0:
+                self._admit(inst, req.hash_ids, now)
             out.prefill_end_s = now
             out.ttft_s = now - req.arrival_s + self.cost.overhead_s
             if req.output_length <= 1:  # the prefill's token was the whole answer
                 out.finish_s = now
                 self.decodes[out.decode_id].unassign(req.input_length + 1)
             else:
-                ready = now + self.work.handoff_time_s(len(req.hash_ids), self.rng.random())
-                self._push(ready, _KV_ARRIVED, out.decode_id, out)
+                self._push(now + self._handoff_s(out, now), _KV_ARRIVED, out.decode_id, out)
         self._start(inst, now)
+
+    def _handoff_s(self, out: Outcome, now: float) -> float:
+        """The first token to the KV in place on decode (handoff.py)."""
+        req, bt = out.request, self.cfg.block_tokens
+        share = 1.0
+        if out.stages:  # each stage sends its layers' slice; the largest share is slowest
+            layers = self.work.num_layers
+            share = max(b - a for a, b in balanced_split(layers, out.stages)) / layers
+        q = self.rng.random()
+        chunk = self.work.chunk_tokens
+        if not (self.cfg.streamed_handoff and streams(req.input_length, req.output_length, chunk)):
+            return after_prefill_s(self.work, len(req.hash_ids), q, share=share)
+        cached = out.reused_blocks * bt
+        new = max(1, req.input_length - cached)
+        first_chunk_s = chunk_work(self.work, new, cached)[0] * share
+        tail = tail_blocks(req.input_length, chunk_sizes(new, chunk)[-1], bt)
+        overlap = max(0.0, now - out.prefill_start_s - first_chunk_s)
+        return after_prefill_s(
+            self.work, len(req.hash_ids), q, share=share, tail=tail, overlap_s=overlap
+        )
 
     def _admit(
         self, inst: PrefillInstance | ChunkedPrefillInstance, hashes: list[int], now: float
@@ -323,6 +381,7 @@ class SimResult:
     hit_tokens: int
     input_tokens: int
     pulled_blocks: int
+    pipelined: int  # requests prefilled by a group of instances
     makespan_s: float  # first arrival to last token
     wall_s: float
 
@@ -356,6 +415,7 @@ def summarize(
         hit_tokens=hits,
         input_tokens=inputs,
         pulled_blocks=sum(o.pulled_blocks for o in placed),
+        pipelined=sum(1 for o in placed if o.stages),
         makespan_s=end - start,
         wall_s=wall_s,
     )
