@@ -19,9 +19,10 @@ request's KV, and rejects before any compute what misses its SLOs.
 (CPP, pipeline.py), when the snapshot allows groups (`max_stages` > 1): for a prompt of
 at least `pipeline_min_tokens`, or one no single instance can prefill within its TTFT SLO.
 A group forms from idle instances only (no stage waits on another's queue while the
-others hold their cores) and, for now, reuses no cached prefix (a prefix split by layer
-range among a group is not in the KV index yet). The lowest predicted TTFT wins, group
-or single.
+others hold their cores). Its stages keep the KV of their layers, so the index holds
+that prefix under the group's holder id (`group_holder`: members and layer ranges); the
+same group, all idle again, reuses it. No single instance pulls from a group. The lowest
+predicted TTFT wins, group or single.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from services.conductor.costmodel import CostModel
-from services.conductor.pipeline import StageTime, pipelined, prefill_end_s
+from services.conductor.pipeline import StageTime, balanced_split, pipelined, prefill_end_s
 
 
 @dataclass(slots=True)  # built per instance per decision: keep construction cheap
@@ -102,9 +103,34 @@ class Snapshot:
     pipeline_min_tokens: int = 0
 
 
+GROUP = "group:"  # the start of a group's holder id in the KV index
+
+
+def group_holder(stages: list[tuple[str, tuple[int, int]]]) -> str:
+    """The KV index's holder id for a prefix split among a group's stages by layer range,
+    e.g. "group:p00@0-40,p01@40-80"."""
+    return GROUP + ",".join(f"{i}@{a}-{b}" for i, (a, b) in stages)
+
+
+def group_members(holder: str) -> list[tuple[str, tuple[int, int]]] | None:
+    """The stages a group holder id names, in order; None for a single instance's id."""
+    if not holder.startswith(GROUP):
+        return None
+    out = []
+    for part in holder[len(GROUP) :].split(","):
+        instance_id, _, layers = part.rpartition("@")
+        first, _, end = layers.partition("-")
+        out.append((instance_id, (int(first), int(end))))
+    return out
+
+
 def best_holder(req: RequestView) -> tuple[str, int]:
-    """The instance with the longest cached prefix (ties: the larger id, deterministically)."""
-    blocks, holder = max(((b, i) for i, b in req.prefix_blocks.items()), default=(0, ""))
+    """The instance with the longest cached prefix (ties: the larger id, deterministically).
+    Groups do not count: a prefix split by layers is not pulled whole from one place."""
+    blocks, holder = max(
+        ((b, i) for i, b in req.prefix_blocks.items() if not i.startswith(GROUP)),
+        default=(0, ""),
+    )
     return holder, blocks
 
 
@@ -377,27 +403,39 @@ def wants_group(snap: Snapshot, req: RequestView, single: Candidate) -> bool:
 
 
 def group_candidates(snap: Snapshot, req: RequestView) -> list[Candidate]:
-    """A group of each size from 2 to max_stages, of the idle instances (smallest ids
-    first), its layers split evenly; none when fewer than two are idle."""
+    """Every group holding a prefix of the prompt whose stages are all idle, reusing it;
+    and a cold group of each size from 2 to max_stages of the idle instances (smallest ids
+    first), its layers split evenly."""
     idle = sorted(p.instance_id for p in snap.prefills if p.queue_s <= 0.0)
-    sizes = range(2, min(snap.max_stages, len(idle), snap.cost.num_layers) + 1)
+    free = set(idle)
     out = []
-    for size in sizes:
-        members = idle[:size]
-        times = pipelined(snap.cost, req.prompt_tokens, 0, [0.0] * size)
-        out.append(
-            Candidate(
-                members[0],
-                0,
-                "",
-                0.0,
-                0.0,
-                prefill_end_s(times),
-                snap.cost.overhead_s,
-                tuple(zip(members, times)),
-            )
-        )
+    for holder, blocks in sorted(req.prefix_blocks.items()):
+        stages = group_members(holder)
+        if stages and len(stages) <= snap.max_stages and all(i in free for i, _ in stages):
+            out.append(_group(snap, req, stages, blocks))
+    for size in range(2, min(snap.max_stages, len(idle), snap.cost.num_layers) + 1):
+        split = balanced_split(snap.cost.num_layers, size)
+        out.append(_group(snap, req, list(zip(idle[:size], split)), 0))
     return out
+
+
+def _group(
+    snap: Snapshot, req: RequestView, stages: list[tuple[str, tuple[int, int]]], blocks: int
+) -> Candidate:
+    cached = min(blocks * snap.cost.block_size, req.prompt_tokens - 1)
+    layers = [r for _, r in stages]
+    times = pipelined(snap.cost, req.prompt_tokens - cached, cached, [0.0] * len(stages), layers)
+    members = [i for i, _ in stages]
+    return Candidate(
+        members[0],
+        blocks,
+        "",
+        0.0,
+        0.0,
+        prefill_end_s(times),
+        snap.cost.overhead_s,
+        tuple(zip(members, times)),
+    )
 
 
 POLICIES: dict[str, type[Policy]] = {

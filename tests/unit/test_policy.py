@@ -11,6 +11,8 @@ from services.conductor.policy import (
     InstanceView,
     RequestView,
     Snapshot,
+    group_holder,
+    group_members,
     kv_blocks_needed,
     make_policy,
 )
@@ -303,3 +305,18 @@ def test_a_cached_prefix_on_one_instance_beats_a_cold_group():
         group_snap([("a", 0), ("b", 0), ("c", 0)]), req({"b": 900}, prompt=16384)
     )
     assert d.prefill.instance_id == "b" and not d.prefill.stages
+
+
+def test_a_group_holding_the_prefix_reuses_it_and_no_single_instance_pulls_from_it():
+    holder = "group:b@0-15,c@15-30"
+    assert group_members(holder) == [("b", (0, 15)), ("c", (15, 30))]
+    assert group_holder([("b", (0, 15)), ("c", (15, 30))]) == holder
+    s = group_snap([("a", 0), ("b", 0), ("c", 0)])
+    d = make_policy("kvcentric").decide(s, req({holder: 1000}, prompt=16384))
+    c = d.prefill
+    assert [i for i, _ in c.stages] == ["b", "c"] and c.prefix_blocks == 1000
+    assert c.ttft_s == pytest.approx(0.384, rel=1e-5)  # 384 new tokens, stage after stage
+    assert all(x.pull_from == "" for x in d.candidates)
+    busy = group_snap([("a", 0), ("b", 2.0), ("c", 0)])
+    d = make_policy("kvcentric").decide(busy, req({holder: 1000}, prompt=16384))
+    assert [i for i, _ in d.prefill.stages] != ["b", "c"]  # b is busy: not that group

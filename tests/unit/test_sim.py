@@ -474,9 +474,12 @@ def test_a_long_prompt_pipelines_over_two_idle_instances_and_holds_them():
     assert (outs[1].stages, outs[1].prefill_id) == (0, "p02")
     assert outs[1].ttft_s == pytest.approx(10.0)
     assert outs[2].stages == 2 and outs[2].ttft_s == pytest.approx(5.5)
-    # A prefix split by layers among a group is not cached anywhere (yet): computed again.
-    assert outs[3].reused_blocks == 0
-    assert cluster.index.match(list(range(100))).per_instance == {}
+    # The group holds the first prompt split by layers, under its own id in the index, and
+    # the same group (idle again) reuses it: one token left to compute.
+    holder = "group:p00@0-2,p01@2-4"
+    assert cluster.index.match(list(range(100))).per_instance == {holder: 100}
+    assert (outs[3].stages, outs[3].reused_blocks) == (2, 100)
+    assert outs[3].ttft_s == pytest.approx(0.01)
 
 
 def test_groups_are_refused_where_the_simulator_cannot_model_them():

@@ -28,8 +28,9 @@ Modelling choices (the honest simplifications):
   it (seeded: SimConfig.seed); streamed, only the last chunk's blocks (handoff.py).
 - A pipelined prefill (SimConfig.max_stages > 1) holds each of its idle instances for
   its stage, from now to the stage's end in the conductor's own flow shop
-  (services/conductor/pipeline.py, with the work cost); its prompt's blocks are not
-  cached anywhere afterwards (a prefix split by layers is not in the index yet).
+  (services/conductor/pipeline.py, with the work cost). The group then holds the
+  prompt's blocks, split by layers, in a pool of its own, under its holder id in the
+  index; the same group reuses them (policy.py).
 """
 
 from __future__ import annotations

@@ -27,7 +27,14 @@ from typing import Sequence, cast
 
 from services.conductor.costmodel import CostModel
 from services.conductor.pipeline import balanced_split, chunk_sizes, chunk_work, pipelined
-from services.conductor.policy import Candidate, Policy, RequestView, Snapshot, make_policy
+from services.conductor.policy import (
+    Candidate,
+    Policy,
+    RequestView,
+    Snapshot,
+    group_holder,
+    make_policy,
+)
 from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import kept_runs
@@ -142,6 +149,10 @@ class Cluster:
             f"d{i:02d}": DecodeInstance(f"d{i:02d}", self.work, self.cores)
             for i in range(cfg.num_decode)
         }
+        # Prefixes held by groups, split by layers among their stages: one pool per group
+        # holder id (policy.group_holder), mirrored into the index under that id. (They
+        # do not compete with their members' own pools for memory: a simplification.)
+        self.group_pools: dict[str, HashPool] = {}
         self.events: list[tuple[float, int, int, str, Outcome | None]] = []
         self.outcomes: list[Outcome] = []
         self.num_placed_over_slo = 0  # rejected by the policy but placed (reject=False)
@@ -211,14 +222,20 @@ class Cluster:
     def _start_group(self, out: Outcome, chosen: Candidate, now: float) -> None:
         """Each stage holds its (idle) instance until its part of the flow shop ends, as
         the conductor predicted it but with the work cost; the last stage's end is the
-        first token."""
+        first token. What the group reuses is what its pool holds now."""
+        req = out.request
         layers = [t.layers for _, t in chosen.stages]
-        times = pipelined(self.work, out.request.input_length, 0, [0.0] * len(layers), layers)
-        out.stages, out.reused_blocks, out.prefill_start_s = len(layers), 0, now
+        holder = group_holder([(i, t.layers) for i, t in chosen.stages])
+        pool = self.group_pools.get(holder)
+        reuse = pool.prefix_blocks(req.hash_ids) if pool is not None else 0
+        cached = min(reuse * self.cfg.block_tokens, req.input_length - 1)
+        times = pipelined(self.work, req.input_length - cached, cached, [0.0] * len(layers), layers)
+        out.stages, out.reused_blocks, out.prefill_start_s = len(layers), reuse, now
         for k, ((instance_id, _), t) in enumerate(zip(chosen.stages, times)):
             inst = self.prefills[instance_id]
             assert isinstance(inst, PrefillInstance)  # SimConfig allows groups only so
-            job = PrefillJob(out, "", 0, t.end_s, stage=k, last=k == len(layers) - 1)
+            last = k == len(layers) - 1
+            job = PrefillJob(out, "", 0, t.end_s, stage=k, last=last, group=holder)
             inst.run_stage(job, now, now + t.end_s)
             self._push(now + t.end_s, _PREFILL_DONE, instance_id, None)
 
@@ -273,7 +290,13 @@ class Cluster:
             if not job.last:
                 continue  # a stage before the last: it only frees its instance
             out, req = job.outcome, job.outcome.request
-            if job.stage < 0:
+            if job.group:
+                pool = self.group_pools.get(job.group)
+                if pool is None:
+                    pool = HashPool(self.cfg.cache_blocks, self.cfg.eviction)
+                    self.group_pools[job.group] = pool
+                self._admit_to(job.group, pool, req.hash_ids, now)
+            else:
                 self._admit(inst, req.hash_ids, now)
             out.prefill_end_s = now
             out.ttft_s = now - req.arrival_s + self.cost.overhead_s
@@ -309,15 +332,17 @@ class Cluster:
     ) -> None:
         """Store the prompt's blocks (own, pulled and new) in the pool; mirror the net
         change into the index (a block may be inserted then evicted in one admit)."""
-        res = inst.pool.admit(hashes, now)
-        pool = inst.pool
+        self._admit_to(inst.instance_id, inst.pool, hashes, now)
+
+    def _admit_to(self, holder: str, pool: HashPool, hashes: list[int], now: float) -> None:
+        res = pool.admit(hashes, now)
         gone = [h for h in res.evicted if h not in pool]
         if gone:
-            self.index.removed(inst.instance_id, _TIER, gone)
+            self.index.removed(holder, _TIER, gone)
         fresh = {h for h in res.inserted if h in pool}
         if fresh:
             for parent, run in kept_runs(hashes, fresh):
-                self.index.stored(inst.instance_id, _TIER, run, 0, now, parent_of=parent)
+                self.index.stored(holder, _TIER, run, 0, now, parent_of=parent)
 
     def prewarm(self, hashes: list[int], now: float) -> None:
         """Cache `hashes` on every prefill instance before the first request."""
