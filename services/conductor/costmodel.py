@@ -75,6 +75,13 @@ class CostModel:
         t = a + b * n + c * n * n + d * n * cached_tokens
         return t if t > 0.0 else 0.0  # max(0.0, t), without the call
 
+    def chunk_s(self, done: float, new: float, cached: float = 0.0) -> float:
+        """What `new` more prompt tokens add after `done` computed ones: a chunk's share of
+        the whole prefill (the first carries the fixed term), so a prompt's chunks add up
+        to prefill_s of all of it."""
+        before = self.prefill_s(done, cached) if done else 0.0
+        return self.prefill_s(done + new, cached) - before
+
     def decode_step_s(self, batch: float, context: float) -> float:
         a, b, c = self.decode_coef  # inlined decode_features: this runs per decode instance
         t = a * 1.0 + b * batch + c * (batch * context)

@@ -15,8 +15,9 @@ from services.conductor.args import ConductorSettings
 from services.conductor.calibration import Calibrator
 from services.conductor.costmodel import CostModel, load_cost_model, prior_for
 from services.conductor.metrics import ConductorMetrics
-from services.conductor.policy import Candidate, Decision, follow, make_policy
+from services.conductor.policy import follow, make_policy
 from services.conductor.registry import Registry
+from services.conductor.views import Candidate, Decision
 from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
 from shared.messages import (

@@ -52,12 +52,10 @@ def chunk_sizes(new_tokens: int, chunk_tokens: int) -> list[int]:
 
 def chunk_work(cost: CostModel, new_tokens: int, cached_tokens: int) -> list[float]:
     """Each chunk's share of the whole prompt's predicted prefill (they sum to it)."""
-    work, done, before = [], 0, 0.0
+    work, done = [], 0
     for n in chunk_sizes(new_tokens, cost.chunk_tokens):
+        work.append(max(0.0, cost.chunk_s(done, n, cached_tokens)))
         done += n
-        upto = cost.prefill_s(done, cached_tokens)
-        work.append(max(0.0, upto - before))
-        before = upto
     return work
 
 

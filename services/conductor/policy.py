@@ -28,100 +28,10 @@ predicted TTFT wins, group or single.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from services.conductor.costmodel import CostModel
-from services.conductor.pipeline import StageTime, balanced_split, pipelined, prefill_end_s
-
-
-@dataclass(slots=True)  # built per instance per decision: keep construction cheap
-class InstanceView:
-    instance_id: str
-    queue_s: float = 0.0  # predicted seconds of work ahead of a new request
-    running: int = 0  # decode: sequences in the batch
-    mean_context: float = 0.0  # decode: average tokens per running sequence
-    load: int = 0  # queued + running requests (for least_loaded)
-    # decode: KV blocks it can still give a new request (free, less those promised to
-    # requests dispatched since its report); None when unknown: assumed to have room.
-    kv_blocks_free: int | None = None
-
-
-@dataclass(frozen=True)
-class RequestView:
-    request_id: str
-    prompt_tokens: int
-    prefix_blocks: dict[str, int]  # instance -> cached leading blocks of this prompt
-    ttft_slo_s: float
-    tbt_slo_s: float
-    max_tokens: int = 0  # output tokens it may generate: their KV must fit on decode too
-
-
-@dataclass(slots=True)
-class Candidate:
-    instance_id: str
-    prefix_blocks: int  # blocks reused (own or pulled)
-    pull_from: str  # "" when the instance's own cache is used
-    transfer_s: float
-    queue_s: float
-    prefill_s: float
-    overhead_s: float = 0.0
-    # A pipelined prefill: (instance, its layers and times) per stage, in pipeline order,
-    # the first being `instance_id`; empty for a single instance.
-    stages: tuple[tuple[str, StageTime], ...] = ()
-
-    @property
-    def ttft_s(self) -> float:
-        return self.overhead_s + self.transfer_s + self.queue_s + self.prefill_s
-
-
-@dataclass
-class Decision:
-    policy: str
-    prefill: Candidate | None = None
-    decode_id: str = ""
-    tbt_s: float = 0.0
-    candidates: list[Candidate] = field(default_factory=list)
-    rejected: str = ""  # why, when the request is refused
-    decode_blocks: int = 0  # KV blocks the request takes on decode (reserved at dispatch)
-
-    @property
-    def ttft_s(self) -> float:
-        return self.prefill.ttft_s if self.prefill else 0.0
-
-
-@dataclass
-class Snapshot:
-    prefills: list[InstanceView]
-    decodes: list[InstanceView]
-    cost: CostModel
-    balancing_threshold: float = 1.5  # pull when the best holder has this many times more
-    slo_margin: float = 1.0  # admit only predictions within this share of the SLO
-    colocated: bool = False  # each instance decodes what it prefills (decodes == prefills)
-    # Pipelined prefill (kvcentric): groups of up to max_stages instances (1: none), for
-    # prompts of at least pipeline_min_tokens (0: only those no instance serves in time).
-    max_stages: int = 1
-    pipeline_min_tokens: int = 0
-
-
-GROUP = "group:"  # the start of a group's holder id in the KV index
-
-
-def group_holder(stages: list[tuple[str, tuple[int, int]]]) -> str:
-    """The KV index's holder id for a prefix split among a group's stages by layer range,
-    e.g. "group:p00@0-40,p01@40-80"."""
-    return GROUP + ",".join(f"{i}@{a}-{b}" for i, (a, b) in stages)
-
-
-def group_members(holder: str) -> list[tuple[str, tuple[int, int]]] | None:
-    """The stages a group holder id names, in order; None for a single instance's id."""
-    if not holder.startswith(GROUP):
-        return None
-    out = []
-    for part in holder[len(GROUP) :].split(","):
-        instance_id, _, layers = part.rpartition("@")
-        first, _, end = layers.partition("-")
-        out.append((instance_id, (int(first), int(end))))
-    return out
+from services.conductor.groups import GROUP, group_candidates, wants_group
+from services.conductor.views import Candidate, Decision, InstanceView, RequestView, Snapshot
 
 
 def best_holder(req: RequestView) -> tuple[str, int]:
@@ -391,51 +301,6 @@ class KVCentricPolicy(Policy):
                 groups[own] = (c, fixed, (ttft, p.instance_id, i, p))
         chosen = sorted((best[2], c, best[3]) for c, _, best in groups.values())
         return [c if c.instance_id == p.instance_id else with_queue(c, p) for _, c, p in chosen]
-
-
-def wants_group(snap: Snapshot, req: RequestView, single: Candidate) -> bool:
-    """Groups are weighed for a prompt of at least pipeline_min_tokens, or one whose best
-    single placement misses its TTFT SLO."""
-    if snap.max_stages < 2:
-        return False
-    long = snap.pipeline_min_tokens > 0 and req.prompt_tokens >= snap.pipeline_min_tokens
-    return long or single.ttft_s > req.ttft_slo_s * snap.slo_margin
-
-
-def group_candidates(snap: Snapshot, req: RequestView) -> list[Candidate]:
-    """Every group holding a prefix of the prompt whose stages are all idle, reusing it;
-    and a cold group of each size from 2 to max_stages of the idle instances (smallest ids
-    first), its layers split evenly."""
-    idle = sorted(p.instance_id for p in snap.prefills if p.queue_s <= 0.0)
-    free = set(idle)
-    out = []
-    for holder, blocks in sorted(req.prefix_blocks.items()):
-        stages = group_members(holder)
-        if stages and len(stages) <= snap.max_stages and all(i in free for i, _ in stages):
-            out.append(_group(snap, req, stages, blocks))
-    for size in range(2, min(snap.max_stages, len(idle), snap.cost.num_layers) + 1):
-        split = balanced_split(snap.cost.num_layers, size)
-        out.append(_group(snap, req, list(zip(idle[:size], split)), 0))
-    return out
-
-
-def _group(
-    snap: Snapshot, req: RequestView, stages: list[tuple[str, tuple[int, int]]], blocks: int
-) -> Candidate:
-    cached = min(blocks * snap.cost.block_size, req.prompt_tokens - 1)
-    layers = [r for _, r in stages]
-    times = pipelined(snap.cost, req.prompt_tokens - cached, cached, [0.0] * len(stages), layers)
-    members = [i for i, _ in stages]
-    return Candidate(
-        members[0],
-        blocks,
-        "",
-        0.0,
-        0.0,
-        prefill_end_s(times),
-        snap.cost.overhead_s,
-        tuple(zip(members, times)),
-    )
 
 
 POLICIES: dict[str, type[Policy]] = {

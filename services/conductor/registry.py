@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from shared.messages import InstanceInfo, Role
 
 if TYPE_CHECKING:
-    from services.conductor.policy import InstanceView
+    from services.conductor.views import InstanceView
 
 
 @dataclass

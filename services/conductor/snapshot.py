@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.conductor.costmodel import CostModel
-from services.conductor.policy import InstanceView, RequestView, Snapshot
 from services.conductor.registry import InstanceState
+from services.conductor.views import InstanceView, RequestView, Snapshot
 from shared.messages import GenerateRequest
 
 

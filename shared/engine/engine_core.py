@@ -12,6 +12,7 @@ from shared.engine.constraints import caught_up
 from shared.engine.disk_tier import DiskLink, DiskTier
 from shared.engine.engine_types import EngineConfig, RequestState
 from shared.engine.kv_cache import KVCache
+from shared.engine.kv_slices import SliceProgress
 from shared.engine.kv_transfer import KVMeta, check_compatible
 from shared.engine.model import PagedLlama
 from shared.engine.output import OutputTracker, decode_all, make_detokenizer
@@ -42,6 +43,8 @@ class EngineCore:
         self.requests: dict[str, RequestState] = {}
         # Decode admission: pool blocks held for a request whose KV is still in transfer.
         self.reserved: dict[str, Sequence] = {}
+        # Of those, the ones whose KV arrives in layer slices (a pipelined prefill's).
+        self.slices: dict[str, SliceProgress] = {}
         self.book = threading.Lock()  # bookkeeping: steps vs. exports and imports
         self.disk: DiskTier | None = None
         if config.disk_tier_bytes > 0:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from shared.engine.engine_core import EngineCore
 from shared.engine.engine_types import continuation
+from shared.engine.kv_slices import SliceProgress
 from shared.engine.kv_transfer import (
     KVExport,
+    check_compatible,
     export_cached,
     export_full_blocks,
     fill_sequence,
+    fill_slice,
     import_sequence,
 )
 from shared.engine.params import SamplingParams
@@ -114,9 +117,46 @@ class KVHandoff(EngineCore):
             self.register(seq, output_token_ids, emitted_text)
             self.scheduler.add_running(seq)
 
+    # -- a pipelined prefill's KV: each stage's layers, arriving on their own --------------
+    def fill_reserved_slice(self, request_id: str, kv: KVExport) -> int:
+        """Write one stage's slice (some layers of some blocks) of a reserved request's KV;
+        returns the leading blocks now whole in every layer."""
+        check_compatible(kv.meta, self.kv, self.lm.name, self.config.quantization, True)
+        with self.book:
+            seq = self.reserved.get(request_id)
+            if seq is None:
+                raise ValueError(f"request {request_id} has no reservation")
+            progress = self.slices.setdefault(request_id, SliceProgress(self.kv.shape.num_layers))
+            return fill_slice(self.kv, self.blocks, seq, kv, progress)
+
+    def add_reserved_slices(
+        self, request_id: str, output_token_ids: list[int], emitted_text: str = ""
+    ) -> None:
+        """Continue a reserved request whose KV came in slices, once every layer of every
+        block it reserved is in place (ValueError otherwise; the reservation is kept)."""
+        with self.book:
+            seq = self.reserved.get(request_id)
+            if seq is None:
+                raise ValueError(f"request {request_id} has no reservation")
+            # Every token's KV but the last one's (the next step computes that).
+            outputs = seq.num_output_tokens or len(output_token_ids)
+            needed = seq.num_prompt_tokens + max(0, outputs - 1)
+            if seq.num_computed_tokens < needed:
+                raise ValueError(
+                    f"request {request_id}: KV of {seq.num_computed_tokens} of {needed} "
+                    "tokens in every layer"
+                )
+            del self.reserved[request_id]
+            self.slices.pop(request_id, None)
+            if seq.num_output_tokens == 0:
+                seq.token_ids.extend(output_token_ids)
+            self.register(seq, output_token_ids, emitted_text)
+            self.scheduler.add_running(seq)
+
     def release(self, request_id: str) -> bool:
         """Give back a reservation (cancelled, or its transfer failed)."""
         with self.book:
+            self.slices.pop(request_id, None)
             seq = self.reserved.pop(request_id, None)
             if seq is None:
                 return False

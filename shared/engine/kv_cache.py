@@ -14,11 +14,12 @@ import torch
 
 @dataclass(frozen=True)
 class KVShape:
-    num_layers: int
+    num_layers: int  # the layers this pool holds: first_layer .. first_layer + num_layers
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    first_layer: int = 0  # a pipeline stage's pool starts at its first layer
 
     @property
     def block_nbytes(self) -> int:
@@ -98,13 +99,21 @@ class KVCache:
         v = self.v.index_select(1, idx).contiguous().view(-1)
         return torch.cat([k, v]).cpu()
 
-    def import_blocks(self, block_ids: list[int], data: torch.Tensor, skip: int = 0) -> None:
+    def import_blocks(
+        self,
+        block_ids: list[int],
+        data: torch.Tensor,
+        skip: int = 0,
+        layers: tuple[int, int] | None = None,
+    ) -> None:
         """Write blocks exported by export_blocks into `block_ids`, leaving out the first
-        `skip` blocks of the payload (ones this pool already holds)."""
+        `skip` blocks of the payload (ones this pool already holds). `layers`: the payload
+        holds only these of the pool's layers (a pipeline stage's slice; default: all)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
         s, n = self.shape, len(block_ids) + skip
-        half = data.numel() // 2
-        k = data[:half].view(s.num_layers, n, s.num_kv_heads, s.head_dim, s.block_size)[:, skip:]
-        v = data[half:].view(s.num_layers, n, s.num_kv_heads, s.block_size, s.head_dim)[:, skip:]
-        self.k.index_copy_(1, idx, k.to(self.k.device))
-        self.v.index_copy_(1, idx, v.to(self.v.device))
+        first, end = layers or (0, s.num_layers)
+        nl, half = end - first, data.numel() // 2
+        k = data[:half].view(nl, n, s.num_kv_heads, s.head_dim, s.block_size)[:, skip:]
+        v = data[half:].view(nl, n, s.num_kv_heads, s.block_size, s.head_dim)[:, skip:]
+        self.k[first:end].index_copy_(1, idx, k.to(self.k.device))
+        self.v[first:end].index_copy_(1, idx, v.to(self.v.device))

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache
+from shared.engine.kv_slices import SliceProgress
 from shared.engine.sequence import Sequence
 
 LAYOUT = "halfmoon-paged-v1"
@@ -39,6 +40,9 @@ class KVMeta(BaseModel):
     block_hashes: list[int] = []  # of this export's full blocks
     layout: str = LAYOUT
     first_block: int = 0
+    # A pipeline stage's slice: layers first_layer .. first_layer + num_layers of each
+    # block (a whole export: 0 and all of them).
+    first_layer: int = 0
 
 
 @dataclass
@@ -82,6 +86,7 @@ def _meta(
         num_blocks=num_blocks,
         block_hashes=hashes,
         first_block=first_block,
+        first_layer=s.first_layer,
     )
 
 
@@ -137,18 +142,31 @@ def export_cached(
     return KVExport(meta, kv.export_blocks(block_ids))
 
 
-def check_compatible(meta: KVMeta, kv: KVCache, model: str, quantization: str = "none") -> None:
+def check_compatible(
+    meta: KVMeta, kv: KVCache, model: str, quantization: str = "none", slice_ok: bool = False
+) -> None:
+    """ValueError unless `meta`'s KV fits this pool: the same model, dtype, quantization,
+    heads, block size and layout, and every layer of it (or, with `slice_ok`, a range of
+    its layers: a pipeline stage's slice)."""
     s = kv.shape
-    mine = {
+    mine: dict[str, object] = {
         "model": model,
         "dtype": _dtype_name(s.dtype),
         "quantization": quantization,
-        "num_layers": s.num_layers,
         "num_kv_heads": s.num_kv_heads,
         "head_dim": s.head_dim,
         "block_size": s.block_size,
         "layout": LAYOUT,
     }
+    if not slice_ok:
+        mine.update(num_layers=s.num_layers, first_layer=s.first_layer)
+    else:
+        lo, hi = meta.first_layer, meta.first_layer + meta.num_layers
+        if not s.first_layer <= lo < hi <= s.first_layer + s.num_layers:
+            raise ValueError(
+                f"KV of layers {lo}..{hi} is not within this pool's "
+                f"{s.first_layer}..{s.first_layer + s.num_layers}"
+            )
     theirs = {key: getattr(meta, key) for key in mine}
     differ = [
         f"{key} {theirs[key]!r} (here {mine[key]!r})" for key in mine if mine[key] != theirs[key]
@@ -204,3 +222,35 @@ def fill_sequence(kv: KVCache, blocks: BlockManager, seq: Sequence, export: KVEx
         kv.import_blocks(seq.block_table[have:end], export.data, skip=have - first)
     seq.num_computed_tokens = max(seq.num_computed_tokens, meta.num_tokens)
     blocks.commit(seq)  # the imported prompt is now this instance's prefix cache too
+
+
+def fill_slice(
+    kv: KVCache, blocks: BlockManager, seq: Sequence, export: KVExport, progress: SliceProgress
+) -> int:
+    """Write a stage's slice of `seq`'s KV (some layers of some blocks) into the blocks it
+    holds; once every layer of a leading block is in place the sequence has computed it,
+    and its full blocks join the prefix cache. Returns the whole leading blocks. Blocks
+    this pool had cached already are kept as they are (their hashes must match)."""
+    meta, s = export.meta, kv.shape
+    per_block = 2 * meta.num_layers * s.num_kv_heads * s.head_dim * s.block_size
+    if export.data.numel() != meta.num_blocks * per_block:
+        raise ValueError(
+            f"KV payload has {export.data.numel()} values, metadata says "
+            f"{meta.num_blocks * per_block}"
+        )
+    first, end = meta.first_block, meta.first_block + meta.num_blocks
+    if meta.num_tokens > seq.num_tokens or end > len(seq.block_table):
+        raise ValueError("KV covers more tokens than the sequence holds blocks for")
+    cached = len(seq.block_hashes)  # leading blocks this pool had (match_prefix)
+    progress.mark_whole(cached)
+    hashed = seq.block_hashes[first:end]
+    if hashed != list(meta.block_hashes[: len(hashed)]):
+        raise ValueError("the pool's cached prefix blocks are not the exported ones")
+    start = max(first, cached)
+    layers = (meta.first_layer - s.first_layer, meta.first_layer - s.first_layer + meta.num_layers)
+    if start < end:
+        kv.import_blocks(seq.block_table[start:end], export.data, skip=start - first, layers=layers)
+    progress.add(first, meta.num_blocks, layers[0], meta.num_layers, meta.num_tokens)
+    seq.num_computed_tokens = max(seq.num_computed_tokens, progress.covered_tokens(s.block_size))
+    blocks.commit(seq)
+    return progress.whole_blocks

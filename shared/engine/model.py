@@ -118,7 +118,9 @@ class PagedLlama:
         cfg: HFConfig, block_size: int, dtype: torch.dtype, layers: tuple[int, int] | None = None
     ) -> KVShape:
         first, end = layer_range(cfg, layers)
-        return KVShape(end - first, cfg.num_key_value_heads, _head_dim(cfg), block_size, dtype)
+        return KVShape(
+            end - first, cfg.num_key_value_heads, _head_dim(cfg), block_size, dtype, first
+        )
 
     @property
     def is_first(self) -> bool:

@@ -21,6 +21,7 @@ from shared.engine.batch import build_batch
 from shared.engine.block_manager import BlockManager
 from shared.engine.engine_types import EngineConfig
 from shared.engine.kv_cache import KVCache
+from shared.engine.kv_transfer import KVExport, export_full_blocks, export_sequence
 from shared.engine.model import PagedLlama
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
@@ -91,6 +92,25 @@ class StageRunner:
         seq.num_computed_tokens += num_tokens
         self.blocks.commit(seq)  # full blocks join the prefix cache as they complete
         return out
+
+    def export(self, seq_id: str, first_block: int = 0) -> KVExport:
+        """This stage's layers of the prompt's KV from `first_block` on (what a streamed
+        handoff has not sent yet, or all of it): a slice decode places beside the other
+        stages' (handoff.py, fill_reserved_slice)."""
+        return export_sequence(
+            self.kv,
+            self.blocks,
+            self.seqs[seq_id],
+            self.lm.name,
+            self.config.quantization,
+            first_block,
+        )
+
+    def export_full(self, seq_id: str, first_block: int) -> KVExport | None:
+        """The full blocks computed so far from `first_block` on (a streamed chunk), or
+        None when there is none new."""
+        seq = self.seqs[seq_id]
+        return export_full_blocks(self.kv, seq, first_block, self.lm.name, self.config.quantization)
 
     def block_table(self, seq_id: str) -> list[int]:
         """The pool blocks holding the prompt's KV for this stage's layers, in order."""

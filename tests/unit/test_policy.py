@@ -6,13 +6,12 @@ import pytest
 
 from services.conductor import snapshot
 from services.conductor.costmodel import CostModel
+from services.conductor.groups import group_holder, group_members
 from services.conductor.policy import (
     POLICIES,
     InstanceView,
     RequestView,
     Snapshot,
-    group_holder,
-    group_members,
     kv_blocks_needed,
     make_policy,
 )

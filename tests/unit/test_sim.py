@@ -14,7 +14,8 @@ from services.kvmanager.traces import SAMPLE_TRACE, load_trace, replicate
 from services.tools.sim import cli, report
 from services.tools.sim.cores import BACKGROUND, Cores
 from services.tools.sim.model import SimRequest
-from services.tools.sim.run import LOCAL, SimConfig, run_policy, simulate
+from services.tools.sim.results import run_policy
+from services.tools.sim.run import LOCAL, SimConfig, simulate
 from shared.stats import slowest_tenth_mean
 
 BS = 10  # tokens per block in the synthetic traces

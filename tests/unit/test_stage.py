@@ -139,3 +139,68 @@ def test_stages_refuse_what_they_cannot_run(lm):
     with pytest.raises(NoRoom):
         small.run("q", 16)
     assert small.blocks.num_free_blocks == 0 and len(small.block_table("q")) == 2
+
+
+def greedy_reference(lm, prompt, n):
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("native", PATHS, ids=lambda n: "native" if n else "torch")
+@pytest.mark.parametrize("split", ["2 stages", "3 stages"])
+def test_a_pipelined_prompt_hands_its_slices_to_decode_and_decodes_as_transformers(
+    lm, split, native
+):
+    """The stages stream their layers of the full blocks after the second chunk (last
+    stage first: decode takes slices in any order), the rest after the first token; the
+    decode engine, whole, continues from them token for token as transformers does."""
+    prompt, n = prompt_of(4), 12
+    runners = stages(lm, SPLITS[split], native)
+    for r in runners:
+        r.open("p", prompt)
+    decode = LLMEngine(lm, EngineConfig(kv_cache_bytes=4 << 20))
+    decode.model.native = native
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    assert decode.reserve("p", prompt, [], params, len(prompt))
+    sent = [0] * len(runners)
+    logits = None
+    for i, pos in enumerate(range(0, len(prompt), CHUNK)):
+        h = None
+        for r in runners:
+            h = r.run("p", min(CHUNK, len(prompt) - pos), h)
+        logits = h
+        if i == 1:
+            for k in reversed(range(len(runners))):
+                chunk = runners[k].export_full("p", sent[k])
+                assert chunk is not None and chunk.meta.first_layer == runners[k].layers[0]
+                decode.fill_reserved_slice("p", chunk)
+                sent[k] += chunk.meta.num_blocks
+    assert logits is not None
+    first = int(logits[0].argmax())
+    with pytest.raises(ValueError, match="in every layer"):  # the tails are still away
+        decode.add_reserved_slices("p", [first])
+    for k, r in enumerate(runners):
+        decode.fill_reserved_slice("p", r.export("p", sent[k]))
+    decode.add_reserved_slices("p", [first])
+    out = [first]
+    while decode.has_work():
+        for o in decode.step():
+            out.extend(o.new_token_ids)
+    assert out == greedy_reference(lm, prompt, n)
+    # The prompt's full blocks are now decode's prefix cache, in every layer.
+    assert decode.blocks.num_cached_blocks >= len(prompt) // 16
+
+
+def test_a_slice_outside_the_pools_layers_or_of_another_shape_is_refused(lm):
+    runners = stages(lm, SPLITS["2 stages"], native=False)
+    runners[0].open("p", prompt_of(2))
+    runners[0].run("p", 40)
+    part = runners[0].export("p")
+    decode = LLMEngine(lm, EngineConfig(kv_cache_bytes=4 << 20))
+    assert decode.reserve("p", prompt_of(2), [], SamplingParams(max_tokens=4), 70)
+    with pytest.raises(ValueError, match="incompatible"):
+        decode.fill_reserved("p", part)  # a slice is not a whole block's KV
+    bad = part.meta.model_copy(update={"first_layer": 3})  # layers 3..5 of a 4-layer model
+    with pytest.raises(ValueError, match="not within"):
+        decode.fill_reserved_slice("p", type(part)(bad, part.data))

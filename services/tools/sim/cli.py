@@ -20,7 +20,8 @@ from services.kvmanager.replay import parse_capacity
 from services.kvmanager.traces import default_trace, load_trace, replicate
 from services.tools.sim import report
 from services.tools.sim.model import PRESETS, with_block_tokens
-from services.tools.sim.run import LOCAL, SimConfig, SimResult, run_policy, to_sim_requests
+from services.tools.sim.results import SimResult, run_policy
+from services.tools.sim.run import LOCAL, SimConfig, to_sim_requests
 
 # The paper's comparison order, worst first (Mooncake FAST'25, conversation trace).
 ALL_POLICIES = ("random", "round_robin", "least_loaded", "largest_prefix", "kvcentric")

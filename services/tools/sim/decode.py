@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from services.conductor.costmodel import CostModel
-from services.conductor.policy import InstanceView
+from services.conductor.views import InstanceView
 from services.tools.sim.cores import Cores
 from services.tools.sim.model import Outcome
 from shared.stats import slowest_tenth_mean

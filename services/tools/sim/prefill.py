@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from services.conductor.costmodel import CostModel
-from services.conductor.policy import InstanceView
+from services.conductor.views import InstanceView
 from services.kvmanager.pool import HashPool
 from services.tools.sim.cores import Cores
 from services.tools.sim.model import Outcome
@@ -201,9 +201,7 @@ class ChunkedPrefillInstance:
     ) -> tuple[int, float]:
         new = a.job.outcome.request.input_length - a.cached
         n = min(new - a.done, budget)
-        duration += cost.prefill_s(a.done + n, a.cached) - (
-            cost.prefill_s(a.done, a.cached) if a.done else 0.0
-        )
+        duration += cost.chunk_s(a.done, n, a.cached)
         a.done += n
         if a.done >= new:
             finishing.append(a)

@@ -21,7 +21,8 @@ from typing import Any, Sequence
 
 from services.tools.sim.model import Outcome, SimRequest
 from services.tools.sim.outcomes import summarize_outcomes
-from services.tools.sim.run import LOCAL, SimConfig, simulate, summarize
+from services.tools.sim.results import summarize
+from services.tools.sim.run import LOCAL, SimConfig, simulate
 from shared.run_summary import Slos
 
 ABLATION = ("random", "least_loaded", LOCAL, "kvcentric")

@@ -22,19 +22,14 @@ import heapq
 import math
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence, cast
 
 from services.conductor.costmodel import CostModel
+from services.conductor.groups import group_holder
 from services.conductor.pipeline import balanced_split, chunk_sizes, chunk_work, pipelined
-from services.conductor.policy import (
-    Candidate,
-    Policy,
-    RequestView,
-    Snapshot,
-    group_holder,
-    make_policy,
-)
+from services.conductor.policy import Policy, make_policy
+from services.conductor.views import Candidate, RequestView, Snapshot
 from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import kept_runs
@@ -45,7 +40,6 @@ from services.tools.sim.decode import DecodeInstance
 from services.tools.sim.handoff import after_prefill_s, tail_blocks
 from services.tools.sim.model import Outcome, SimRequest
 from services.tools.sim.prefill import ChunkedPrefillInstance, PrefillInstance, PrefillJob
-from shared.stats import percentile
 
 _TIER = "dram"
 _PREFILL_DONE, _KV_ARRIVED = 0, 1
@@ -385,69 +379,3 @@ def simulate(
         cluster.arrive(req)
     cluster.drain()
     return cluster.outcomes, time.perf_counter() - started, cluster
-
-
-# ---- results ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SimResult:
-    policy: str
-    requests: int
-    rejected: int
-    placed_over_slo: int  # the policy said reject, placed anyway (rejection disabled)
-    avg_ttft_s: float
-    p50_ttft_s: float
-    p90_ttft_s: float
-    p99_ttft_s: float
-    avg_tbt_s: float
-    p99_tbt_s: float
-    hit_ratio: float  # token-weighted, prefix-continuous, over placed requests
-    hit_tokens: int
-    input_tokens: int
-    pulled_blocks: int
-    pipelined: int  # requests prefilled by a group of instances
-    makespan_s: float  # first arrival to last token
-    wall_s: float
-
-
-def summarize(
-    policy: str,
-    outcomes: Sequence[Outcome],
-    wall_s: float,
-    block_tokens: int,
-    placed_over_slo: int = 0,
-) -> SimResult:
-    placed = [o for o in outcomes if not o.rejected]
-    ttft = [o.ttft_s for o in placed]
-    tbt = [o.tbt_s for o in placed if not math.isnan(o.tbt_s)]
-    inputs = sum(o.request.input_length for o in placed)
-    hits = sum(o.hit_tokens(block_tokens) for o in placed)
-    start = min((o.request.arrival_s for o in outcomes), default=0.0)
-    end = max((o.finish_s for o in placed), default=start)
-    return SimResult(
-        policy=policy,
-        requests=len(outcomes),
-        rejected=len(outcomes) - len(placed),
-        placed_over_slo=placed_over_slo,
-        avg_ttft_s=sum(ttft) / len(ttft) if ttft else math.nan,
-        p50_ttft_s=percentile(ttft, 50),
-        p90_ttft_s=percentile(ttft, 90),
-        p99_ttft_s=percentile(ttft, 99),
-        avg_tbt_s=sum(tbt) / len(tbt) if tbt else math.nan,
-        p99_tbt_s=percentile(tbt, 99),
-        hit_ratio=hits / inputs if inputs else 0.0,
-        hit_tokens=hits,
-        input_tokens=inputs,
-        pulled_blocks=sum(o.pulled_blocks for o in placed),
-        pipelined=sum(1 for o in placed if o.stages),
-        makespan_s=end - start,
-        wall_s=wall_s,
-    )
-
-
-def run_policy(requests: Sequence[SimRequest], cfg: SimConfig, policy: str) -> SimResult:
-    if policy == LOCAL:
-        cfg = replace(cfg, balancing_threshold=math.inf)
-    outcomes, wall_s, cluster = simulate(requests, cfg, "kvcentric" if policy == LOCAL else policy)
-    return summarize(policy, outcomes, wall_s, cfg.block_tokens, cluster.num_placed_over_slo)

@@ -1,0 +1,78 @@
+"""What the placement policies see and decide (pure data): a snapshot of the cluster, the
+request, each candidate's predicted times and the decision (policy.py says how it is made)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.conductor.costmodel import CostModel
+from services.conductor.pipeline import StageTime
+
+
+@dataclass(slots=True)  # built per instance per decision: keep construction cheap
+class InstanceView:
+    instance_id: str
+    queue_s: float = 0.0  # predicted seconds of work ahead of a new request
+    running: int = 0  # decode: sequences in the batch
+    mean_context: float = 0.0  # decode: average tokens per running sequence
+    load: int = 0  # queued + running requests (for least_loaded)
+    # decode: KV blocks it can still give a new request (free, less those promised to
+    # requests dispatched since its report); None when unknown: assumed to have room.
+    kv_blocks_free: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestView:
+    request_id: str
+    prompt_tokens: int
+    prefix_blocks: dict[str, int]  # instance -> cached leading blocks of this prompt
+    ttft_slo_s: float
+    tbt_slo_s: float
+    max_tokens: int = 0  # output tokens it may generate: their KV must fit on decode too
+
+
+@dataclass(slots=True)
+class Candidate:
+    instance_id: str
+    prefix_blocks: int  # blocks reused (own or pulled)
+    pull_from: str  # "" when the instance's own cache is used
+    transfer_s: float
+    queue_s: float
+    prefill_s: float
+    overhead_s: float = 0.0
+    # A pipelined prefill: (instance, its layers and times) per stage, in pipeline order,
+    # the first being `instance_id`; empty for a single instance.
+    stages: tuple[tuple[str, StageTime], ...] = ()
+
+    @property
+    def ttft_s(self) -> float:
+        return self.overhead_s + self.transfer_s + self.queue_s + self.prefill_s
+
+
+@dataclass
+class Decision:
+    policy: str
+    prefill: Candidate | None = None
+    decode_id: str = ""
+    tbt_s: float = 0.0
+    candidates: list[Candidate] = field(default_factory=list)
+    rejected: str = ""  # why, when the request is refused
+    decode_blocks: int = 0  # KV blocks the request takes on decode (reserved at dispatch)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.prefill.ttft_s if self.prefill else 0.0
+
+
+@dataclass
+class Snapshot:
+    prefills: list[InstanceView]
+    decodes: list[InstanceView]
+    cost: CostModel
+    balancing_threshold: float = 1.5  # pull when the best holder has this many times more
+    slo_margin: float = 1.0  # admit only predictions within this share of the SLO
+    colocated: bool = False  # each instance decodes what it prefills (decodes == prefills)
+    # Pipelined prefill (kvcentric): groups of up to max_stages instances (1: none), for
+    # prompts of at least pipeline_min_tokens (0: only those no instance serves in time).
+    max_stages: int = 1
+    pipeline_min_tokens: int = 0
