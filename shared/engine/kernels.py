@@ -46,6 +46,8 @@ P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float  # noq
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "paged_decode_attention_bf16": (I, [P, L, I, P, P, P, I, P, I, I, I, I, I, F, P, I]),
     "paged_decode_attention_f32": (I, [P, L, I, P, P, P, I, P, I, I, I, I, I, F, P, I]),
+    "paged_prefill_attention_bf16": (I, [P, L, I, P, P, P, I, I, I, I, I, I, F, P, I]),
+    "paged_prefill_attention_f32": (I, [P, L, I, P, P, P, I, I, I, I, I, I, F, P, I]),
     "rms_norm": (None, [P, P, P, P, I, I, F, I, I]),
     "add_inplace": (None, [P, P, L, I, I]),
     "silu_mul": (None, [P, P, I, I, I, I]),
@@ -186,4 +188,52 @@ def paged_decode_attention(
     if rc != 0:
         raise ValueError(
             f"paged attention shape unsupported: heads {hq}/{hkv}, dim {d}, block {bs}"
+        )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    pos0: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """A chunk of one sequence's queries, causal, against its KV in place: q [n, >=Hq*D]
+    (rows of qkv), query i at position pos0 + i; k [blocks, Hkv, D, bs], v [blocks, Hkv,
+    bs, D]; table [>= blocks covering pos0 + n] int32; out [n, Hq*D]."""
+    native = lib()
+    fn = {
+        torch.bfloat16: native.paged_prefill_attention_bf16,
+        torch.float32: native.paged_prefill_attention_f32,
+    }[k_cache.dtype]
+    num_blocks, hkv, bs, d = v_cache.shape
+    assert k_cache.shape == (num_blocks, hkv, d, bs), "k cache is [blocks, heads, dim, block]"
+    n, hq = q.shape[0], out.shape[1] // d
+    assert q.stride(1) == 1 and out.is_contiguous() and out.dtype == q.dtype
+    assert table.dtype == torch.int32 and table.numel() * bs >= pos0 + n
+    for t in (k_cache, v_cache, table):
+        assert t.is_contiguous() and t.device.type == "cpu"
+    rc = fn(
+        q.data_ptr(),
+        q.stride(0),
+        is_bf16(q),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        table.data_ptr(),
+        n,
+        pos0,
+        hq,
+        hkv,
+        d,
+        bs,
+        scale,
+        out.data_ptr(),
+        threads(),
+    )
+    if rc != 0:
+        raise ValueError(
+            f"paged prefill attention: shape unsupported (heads {hq}/{hkv}, dim {d}, "
+            f"block {bs}) or out of memory ({rc})"
         )

@@ -2,8 +2,9 @@
 
 Weights come from a transformers model. Every scheduled token of every sequence goes
 through the linear layers as one flat batch; attention is per sequence against its
-blocks in the pool: one-token queries (decode) through the native paged kernel,
-multi-token chunks (prefill) through SDPA.
+blocks in the pool, read in place by the native paged kernels: one-token queries (decode,
+paged_attention.c) and multi-token chunks (prefill, prefill_attention.c). The torch path
+gathers a chunk's KV and runs SDPA.
 
 Two paths compute the same arithmetic (rounding included, see csrc/ops.c):
 - native (CPU with the C kernels): per layer, RMSNorm fused with the residual add, the
@@ -248,10 +249,17 @@ class PagedLlama:
                 self.scale,
                 out[: meta.num_single],
             )
-        for chunk in meta.chunks:
+        for chunk in meta.chunks:  # each chunk against its sequence's KV in place
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-            q = qkv[rows, :hq].view(chunk.num_tokens, self.num_heads, self.head_dim)
-            out[rows] = self._chunk(i, q, chunk).reshape(chunk.num_tokens, hq)
+            kernels.paged_prefill_attention(
+                qkv[rows],
+                self.kv.k[i],
+                self.kv.v[i],
+                chunk.block_ids.to(torch.int32),
+                chunk.pos0,
+                self.scale,
+                out[rows],
+            )
         return out
 
     # -- torch path -----------------------------------------------------------------------
@@ -306,23 +314,30 @@ class PagedLlama:
             rows.append(self._chunk(i, q[s : s + 1], ChunkMeta(0, 1, ctx - 1, ids)))
         return torch.cat(rows)
 
-    # -- both -----------------------------------------------------------------------------
+    # -- the torch path's attention ------------------------------------------------------
     def _chunk(self, i: int, q: torch.Tensor, chunk: ChunkMeta) -> torch.Tensor:
-        """SDPA of a chunk's queries [n, Hq, D] against its sequence's gathered KV."""
-        total = chunk.pos0 + chunk.num_tokens
-        k, v = self.kv.gather(i, chunk.block_ids, total)
-        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        kwargs = (
-            {"is_causal": True}
-            if chunk.pos0 == 0
-            else {"attn_mask": _causal_mask(chunk.num_tokens, chunk.pos0, q.device)}
-        )
-        if chunk.num_tokens == 1:
-            kwargs = {}
-        o = F.scaled_dot_product_attention(
-            qh, k.unsqueeze(0), v.unsqueeze(0), scale=self.scale, enable_gqa=True, **kwargs
-        )
-        return o[0].transpose(0, 1)
+        return sdpa_chunk(self.kv, i, q, chunk, self.scale)
+
+
+def sdpa_chunk(
+    kv: KVCache, layer: int, q: torch.Tensor, chunk: ChunkMeta, scale: float
+) -> torch.Tensor:
+    """SDPA of a chunk's queries [n, Hq, D] against its sequence's gathered KV (the torch
+    path; the native one reads the blocks in place, prefill_attention.c)."""
+    total = chunk.pos0 + chunk.num_tokens
+    k, v = kv.gather(layer, chunk.block_ids, total)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    kwargs = (
+        {"is_causal": True}
+        if chunk.pos0 == 0
+        else {"attn_mask": _causal_mask(chunk.num_tokens, chunk.pos0, q.device)}
+    )
+    if chunk.num_tokens == 1:
+        kwargs = {}
+    o = F.scaled_dot_product_attention(
+        qh, k.unsqueeze(0), v.unsqueeze(0), scale=scale, enable_gqa=True, **kwargs
+    )
+    return o[0].transpose(0, 1)
 
 
 def layer_range(cfg: HFConfig, layers: tuple[int, int] | None) -> tuple[int, int]:

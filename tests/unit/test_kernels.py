@@ -131,3 +131,53 @@ def test_paged_attention_matches_sdpa(dtype, seqs, ctx):
         )[0].reshape(hq * d)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert torch.allclose(out[s].float(), ref, atol=tol, rtol=tol), (s, n)
+
+
+def _chunk_reference(q, k, v, table, pos0, scale):
+    """SDPA of a chunk (query i at position pos0 + i) against the sequence's gathered KV."""
+    n, hq, d = q.shape
+    total = pos0 + n
+    nb = -(-total // k.shape[3])
+    ids = table[:nb].long()
+    kk = k.index_select(0, ids).permute(1, 0, 3, 2).reshape(k.shape[1], -1, d)[:, :total]
+    vv = v.index_select(0, ids).permute(1, 0, 2, 3).reshape(k.shape[1], -1, d)[:, :total]
+    keys, queries = torch.arange(total), torch.arange(pos0, total)
+    mask = keys.unsqueeze(0) <= queries.unsqueeze(1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0).float(),
+        kk.unsqueeze(0).float(),
+        vv.unsqueeze(0).float(),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1).reshape(n, hq * d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs,n,pos0",
+    [
+        (9, 3, 64, 16, 512, 0),  # the default model's shape, a first chunk
+        (9, 3, 64, 16, 100, 1000),  # a later chunk
+        (9, 3, 64, 16, 200, 30),  # more rows than one tile
+        (8, 2, 32, 16, 37, 5),
+        (12, 4, 128, 16, 33, 17),  # two 64-wide slices of the head
+        (6, 2, 16, 16, 64, 300),
+        (4, 4, 48, 8, 20, 3),  # 8-token blocks: the plain C path
+        (6, 2, 20, 16, 9, 40),  # a head not a multiple of the vector width
+        (2, 1, 64, 16, 1, 0),  # a one-token chunk
+    ],
+)
+def test_paged_prefill_attention_matches_sdpa(dtype, hq, hkv, d, bs, n, pos0):
+    torch.manual_seed(hq * 1000 + n)
+    nb = -(-(pos0 + n) // bs) + 3  # spare blocks, and the table shuffled: read in place
+    k = torch.randn(nb, hkv, d, bs).to(dtype)
+    v = torch.randn(nb, hkv, bs, d).to(dtype)
+    table = torch.randperm(nb).to(torch.int32)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d).to(dtype)  # q is the head of each qkv row
+    out = torch.empty(n, hq * d, dtype=dtype)
+    kernels.paged_prefill_attention(qkv, k, v, table, pos0, d**-0.5, out)
+    want = _chunk_reference(qkv[:, : hq * d].reshape(n, hq, d), k, v, table, pos0, d**-0.5)
+    tol = 2e-6 if dtype == torch.float32 else 1.6e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out.float(), want, rtol=0, atol=tol)

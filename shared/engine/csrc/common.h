@@ -63,4 +63,47 @@ static inline int32_t hsum256_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 #endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp_approx for x <= 0, 8 lanes. */
+static inline __m256 exp256_nonpos(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f));
+    const __m256 fi = _mm256_floor_ps(t);
+    const __m256 f = _mm256_sub_ps(t, fi);
+    __m256 p = _mm256_set1_ps(1.8775767e-3f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.9893397e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5826318e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4015361e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9315308e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float hmax256(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#if defined(__AVX512F__)
+/* exp_approx for x <= 0, 16 lanes (scores less their running max). */
+static inline __m512 exp512_nonpos(__m512 x) {  /* exp_nonpos, 16 lanes */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
+    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, fi);
+    __m512 p = _mm512_set1_ps(1.8775767e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9893397e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826318e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
 #endif

@@ -129,21 +129,6 @@ static inline __m512 load16(const void *p, long i, int bf16) {
     return _mm512_loadu_ps((const float *)p + i);
 }
 
-static inline __m512 exp512_nonpos(__m512 x) {  /* exp_nonpos, 16 lanes */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
-    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, fi);
-    __m512 p = _mm512_set1_ps(1.8775767e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9893397e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826318e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
 #define AVX_MAX_ACC 16 /* zmm accumulators: G * head_dim / 16 */
 
 /* Up to SB blocks (64 tokens) at a time: each broadcast of a q value meets four K rows,

@@ -26,8 +26,8 @@ from typing import Any, Literal, Sequence
 
 import torch
 
+from services.tools.bench.engine import attention, machine, quality, workloads
 from services.tools.bench.engine import baselines as hf
-from services.tools.bench.engine import machine, quality, workloads
 from services.tools.bench.engine.report import render
 from services.tools.bench.engine.roofline import ModelShape, decode_step_bound
 from shared.engine import cpu, kernels
@@ -236,10 +236,23 @@ def run_all(names: list[str], model_dir: Any, args: argparse.Namespace) -> dict[
         result["int8_quality"] = quality.gate(
             engines["fp32"], engines["int8"], first.tokenizer, 8 if args.quick else 32
         )
+    result["prefill_attention"] = prefill_attention(config, dtypes, args.chunk_tokens)
     result["memory"] = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     engines.clear()
     gc.collect()
     return result
+
+
+def prefill_attention(config: Any, dtypes: list[str], chunk: int) -> dict[str, Any]:
+    """The native prefill attention against gather + SDPA, at each float dtype measured."""
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    floats = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    return {
+        d: attention.measure(heads, kv_heads, head_dim, floats[d], chunk)
+        for d in dtypes
+        if d in floats
+    }
 
 
 def header(

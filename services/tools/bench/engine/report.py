@@ -131,4 +131,20 @@ def _default_rows(r: dict[str, Any]) -> list[str]:
         f"GFLOP/s ({pf['of_peak']:.0%} of peak)",
         f"memory: peak RSS {r['memory']['peak_rss_mib']:.0f} MiB (all precisions' engines)",
     ]
+    return rows + _attention_rows(r)
+
+
+def _attention_rows(r: dict[str, Any]) -> list[str]:
+    """Prefill attention: the native paged kernel against gather + SDPA, same threads."""
+    rows = ["prefill attention, one chunk at the end of the context (GFLOP/s):"]
+    for dtype, ctxs in r.get("prefill_attention", {}).items():
+        for c in ctxs:
+            native = (
+                f"native {c['native_gflops']:.1f}, {c['native_over_sdpa']:.2f}x"
+                if "native_gflops" in c
+                else "native: not built here"
+            )
+            rows.append(
+                f"  {dtype:9} {c['context']:>6} tokens: SDPA {c['sdpa_gflops']:.1f}, {native}"
+            )
     return rows
