@@ -90,6 +90,7 @@ def _kv(argv: list[str]) -> int:
 BENCHES = {
     "request": "services.tools.bench.request_latency",
     "engine": "services.tools.bench.engine.cli",
+    "context": "services.tools.bench.context",
     "kv": "services.tools.bench.kv_bench",
     "transfer": "services.tools.bench.transfer_bench",
     "handoff": "services.tools.bench.handoff_bench",
@@ -174,6 +175,7 @@ commands:
   kv synth           write a synthetic trace with the paper's statistics (long documents)
   bench request      one request's latency through the stack vs in-process
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
+  bench context      a stretched context (--rope-scaling): perplexity at 8k and 32k, decode at 32k
   bench kv           the KV index's prefix-match latency
   bench conductor    decision latency; with --url, predicted vs measured TTFT
   bench serve        Halfmoon side by side with llama.cpp, transformers serve (or any OpenAI URL)

@@ -1,0 +1,160 @@
+"""`halfmoon bench context`: what a stretched context costs and brings, on this machine.
+
+The default model was trained on 8,192 positions; `--rope-scaling yarn:4` serves 32,768.
+On one long text (default: this Python's standard library sources, files in order, cut
+to --tokens) this scores the last --score-tokens three ways, and reports each
+perplexity:
+- as shipped, seeing the 8,192 tokens before them at most (its trained context);
+- stretched, seeing the same window (what the stretch costs at short range);
+- stretched, seeing the whole text (what the longer context brings).
+Then, on the stretched engine with the whole text in its cache, it times one stream's
+decode steps at that context against the step's bandwidth bound: the weights and the
+KV a step reads, at the read bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from services.tools.bench.engine import machine
+from shared.engine.llm_engine import EngineConfig, LLMEngine
+from shared.engine.model import PagedLlama
+from shared.engine.params import SamplingParams
+from shared.engine.runner import LoadedModel, load_model
+from shared.model_context import for_model
+from shared.model_store import ensure_model
+
+TRAINED_WINDOW = 8_192
+
+
+def long_text(path: str, tokenizer: Any, tokens: int) -> list[int]:
+    """Token ids of `path`, or of the standard library's sources in name order, to
+    `tokens` (a ValueError if there are not that many)."""
+    files = [Path(path)] if path else sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    ids: list[int] = []
+    for f in files:
+        ids.extend(tokenizer(f.read_text(errors="replace"))["input_ids"])
+        if len(ids) >= tokens:
+            return ids[:tokens]
+    raise ValueError(f"{path or 'the standard library'} holds {len(ids)} tokens, not {tokens}")
+
+
+def perplexity(engine: LLMEngine, ids: list[int], scored: int) -> float:
+    """exp of the mean negative log-likelihood of the last `scored` tokens of `ids`."""
+    logprobs = engine.prompt_logprobs(ids).token_logprobs  # positions 1 .. n-1
+    return math.exp(-float(logprobs[-scored:].mean()))
+
+
+def engine_for(lm: LoadedModel, tokens: int, chunk: int) -> LLMEngine:
+    """An engine whose pool holds `tokens` (and a little more) of this model's KV."""
+    shape = PagedLlama.kv_shape(lm.config, 16, lm.dtype)
+    pool = (tokens + 1024) * shape.block_nbytes // shape.block_size
+    return LLMEngine(lm, EngineConfig(kv_cache_bytes=pool, max_num_batched_tokens=chunk))
+
+
+def decode_at(engine: LLMEngine, ids: list[int], steps: int) -> float:
+    """Seconds per decode step of one stream after `ids` (cached: only its last token is
+    computed again before the steps), best half's mean."""
+    engine.add_request(
+        "long", ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    )
+    engine.step()  # the prompt (all but its last token from the prefix cache)
+    times = []
+    while engine.has_work():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    best = times[: max(1, len(times) // 2)]
+    return sum(best) / len(best)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model_dir = ensure_model(args.model)
+    plain = load_model(model_dir, args.dtype, threads=args.threads)
+    stretched = load_model(
+        model_dir, args.dtype, threads=args.threads, context=for_model(model_dir, 0, args.rope)
+    )
+    ids = long_text(args.text, plain.tokenizer, args.tokens)
+    window = ids[-min(TRAINED_WINDOW - 1, plain.max_model_len - 1) :]
+    t0 = time.perf_counter()
+    short = engine_for(stretched, len(window), args.chunk_tokens)
+    result: dict[str, Any] = {
+        "model": plain.name,
+        "dtype": str(plain.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "rope_scaling": args.rope,
+        "tokens": len(ids),
+        "window": len(window),
+        "scored": args.score_tokens,
+        "ppl_shipped_window": perplexity(
+            engine_for(plain, len(window), args.chunk_tokens), window, args.score_tokens
+        ),
+        "ppl_stretched_window": perplexity(short, window, args.score_tokens),
+    }
+    del short
+    whole = engine_for(stretched, len(ids), args.chunk_tokens)
+    t1 = time.perf_counter()
+    result["ppl_stretched_whole"] = perplexity(whole, ids, args.score_tokens)
+    result["score_whole_s"] = time.perf_counter() - t1
+    step_s = decode_at(whole, ids, args.decode_steps)
+    weights = whole.model.weight_nbytes
+    kv_read = len(ids) * whole.kv.shape.block_nbytes // whole.kv.shape.block_size
+    bandwidth = machine.read_bandwidth(weights + kv_read)
+    bound = (weights + kv_read) / bandwidth
+    result.update(
+        decode_step_ms=step_s * 1e3,
+        decode_bound_ms=bound * 1e3,
+        decode_of_bound=bound / step_s,
+        read_bandwidth_gb_s=bandwidth / 1e9,
+        wall_s=time.perf_counter() - t0,
+    )
+    return result
+
+
+def render(r: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"context bench: {r['model']} {r['dtype']}, {r['threads']} threads, "
+            f"{r['tokens']:,}-token text, last {r['scored']:,} tokens scored",
+            f"  perplexity, as shipped, {r['window']:,}-token window:    "
+            f"{r['ppl_shipped_window']:.3f}",
+            f"  perplexity, {r['rope_scaling']}, the same window:       "
+            f"{r['ppl_stretched_window']:.3f}",
+            f"  perplexity, {r['rope_scaling']}, all {r['tokens']:,} tokens:  "
+            f"{r['ppl_stretched_whole']:.3f} (scored in {r['score_whole_s']:.0f} s)",
+            f"  one-stream decode at {r['tokens']:,} tokens: {r['decode_step_ms']:.1f} ms a "
+            f"step, bound {r['decode_bound_ms']:.1f} ms ({r['decode_of_bound']:.0%} of it; "
+            f"read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s, this run)",
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="halfmoon bench context", description=__doc__)
+    p.add_argument("--model", default="", help="model folder (default: the default model)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--rope", default="yarn:4", help="the stretch (--rope-scaling) to measure")
+    p.add_argument("--text", default="", help="a long text file (default: the stdlib sources)")
+    p.add_argument("--tokens", type=int, default=32_000, help="text length in tokens")
+    p.add_argument("--score-tokens", type=int, default=2_000, help="tokens scored at its end")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--json-out", default="")
+    args = p.parse_args(argv)
+    if not 0 < args.score_tokens < TRAINED_WINDOW // 2 or args.tokens <= TRAINED_WINDOW:
+        p.error(f"--score-tokens under {TRAINED_WINDOW // 2} and --tokens over {TRAINED_WINDOW}")
+    result = run(args)
+    print(render(result))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
