@@ -20,6 +20,7 @@ import torch
 from shared.engine.batch import build_batch
 from shared.engine.block_manager import BlockManager
 from shared.engine.engine_types import EngineConfig
+from shared.engine.hidden import HiddenChunk
 from shared.engine.kv_cache import KVCache
 from shared.engine.kv_transfer import KVExport, export_full_blocks, export_sequence
 from shared.engine.model import PagedLlama
@@ -111,6 +112,19 @@ class StageRunner:
         None when there is none new."""
         seq = self.seqs[seq_id]
         return export_full_blocks(self.kv, seq, first_block, self.lm.name, self.config.quantization)
+
+    def run_hop(self, seq_id: str, num_tokens: int, hop: HiddenChunk | None) -> torch.Tensor:
+        """run() on a hop from the stage before, checked to be the one this stage needs."""
+        if hop is None:
+            return self.run(seq_id, num_tokens)
+        next_token = self.seqs[seq_id].num_computed_tokens
+        hop.check_for(self.lm.name, self.lm.dtype, self.model.first_layer, next_token)
+        return self.run(seq_id, num_tokens, hop.data)
+
+    def hop(self, seq_id: str, hidden: torch.Tensor) -> HiddenChunk:
+        """run()'s output as the hop to the next stage (the chunk just computed)."""
+        first = self.seqs[seq_id].num_computed_tokens - hidden.shape[0]
+        return HiddenChunk.of(self.lm.name, hidden, self.model.end_layer, first)
 
     def block_table(self, seq_id: str) -> list[int]:
         """The pool blocks holding the prompt's KV for this stage's layers, in order."""

@@ -33,8 +33,9 @@ from shared.messages import KVHandle
 
 log = logging.getLogger(__name__)
 TRANSFER_ID_BYTES = 16  # 128 bits: no one guesses one within an offer's TTL
-# What a transfer is for: the metrics' purpose label (prefill names its offers so).
-HANDOFF, PREFIX = "handoff", "prefix"
+# What a transfer is for: the metrics' purpose label (prefill names its offers so); a
+# hop carries a pipelined prefill's hidden states from one stage to the next.
+HANDOFF, PREFIX, HOP = "handoff", "prefix", "hop"
 
 
 # What a fetch returns: a new bytearray, the caller's own buffer (an allocator's), or a
