@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Coroutine, Sequence, cast
 
 import aiohttp
 
@@ -224,22 +224,36 @@ async def run(s: ChaosSettings) -> int:
         if cluster is not None:
             await asyncio.gather(supervisor, return_exceptions=True)  # type: ignore[arg-type]
             await cluster.stop()
-    print(summary(report), flush=True)
-    if s.report:
-        Path(s.report).write_text(json.dumps(report, indent=2))
-    if cluster is not None and not failed(report):
+    return conclude(summary(report), report, s.report, failed(report), cluster)
+
+
+def conclude(
+    text: str, report: dict[str, Any], path: str, bad: bool, cluster: LocalCluster | None
+) -> int:
+    """Print the run's summary, write its report, and keep the cluster's folder (logs,
+    database) only when the run failed: 1 then, else 0."""
+    print(text, flush=True)
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2))
+    if cluster is not None and not bad:
         shutil.rmtree(cluster.home, ignore_errors=True)
-    return 1 if failed(report) else 0
+    return 1 if bad else 0
+
+
+def tool_main(name: str, run: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """A cluster tool's process (chaos, soak): its logging, its exit codes (130 on
+    Ctrl-C, 2 when the cluster cannot start)."""
+    setup_logging("INFO", name)
+    logging.getLogger("nats").setLevel(logging.CRITICAL)  # reconnect noise while NATS is down
+    try:
+        return asyncio.run(run())
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as exc:
+        log.error("%s: %s", name, exc)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     s = parse_args(argv)
-    setup_logging("INFO", "chaos")
-    logging.getLogger("nats").setLevel(logging.CRITICAL)  # reconnect noise while NATS is down
-    try:
-        return asyncio.run(run(s))
-    except KeyboardInterrupt:
-        return 130
-    except RuntimeError as exc:
-        log.error("chaos: %s", exc)
-        return 2
+    return tool_main("chaos", lambda: run(s))

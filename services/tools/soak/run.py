@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import random
-import shutil
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Sequence
 
 from services.tools.chaos.args import ChaosSettings
 from services.tools.chaos.audit import audit
 from services.tools.chaos.faults import Faults, cluster_victims
-from services.tools.chaos.run import model_name, start_cluster
+from services.tools.chaos.run import conclude, model_name, start_cluster, tool_main
 from services.tools.soak.args import SoakSettings, parse_args
 from services.tools.soak.growth import Growth, judge, table
 from services.tools.soak.sample import (
@@ -30,7 +27,7 @@ from services.tools.soak.traffic import Traffic
 from services.up import LocalCluster
 from shared import aio, bus
 from shared.db.session import make_engine
-from shared.lifecycle import install_stop_signals, setup_logging
+from shared.lifecycle import install_stop_signals
 from shared.settings import BaseSettings
 
 log = logging.getLogger("halfmoon.soak")
@@ -180,22 +177,9 @@ async def run(s: SoakSettings) -> int:
         halt.set()
         await asyncio.gather(supervisor, return_exceptions=True)
         await cluster.stop()
-    print(summary(r), flush=True)
-    if s.report:
-        Path(s.report).write_text(json.dumps(r, indent=2))
-    if not failed(r):
-        shutil.rmtree(cluster.home, ignore_errors=True)
-    return 1 if failed(r) else 0
+    return conclude(summary(r), r, s.report, failed(r), cluster)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     s = parse_args(argv)
-    setup_logging("INFO", "soak")
-    logging.getLogger("nats").setLevel(logging.CRITICAL)  # reconnect noise while NATS is down
-    try:
-        return asyncio.run(run(s))
-    except KeyboardInterrupt:
-        return 130
-    except RuntimeError as exc:
-        log.error("soak: %s", exc)
-        return 2
+    return tool_main("soak", lambda: run(s))

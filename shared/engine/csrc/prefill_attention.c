@@ -72,6 +72,24 @@ static const float *widen(const PArgs *a, const void *src, long at, float *dst) 
     return dst;
 }
 
+/* Keys of the block starting at `first_key` (nk of them) that row r of the tile at t0
+ * may see: those at or before its query's position. */
+static inline int row_valid(const PArgs *a, int r, int first_key, int nk, int t0) {
+    const int v = a->pos0 + t0 + r / a->G - first_key + 1;
+    return v < 0 ? 0 : (v > nk ? nk : v);
+}
+
+/* Row r's running max rises to new_m: its sum and accumulator scale down to match. */
+static inline void rescale_row(Scratch *s, int r, int D, float new_m) {
+    if (new_m == s->m[r]) return;
+    const float corr = exp_approx(s->m[r] - new_m);
+    s->l[r] *= corr;
+    float *ar = s->acc + r * D;
+    #pragma omp simd
+    for (int d = 0; d < D; d++) ar[d] *= corr;
+    s->m[r] = new_m;
+}
+
 /* ---- scores: sc[r][t] = q[r] . K[:, t] ------------------------------------------------ */
 static void scores_generic(const float *q, int R, int D, const float *K, int B, float *sc) {
     for (int r = 0; r < R; r++) {
@@ -116,11 +134,9 @@ static void scores_b16(const float *q, int R, int D, const float *K, float *sc) 
  * update its running max and sum, leave its probabilities in sc and rescale its
  * accumulator when the max moved. */
 static void softmax_b16(const PArgs *a, Scratch *s, int R, int D, int first_key, int nk, int t0) {
-    const int G = a->G;
     for (int r = 0; r < R; r++) {
         float *sr = s->sc + r * 16;
-        int valid = a->pos0 + t0 + r / G - first_key + 1;
-        valid = valid < 0 ? 0 : (valid > nk ? nk : valid);
+        const int valid = row_valid(a, r, first_key, nk, t0);
         const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
         const __m512 x = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sr));
         if (!valid) {
@@ -131,14 +147,7 @@ static void softmax_b16(const PArgs *a, Scratch *s, int R, int D, int first_key,
         const float new_m = bmax > s->m[r] ? bmax : s->m[r];
         const __m512 e = _mm512_maskz_mov_ps(mask, exp512_nonpos(_mm512_sub_ps(x, _mm512_set1_ps(new_m))));
         _mm512_storeu_ps(sr, e);
-        if (new_m != s->m[r]) {
-            const float corr = exp_approx(s->m[r] - new_m);
-            s->l[r] *= corr;
-            float *ar = s->acc + r * D;
-            #pragma omp simd
-            for (int d = 0; d < D; d++) ar[d] *= corr;
-            s->m[r] = new_m;
-        }
+        rescale_row(s, r, D, new_m);
         s->l[r] += _mm512_reduce_add_ps(e);
     }
 }
@@ -223,12 +232,10 @@ static void scores_b16(const float *q, int R, int D, const float *K, float *sc) 
 }
 
 static void softmax_b16(const PArgs *a, Scratch *s, int R, int D, int first_key, int nk, int t0) {
-    const int G = a->G;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int r = 0; r < R; r++) {
         float *sr = s->sc + r * 16;
-        int valid = a->pos0 + t0 + r / G - first_key + 1;
-        valid = valid < 0 ? 0 : (valid > nk ? nk : valid);
+        const int valid = row_valid(a, r, first_key, nk, t0);
         if (!valid) {
             _mm256_storeu_ps(sr, _mm256_setzero_ps());
             _mm256_storeu_ps(sr + 8, _mm256_setzero_ps());
@@ -246,14 +253,7 @@ static void softmax_b16(const PArgs *a, Scratch *s, int R, int D, int first_key,
         const __m256 e1 = _mm256_and_ps(m1, exp256_nonpos(_mm256_sub_ps(x1, nm)));
         _mm256_storeu_ps(sr, e0);
         _mm256_storeu_ps(sr + 8, e1);
-        if (new_m != s->m[r]) {
-            const float corr = exp_approx(s->m[r] - new_m);
-            s->l[r] *= corr;
-            float *ar = s->acc + r * D;
-            #pragma omp simd
-            for (int d = 0; d < D; d++) ar[d] *= corr;
-            s->m[r] = new_m;
-        }
+        rescale_row(s, r, D, new_m);
         s->l[r] += hsum256(_mm256_add_ps(e0, e1));
     }
 }
@@ -314,11 +314,9 @@ static void pv_generic(const float *p, int R, int D, const float *V, int B, int 
 
 static void softmax_generic(const PArgs *a, Scratch *s, int R, int D, int B, int k0, int nk,
                             int t0) {
-    const int G = a->G;
     for (int r = 0; r < R; r++) {
         float *sr = s->sc + r * B;
-        int valid = a->pos0 + t0 + r / G - k0 + 1;  /* keys of this block row r sees */
-        valid = valid < 0 ? 0 : (valid > nk ? nk : valid);
+        const int valid = row_valid(a, r, k0, nk, t0);
         float bmax = -INFINITY;
         for (int t = 0; t < valid; t++) bmax = sr[t] > bmax ? sr[t] : bmax;
         if (valid == 0) {
@@ -326,7 +324,6 @@ static void softmax_generic(const PArgs *a, Scratch *s, int R, int D, int B, int
             continue;
         }
         const float new_m = bmax > s->m[r] ? bmax : s->m[r];
-        const float corr = exp_approx(s->m[r] - new_m);
         float psum = 0.f;
         #pragma omp simd reduction(+:psum)
         for (int t = 0; t < valid; t++) {
@@ -334,13 +331,8 @@ static void softmax_generic(const PArgs *a, Scratch *s, int R, int D, int B, int
             psum += sr[t];
         }
         for (int t = valid; t < B; t++) sr[t] = 0.f;
-        s->l[r] = s->l[r] * corr + psum;
-        s->m[r] = new_m;
-        if (corr != 1.f) {
-            float *ar = s->acc + r * D;
-            #pragma omp simd
-            for (int d = 0; d < D; d++) ar[d] *= corr;
-        }
+        rescale_row(s, r, D, new_m);
+        s->l[r] += psum;
     }
 }
 
