@@ -25,7 +25,10 @@ test: $(STAMP)
 # SLOW_CPUS CPUs' worth of time for the whole run (a cgroup CPU quota; root), on the AVX2
 # code path. Every time bound, load and SLO in them must hold there (see README, Tests).
 SLOW_CPUS ?= 0.6
+# Like .ci/run, it first installs the console browser test's Chromium and playwright-core
+# (only what is missing), so that test runs rather than skips.
 test-slow: $(STAMP)
+	bash scripts/install-browser.sh
 	$(BIN)/halfmoon model pull
 	HALFMOON_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 	  scripts/slow-machine --cpus $(SLOW_CPUS) $(BIN)/python -m pytest tests/e2e tests/integration $(PYTEST_ARGS)
