@@ -147,7 +147,10 @@ class PagedLlama:
         stage after the first takes the one before's as `hidden` (it is not changed)."""
         if self.is_first == (hidden is not None):
             raise ValueError("the first stage takes token ids, every later one hidden states")
-        h = self.embed(meta.input_ids) if hidden is None else hidden.to(self.dtype, copy=True)
+        if hidden is None:
+            h = self.embed(meta.input_ids)
+        else:  # the stage before's rows may come from another device or over the wire
+            h = hidden.to(device=self.embed.weight.device, dtype=self.dtype, copy=True)
         if self.native:
             return self._forward_native(h, meta)
         return self._forward_torch(h, meta)

@@ -88,7 +88,9 @@ class StageRunner:
             raise ValueError(f"{seq_id}: {hidden.shape[0]} hidden rows for {num_tokens} tokens")
         if not self.blocks.allocate(seq, num_tokens):
             raise NoRoom(f"{seq_id}: no room for {num_tokens} more tokens on this stage")
-        meta, _ = build_batch([ScheduledSeq(seq, num_tokens)], self.config.block_size, "cpu")
+        meta, _ = build_batch(
+            [ScheduledSeq(seq, num_tokens)], self.config.block_size, self.lm.device
+        )
         out = self.model.forward(meta, hidden)
         seq.num_computed_tokens += num_tokens
         self.blocks.commit(seq)  # full blocks join the prefix cache as they complete

@@ -210,13 +210,7 @@ def run_all(names: list[str], model_dir: Any, args: argparse.Namespace) -> dict[
         {str(model(PRECISIONS[nm][0]).dtype)[6:] for nm in names}
         | ({"int8"} if "int8" in names else set())
     )
-    limits = (
-        machine.measure(weights_hint, dtypes)
-        if args.device == "cpu"
-        else machine.Limits(
-            float("nan"), {d: float("nan") for d in dtypes}, torch.get_num_threads()
-        )
-    )
+    limits = machine.measure(weights_hint, dtypes, args.device)
     result = header(first.name, args, auto_dtype, limits, len(work["single"]), n, hi, new)
     engines: dict[str, LLMEngine] = {}
     for name in names:
@@ -236,7 +230,8 @@ def run_all(names: list[str], model_dir: Any, args: argparse.Namespace) -> dict[
         result["int8_quality"] = quality.gate(
             engines["fp32"], engines["int8"], first.tokenizer, 8 if args.quick else 32
         )
-    result["prefill_attention"] = prefill_attention(config, dtypes, args.chunk_tokens)
+    if args.device == "cpu":  # it times the CPU's kernels; a CUDA run has none to time
+        result["prefill_attention"] = prefill_attention(config, dtypes, args.chunk_tokens)
     result["memory"] = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     engines.clear()
     gc.collect()

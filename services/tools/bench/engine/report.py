@@ -136,6 +136,8 @@ def _default_rows(r: dict[str, Any]) -> list[str]:
 
 def _attention_rows(r: dict[str, Any]) -> list[str]:
     """Prefill attention: the native paged kernel against gather + SDPA, same threads."""
+    if "prefill_attention" not in r:  # a CUDA run: no CPU kernels timed
+        return []
     rows = ["prefill attention, one chunk at the end of the context (GFLOP/s):"]
     for dtype, ctxs in r.get("prefill_attention", {}).items():
         for c in ctxs:
