@@ -36,12 +36,17 @@ class EmbeddedNats:
     tls_ca: str = ""
     user: str = ""
     password: str = ""
+    # >0: Go's profiling endpoint on 127.0.0.1 (/debug/pprof), for tools that read the
+    # server's own memory accounting (halfmoon soak). Off by default: nothing needs it.
+    prof_port: int = 0
     proc: subprocess.Popen | None = None
     url: str = ""
 
     def config(self) -> str:
         """The config file: max_payload has no flag; TLS and auth only live here too."""
         lines = [f"max_payload: {self.max_payload}"]
+        if self.prof_port > 0:
+            lines.append(f"prof_port: {self.prof_port}")
         if self.tls_cert:
             lines += [
                 "tls {",

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from services.tools.soak.args import parse_args
-from services.tools.soak.growth import judge, slope, table
+from services.tools.soak.growth import judge, runtime_bounded, slope, table
+from services.tools.soak.sample import go_memstats
 
 
 def test_slope_is_the_least_squares_fit():
@@ -63,6 +64,47 @@ def test_small_counts_have_an_absolute_floor_and_too_few_points_are_not_judged()
     assert not few.judged and few.ok
     late = [(t, 100.0 + t) for t in range(3000, 3600, 10)]  # restarted late: a third covered
     assert not judge("p", "rss_mib", late, 1800, 3600).judged
+
+
+def _go_process(rss_rise: float, sys_rise: float, anon_end: float):
+    """A nats-server's judged series over the second half: RSS and private RSS rising by
+    `rss_rise`, Go's Sys by `sys_rise`, private RSS ending at `anon_end`."""
+    ts = range(1800, 3600, 10)
+
+    def ramp(start: float, rise: float) -> list[tuple[float, float]]:
+        return [(t, start + rise * (t - 1800) / 1790) for t in ts]
+
+    name = "nats-server (pid 9)"
+    return runtime_bounded(
+        [
+            judge(name, "rss_mib", ramp(anon_end + 13.6 - rss_rise, rss_rise), 1800, 3600),
+            judge(name, "rss_anon_mib", ramp(anon_end - rss_rise, rss_rise), 1800, 3600),
+            judge(name, "go_sys_mib", ramp(21.2, sys_rise), 1800, 3600),
+            judge("decode-0 (pid 3)", "rss_mib", ramp(300.0, 40.0), 1800, 3600),
+        ]
+    )
+
+
+def test_a_go_processs_rss_is_bounded_while_its_runtime_holds_no_more():
+    rss, anon, go_sys, other = _go_process(rss_rise=2.6, sys_rise=0.0, anon_end=14.4)
+    assert not 0 < rss.over_window <= rss.allowed  # past the RSS rule on its own
+    assert rss.ok and anon.ok and "within Go's flat Sys 21.2" in rss.bounded_by
+    assert go_sys.ok and not go_sys.bounded_by
+    assert not other.ok and not other.bounded_by  # no runtime accounting: judged as is
+    assert "bounded: private RSS 14.4" in table([rss])
+
+
+def test_a_go_process_that_takes_more_from_the_os_or_outgrows_it_is_growth():
+    rss, anon, go_sys, _ = _go_process(rss_rise=6.0, sys_rise=6.0, anon_end=20.0)
+    assert not go_sys.ok and not rss.ok and not anon.ok  # Sys itself grows: a leak
+    rss, anon, _, _ = _go_process(rss_rise=4.0, sys_rise=0.0, anon_end=25.0)
+    assert not rss.ok and not anon.ok  # private RSS past Sys: not the runtime's pages
+
+
+def test_go_memstats_reads_a_heap_profiles_numbers():
+    text = "heap profile: 1: 2 [3: 4] @ heap/1048576\n# Sys = 22233088\n# HeapAlloc = 5242880\n"
+    text += "# PauseNs = [0 0 0]\n# DebugGC = false\n"
+    assert go_memstats(text) == {"Sys": 22233088.0, "HeapAlloc": 5242880.0}
 
 
 def test_retention_defaults_to_a_quarter_of_the_run():

@@ -34,8 +34,11 @@ log = logging.getLogger("halfmoon.chaos")
 SERVING_ROLES = {"gateway", "conductor", "kvmanager", "prefill", "decode"}
 
 
-async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> LocalCluster:
-    """A fresh local cluster in a temporary HALFMOON_HOME (its own NATS, SQLite, ports)."""
+async def start_cluster(
+    s: ChaosSettings, stop: asyncio.Event, nats_prof_port: int = 0
+) -> LocalCluster:
+    """A fresh local cluster in a temporary HALFMOON_HOME (its own NATS, SQLite, ports);
+    `nats_prof_port` > 0 opens the nats-server's Go profiling endpoint there."""
     model_dir = await asyncio.to_thread(ensure_model, s.model)  # before HALFMOON_HOME moves
     home = Path(tempfile.mkdtemp(prefix="halfmoon-chaos-"))
     os.environ["HALFMOON_HOME"] = str(home)
@@ -58,7 +61,7 @@ async def start_cluster(s: ChaosSettings, stop: asyncio.Event) -> LocalCluster:
         metrics_base_port=0,
     )
     cluster = LocalCluster(up)
-    cluster.nats = EmbeddedNats(home / "nats")
+    cluster.nats = EmbeddedNats(home / "nats", prof_port=nats_prof_port)
     cluster.nats_url = await asyncio.to_thread(cluster.nats.start)
     await db.upgrade_async(cluster.database_url)
     log.info("chaos: starting a cluster in %s (%d prefill, %d decode)", home, s.prefill, s.decode)

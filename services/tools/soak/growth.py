@@ -9,7 +9,7 @@ late burst as growth; the floor does not. The raw fit is reported beside it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 HOUR_S = 3600.0
 MIN_POINTS = 5  # fewer samples in the window: too few to fit, not judged
@@ -32,6 +32,9 @@ class Rule:
 
 RULES = {
     "rss_mib": Rule(0.05, 2.0),
+    "rss_anon_mib": Rule(0.05, 2.0),
+    "go_sys_mib": Rule(0.05, 2.0),
+    "go_heap_mib": Rule(0.05, 2.0),
     "fds": Rule(0.05, 2.0),
     "threads": Rule(0.05, 2.0),
     "rows": Rule(0.10, 50.0),
@@ -80,6 +83,7 @@ class Growth:
     raw_per_hour: float  # a fit through every sample, per hour (shown, not judged)
     allowed: float  # what the rule allows across the window
     span: float  # share of the window the series covers
+    bounded_by: str = ""  # why growth past `allowed` is bounded (runtime_bounded)
 
     @property
     def judged(self) -> bool:
@@ -87,7 +91,7 @@ class Growth:
 
     @property
     def ok(self) -> bool:
-        return not self.judged or self.over_window <= self.allowed
+        return not self.judged or self.over_window <= self.allowed or bool(self.bounded_by)
 
 
 def judge(
@@ -113,6 +117,30 @@ def judge(
     )
 
 
+def runtime_bounded(growths: list[Growth]) -> list[Growth]:
+    """RSS growth of a process whose runtime accounts for its memory (a Go program: its
+    `Sys`, all it took from the OS) is bounded when that accounting is flat and the
+    private RSS is still within it: the runtime is touching pages it already held, which
+    it cannot do past `Sys`. Anything else is judged as it stands."""
+    by = {(g.series, g.kind): g for g in growths}
+    out = []
+    for g in growths:
+        sys_, anon = by.get((g.series, "go_sys_mib")), by.get((g.series, "rss_anon_mib"))
+        if (
+            g.kind in ("rss_mib", "rss_anon_mib")
+            and not g.ok
+            and sys_ is not None
+            and sys_.judged
+            and sys_.ok
+            and anon is not None
+            and anon.last <= sys_.last
+        ):
+            why = f"private RSS {anon.last:.1f} within Go's flat Sys {sys_.last:.1f} MiB"
+            g = replace(g, bounded_by=why)
+        out.append(g)
+    return out
+
+
 def table(growths: list[Growth]) -> str:
     """The report's table: one line per series, the worst first."""
     head = (
@@ -123,6 +151,8 @@ def table(growths: list[Growth]) -> str:
     shown = [g for g in growths if g.points]  # a process dead before the window: nothing
     for g in sorted(shown, key=lambda g: (g.ok, g.judged is False, g.series, g.kind)):
         verdict = "flat" if g.ok else f"GROWS (> {g.allowed:.1f} over the window)"
+        if g.bounded_by:
+            verdict = f"+{g.over_window:.1f} (> {g.allowed:.1f}), bounded: {g.bounded_by}"
         if not g.judged:
             verdict = f"not judged: {g.points} samples over {g.span:.0%} of the window"
         lines.append(

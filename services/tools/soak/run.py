@@ -11,15 +11,19 @@ import time
 from dataclasses import asdict
 from typing import Any, Sequence
 
+import aiohttp
+
+from services.tools.bench.placement import free_port
 from services.tools.chaos.args import ChaosSettings
 from services.tools.chaos.audit import audit
 from services.tools.chaos.faults import Faults, cluster_victims
 from services.tools.chaos.run import conclude, model_name, start_cluster, tool_main
 from services.tools.soak.args import SoakSettings, parse_args
-from services.tools.soak.growth import Growth, judge, table
+from services.tools.soak.growth import Growth, judge, runtime_bounded, table
 from services.tools.soak.sample import (
     Samples,
     cluster_processes,
+    sample_go,
     sample_jetstream,
     sample_sql,
 )
@@ -57,17 +61,23 @@ async def sample_until(
 ) -> None:
     engine = make_engine(cluster.database_url)
     nc = await bus.connect(BaseSettings(nats_url=nats_url), "soak")
+    prof = cluster.nats.prof_port if cluster.nats is not None else 0
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
     try:
         while not done.is_set():
             t = time.monotonic() - t0
             for name, pid in cluster_processes(cluster):
-                samples.process(name, pid, t)
+                series = samples.process(name, pid, t)
+                if series and name == "nats-server" and prof > 0:
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, KeyError):
+                        await sample_go(http, f"http://127.0.0.1:{prof}", series, samples, t)
             with contextlib.suppress(Exception):  # SQL busy, NATS killed: skip this sample
                 await sample_sql(engine, samples, t)
             with contextlib.suppress(Exception):
                 await sample_jetstream(nc, samples, t)
             await aio.wait_set(done, every_s)
     finally:
+        await http.close()
         await bus.close(nc)
         await engine.dispose()
 
@@ -101,10 +111,12 @@ async def soak(s: SoakSettings, cluster: LocalCluster, stop: asyncio.Event) -> d
     records = await audit(cluster.database_url, since, ids)
     lost = records.missing[:5] + records.not_terminal[:5]
     half = min(end, s.duration_s) / 2
-    growths = [
-        judge(series, kind, points, half, end)
-        for (series, kind), points in sorted(samples.points.items())
-    ]
+    growths = runtime_bounded(
+        [
+            judge(series, kind, points, half, end)
+            for (series, kind), points in sorted(samples.points.items())
+        ]
+    )
     r = report(s, traffic, faults, records.lost, lost, growths, end)
     # Every sample, so that a run's verdict can be checked or judged again from its report.
     r["samples"] = {f"{series} | {kind}": pts for (series, kind), pts in samples.points.items()}
@@ -168,7 +180,8 @@ async def run(s: SoakSettings) -> int:
     chaos = ChaosSettings(
         prefill=s.prefill, decode=s.decode, model=s.model, dtype=s.dtype, log_level=s.log_level
     )
-    cluster = await start_cluster(chaos, stop)
+    # The nats-server's profiling endpoint: its Go runtime's own memory accounting.
+    cluster = await start_cluster(chaos, stop, nats_prof_port=free_port())
     halt = asyncio.Event()
     supervisor = asyncio.create_task(cluster.watch(halt))  # restarts what is killed
     try:

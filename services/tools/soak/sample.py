@@ -1,5 +1,11 @@
 """What a soak samples: each process's RSS, descriptors and threads (psutil), the SQL
-tables' rows, and the KV event stream's size in JetStream."""
+tables' rows, and the KV event stream's size in JetStream.
+
+For the nats-server, a Go program, also what its runtime says it holds (its profiling
+endpoint's MemStats): `Sys`, all the memory it has taken from the OS, and `HeapAlloc`, the
+heap in use. A Go process's RSS creeps up for a long while as the runtime touches pages of
+arenas it already holds, and its private (anonymous) RSS can never pass `Sys`: a flat `Sys`
+is a bounded process, whatever its RSS does within it."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import psutil
 from nats.aio.client import Client as NATS
 from sqlalchemy import func, select
@@ -48,20 +55,45 @@ class Samples:
     def add(self, series: str, kind: str, t: float, value: float) -> None:
         self.points[(series, kind)].append((t, value))
 
-    def process(self, name: str, pid: int, t: float) -> None:
+    def process(self, name: str, pid: int, t: float) -> str | None:
+        """Sample one process; its series name, or None (warming up, or gone)."""
         first = self._first_seen.setdefault(pid, t)
         if t - first < self.warmup_s:
-            return
+            return None
         with contextlib.suppress(psutil.Error):  # it died between listing and reading
             p = psutil.Process(pid)
             with p.oneshot():
                 if p.status() == psutil.STATUS_ZOMBIE:  # killed, not reaped yet
-                    return
-                rss, fds, threads = p.memory_info().rss, p.num_fds(), p.num_threads()
+                    return None
+                mem, fds, threads = p.memory_info(), p.num_fds(), p.num_threads()
             series = f"{name} (pid {pid})"
-            self.add(series, "rss_mib", t, rss / MIB)
+            self.add(series, "rss_mib", t, mem.rss / MIB)
+            # Private pages (what a leak grows); `shared` is file-backed and shared memory.
+            self.add(series, "rss_anon_mib", t, (mem.rss - mem.shared) / MIB)
             self.add(series, "fds", t, fds)
             self.add(series, "threads", t, threads)
+            return series
+        return None
+
+
+def go_memstats(text: str) -> dict[str, float]:
+    """`# Name = value` lines of a Go heap profile (debug=1), the numeric ones."""
+    stats: dict[str, float] = {}
+    for line in text.splitlines():
+        key, sep, value = line.removeprefix("# ").partition(" = ")
+        if line.startswith("# ") and sep and value.isdigit():
+            stats[key] = float(value)
+    return stats
+
+
+async def sample_go(
+    http: aiohttp.ClientSession, prof_url: str, series: str, samples: Samples, t: float
+) -> None:
+    """A Go program's own accounting, from its profiling endpoint."""
+    async with http.get(f"{prof_url}/debug/pprof/heap?debug=1") as resp:
+        stats = go_memstats(await resp.text())
+    samples.add(series, "go_sys_mib", t, stats["Sys"] / MIB)
+    samples.add(series, "go_heap_mib", t, stats["HeapAlloc"] / MIB)
 
 
 def cluster_processes(cluster: Any) -> list[tuple[str, int]]:
