@@ -12,6 +12,8 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -21,7 +23,7 @@ from services.prefill.offers import KVOffers
 from services.prefill.streaming import Outgoing, worth_streaming
 from services.worker.instance import EngineInstance, Stream
 from shared import bus, errors, subjects
-from shared.engine.kv_transfer import KVExport, KVMeta
+from shared.engine.kv_transfer import KVExport, KVMeta, skip_blocks
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
@@ -74,6 +76,7 @@ class PrefillInstance(EngineInstance):
         # at half their real TTFT.
         self.intake: dict[str, int] = {}
         self.outgoing: dict[str, Outgoing] = {}  # long prompts whose KV streams to decode
+        self._chunks: dict[str, asyncio.Task] = {}  # each streaming prompt's chunk in flight
 
     def connector(self) -> PrefillInstance:
         return self  # hands_off: the requests a decode instance was named for
@@ -233,6 +236,12 @@ class PrefillInstance(EngineInstance):
                 task = asyncio.create_task(self._send_chunk(rid, out))
                 self._transfers.add(task)
                 task.add_done_callback(self._transfers.discard)
+                self._chunks[rid] = task
+                task.add_done_callback(partial(self._chunk_done, rid))
+
+    def _chunk_done(self, rid: str, task: asyncio.Task) -> None:
+        if self._chunks.get(rid) is task:
+            del self._chunks[rid]
 
     async def _send_chunk(self, rid: str, out: Outgoing) -> None:
         try:
@@ -295,22 +304,41 @@ class PrefillInstance(EngineInstance):
             await self._end_stream(out.request_id)
         if out.handoff is None or stream is None:
             return
-        self.outgoing.pop(out.request_id, None)
+        streamed = self.outgoing.pop(out.request_id, None)
+        in_flight = self._chunks.get(out.request_id)
         self.streams.pop(out.request_id, None)
         self.decode_for.pop(out.request_id, None)
         self.finished.add(out.request_id)
         # Beside the next step, not before it: offering the KV and waiting for decode's
         # ack took a median 6 ms and up to 130 ms a handoff under load, time the engine
         # sat idle with prompts queued.
-        task = asyncio.create_task(self._hand_off(out, stream, decode_id, time.time()))
+        task = asyncio.create_task(
+            self._hand_off(out, stream, decode_id, time.time(), streamed, in_flight)
+        )
         self._handing_off.add(task)
         task.add_done_callback(self._handing_off.discard)
 
     async def _hand_off(
-        self, out: RequestOutput, stream: Stream, decode_id: str, produced: float
+        self,
+        out: RequestOutput,
+        stream: Stream,
+        decode_id: str,
+        produced: float,
+        streamed: Outgoing | None = None,
+        in_flight: asyncio.Task | None = None,
     ) -> None:
         try:
-            await self._offer_and_submit(out, stream, decode_id, produced)
+            handoff = out.handoff
+            assert handoff is not None
+            if in_flight is not None:
+                # A chunk was still on its way when the first token came, and the export
+                # above starts where decode's acks stood then. Its answer comes within the
+                # transfer timeout (_send_chunk never raises); once acked, its blocks are
+                # not sent a second time.
+                await asyncio.wait({in_flight})
+            if streamed is not None and streamed.acked > handoff.meta.first_block:
+                handoff = skip_blocks(handoff, streamed.acked - handoff.meta.first_block)
+            await self._offer_and_submit(replace(out, handoff=handoff), stream, decode_id, produced)
         except Exception as exc:
             log.exception("request %s: handoff failed", stream.request.request_id)
             await self.finish_with_error(

@@ -130,6 +130,26 @@ def export_full_blocks(
     return KVExport(meta, kv.export_blocks(seq.block_table[first_block:full]))
 
 
+def skip_blocks(export: KVExport, n: int) -> KVExport:
+    """`export` without its first `n` blocks: ones the receiver has in place already (a
+    streamed chunk acked after this export was read)."""
+    m = export.meta
+    if not 0 <= n <= m.num_blocks:
+        raise ValueError(f"cannot skip {n} of {m.num_blocks} blocks")
+    if n == 0:
+        return export
+    # export_blocks' layout: [K|V, layers, blocks, the block's values]
+    data = export.data.view(2, m.num_layers, m.num_blocks, -1)[:, :, n:].contiguous().view(-1)
+    meta = m.model_copy(
+        update={
+            "first_block": m.first_block + n,
+            "num_blocks": m.num_blocks - n,
+            "block_hashes": m.block_hashes[n:],
+        }
+    )
+    return KVExport(meta, data)
+
+
 def export_cached(
     kv: KVCache, blocks: BlockManager, hashes: list[int], model: str, quantization: str = "none"
 ) -> KVExport | None:

@@ -168,6 +168,65 @@ async def test_a_long_prompt_streams_to_decode_and_its_tokens_are_exact(nc, tiny
     assert [s.tokens for s in handoff] == [len(LONG) - 6 * 16]  # what moved after the token
 
 
+async def test_a_chunk_in_flight_at_the_first_token_is_not_sent_again(nc, tiny):
+    """The last step runs while the third chunk is still on its way: decode holds it back
+    until the first token is out. The handoff waits for that chunk's ack and carries only
+    the blocks after it, where it used to send the chunk's blocks a second time."""
+    ref = reference(tiny, LONG)
+    events = Events()
+    first_token = threading.Event()
+
+    async def on_token(msg) -> None:  # type: ignore[no-untyped-def]
+        first_token.set()
+
+    await nc.subscribe(subjects.tokens("s9"), cb=events.on_msg)
+    await nc.subscribe(subjects.tokens("s9"), cb=on_token)
+    async with cluster(nc, tiny, "inflight") as (pre, dec, chunks, jobs, _):
+        fills, real_fill = [0], dec.engine.fill_reserved
+
+        def fill(rid, kv):  # type: ignore[no-untyped-def]
+            fills[0] += 1
+            if fills[0] == 3:  # the importer thread: holding it holds the chunk's ack
+                assert first_token.wait(30), "no first token while the chunk was held"
+            return real_fill(rid, kv)
+
+        dec.engine.fill_reserved = fill  # type: ignore[method-assign]
+        steps, real_step = [0], pre.engine.step
+
+        def step(between=None):  # type: ignore[no-untyped-def]
+            steps[0] += 1
+            deadline = time.monotonic() + 30
+            # Steps 2 and 3 wait for the chunk before them, as on a real prompt; the last
+            # one (4) runs with the third chunk in flight.
+            while steps[0] <= 3 and any(o.busy for o in list(pre.outgoing.values())):
+                assert time.monotonic() < deadline, "a chunk was never acked"
+                time.sleep(0.001)
+            if steps[0] == 4:
+                assert until_busy(pre), "the third chunk never left"
+            return real_step(between)
+
+        pre.engine.step = step  # type: ignore[method-assign]
+        await submit(nc, pre, dec, "s9")
+        await asyncio.wait_for(events.finished.wait(), 30)
+        await idle(pre, dec)
+    assert [t for e in events.got for t in e.token_ids] == ref
+    assert len(chunks.got) == 3 and fills[0] == 3
+    (job,) = jobs.got
+    assert job.streamed_blocks == 6  # the held chunk counted: nothing sent twice
+    handoff = [s for s in dec.engine.cost_samples if s.kind == "handoff"]
+    assert [s.tokens for s in handoff] == [len(LONG) - 6 * 16]
+
+
+def until_busy(pre: PrefillInstance) -> bool:
+    """Engine thread: wait until a chunk is on its way (the third, after step 3)."""
+    deadline = time.monotonic() + 30
+    while not any(o.busy for o in list(pre.outgoing.values())):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 async def test_a_stream_decode_has_no_room_for_falls_back_to_the_whole_kv(nc, tiny):
     """Decode's pool holds one long request at a time: the first stream reserves it, the
     second's first chunk is refused, holding nothing, and its KV goes whole with its first
