@@ -15,7 +15,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -258,12 +258,71 @@ class KVChunk(Message):
     kv: KVHandle
 
 
+class StageRef(BaseModel):
+    """One stage of a pipelined prefill: an instance and the layers it runs."""
+
+    instance_id: str
+    first_layer: Count
+    end_layer: Count
+
+
+class StageJob(Message):
+    """Conductor → each prefill instance of a group (pipelined prefill, CPP): run layers
+    [first, end) of the request's prompt, a chunk at a time. Stage 0 embeds the tokens;
+    each later stage takes the one before's hidden states (StageHop); the last samples
+    the first token and hands decode every stage's KV slice. All stages compute from
+    `start_tokens`, a prefix every one of them holds (the group's least hit)."""
+
+    request: GenerateRequest
+    stages: list[StageRef] = Field(min_length=2, max_length=64)
+    index: Count
+    decode_id: str = Field(min_length=1)
+    start_tokens: Count = 0
+
+    @model_validator(mode="after")
+    def _a_pipeline(self) -> StageJob:
+        if self.index >= len(self.stages):
+            raise ValueError(f"stage {self.index} of a {len(self.stages)}-stage group")
+        bounds = [(s.first_layer, s.end_layer) for s in self.stages]
+        contiguous = all(end == first for (_, end), (first, _) in zip(bounds, bounds[1:]))
+        if bounds[0][0] != 0 or not contiguous or any(a >= b for a, b in bounds):
+            raise ValueError(f"stages must split the layers from 0 contiguously: {bounds}")
+        return self
+
+    @property
+    def me(self) -> StageRef:
+        return self.stages[self.index]
+
+    @property
+    def last(self) -> bool:
+        return self.index == len(self.stages) - 1
+
+
+class StageOpened(Message):
+    """A stage's answer to its StageJob: the prompt's leading tokens its pool holds."""
+
+    hit_tokens: Count
+
+
+class StageHop(Message):
+    """Stage → the next stage, request/reply: one chunk's hidden states are offered at
+    `hidden` (data plane); acked once fetched. The prompt's last chunk also carries the
+    KV slices of the stages so far, for the last stage to hand decode."""
+
+    request_id: RequestId
+    hidden: KVHandle
+    slices: list[KVHandle] = Field(default_factory=list, max_length=64)
+
+
 class DecodeJob(Message):
     request: GenerateRequest
     prefill_id: str
     # None: recompute prompt + output_token_ids here (the gateway re-placing a request whose
-    # decode instance died, or whose events were lost), with no KV to fetch.
+    # decode instance died, or whose events were lost), with no KV to fetch; unless
+    # kv_slices holds a pipelined prefill's KV.
     kv: KVHandle | None
+    # A pipelined prefill's KV: one slice (some layers, every block) per stage.
+    kv_slices: list[KVHandle] = Field(default_factory=list, max_length=64)
     # Leading blocks decode acked as streamed chunks (KVChunk): `kv` holds only the rest,
     # and decode's reservation for the request already holds these.
     streamed_blocks: Count = 0

@@ -32,6 +32,16 @@ def prefill_submit(instance_id: str) -> str:
     return f"{PREFIX}.prefill.{instance_id}.submit"
 
 
+def prefill_stage(instance_id: str) -> str:
+    """Request/reply: run a stage of a pipelined prefill (StageJob)."""
+    return f"{PREFIX}.prefill.{instance_id}.stage"
+
+
+def prefill_hop(instance_id: str) -> str:
+    """Request/reply: a pipelined prefill's next chunk of hidden states (StageHop)."""
+    return f"{PREFIX}.prefill.{instance_id}.hop"
+
+
 def decode_submit(instance_id: str) -> str:
     return f"{PREFIX}.decode.{instance_id}.submit"
 

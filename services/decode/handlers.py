@@ -217,10 +217,11 @@ class DecodeInstance(EngineInstance):
             if req.request_id not in self.streams:  # cancelled while it waited
                 self.queue.popleft()
                 continue
-            if job.kv is None:  # re-placed with no KV to pull: recompute it here
+            if job.kv is None and not job.kv_slices:  # re-placed with no KV: recompute here
                 self.queue.popleft()
                 await self._recompute(job)
                 continue
+            kv = job.kv or job.kv_slices[0]  # every stage's slice covers the whole prompt
             try:
                 ok = await self.run_import(
                     self.engine.reserve,
@@ -228,7 +229,7 @@ class DecodeInstance(EngineInstance):
                     req.prompt_token_ids,
                     job.output_token_ids,
                     SamplingParams.of(req.sampling),
-                    job.kv.num_tokens,
+                    kv.num_tokens,
                     req.tenant,
                 )
             except ValueError as exc:
@@ -245,6 +246,9 @@ class DecodeInstance(EngineInstance):
         """Fetch into the reserved blocks and join the batch; on a failed transfer give the
         blocks back and recompute, so nothing is lost."""
         rid = job.request.request_id
+        if job.kv_slices:
+            await self._transfer_slices(job)
+            return
         export = await self._fetch(job)
         if rid not in self.streams:  # cancelled during the transfer
             await self.run_import(self.engine.release, rid)
@@ -275,6 +279,38 @@ class DecodeInstance(EngineInstance):
                     seconds=max(0.0, time.time() - job.first_token_time),
                 )
             )
+        self._stats = self.engine.stats()
+        self.wake()
+
+    async def _transfer_slices(self, job: DecodeJob) -> None:
+        """A pipelined prefill's KV: each stage's layers, fetched and placed one by one; the
+        request joins the batch once every layer of every block is in."""
+        rid = job.request.request_id
+        for handle in job.kv_slices:
+            export = await self._fetch(job.model_copy(update={"kv": handle}))
+            if rid not in self.streams:  # cancelled during the transfer
+                await self.run_import(self.engine.release, rid)
+                return
+            try:
+                if export is None:
+                    raise ValueError("a stage's KV slice did not come")
+                await self.run_import(self.engine.fill_reserved_slice, rid, export)
+            except ValueError as exc:
+                log.warning("request %s: %s; recomputing", rid, exc)
+                await self.run_import(self.engine.release, rid)
+                await self._recompute(job)
+                return
+        try:
+            await self.run_import(
+                self.engine.add_reserved_slices, rid, job.output_token_ids, job.emitted_text
+            )
+        except ValueError as exc:
+            await self.run_import(self.engine.release, rid)
+            await self.finish_with_error(rid, "kv_transfer_failed", str(exc))
+            return
+        if rid not in self.streams:
+            await self.abort(rid)
+            return
         self._stats = self.engine.stats()
         self.wake()
 

@@ -17,6 +17,12 @@ class PrefillSettings(WorkerSettings):
         description="send a prompt of more than one chunk to decode chunk by chunk while "
         "it is computed (off: all its KV after the first token)",
     )
+    stage_kv_gb: float = Field(
+        0.25,
+        ge=0,
+        description="KV pool for the pipelined-prefill stages this instance runs (its own: "
+        "a stage's blocks hold some of the layers); 0: it runs none",
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> PrefillSettings:

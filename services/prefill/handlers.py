@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 
 from services.prefill.args import PrefillSettings
 from services.prefill.offers import KVOffers
+from services.prefill.stages import Stages
 from services.prefill.streaming import Outgoing, worth_streaming
 from services.worker.instance import EngineInstance, Stream
 from shared import bus, errors, subjects
@@ -77,6 +78,7 @@ class PrefillInstance(EngineInstance):
         self.intake: dict[str, int] = {}
         self.outgoing: dict[str, Outgoing] = {}  # long prompts whose KV streams to decode
         self._chunks: dict[str, asyncio.Task] = {}  # each streaming prompt's chunk in flight
+        self.stages = Stages(self, int(settings.stage_kv_gb * 2**30))  # pipelined prefill
 
     def connector(self) -> PrefillInstance:
         return self  # hands_off: the requests a decode instance was named for
@@ -394,6 +396,7 @@ class PrefillInstance(EngineInstance):
         return list(self.intake.values())
 
     async def release(self, request_id: str) -> bool:
+        await self.stages.release(request_id)
         self.intake.pop(request_id, None)
         self.outgoing.pop(request_id, None)  # decode got the same cancel
         self.decode_for.pop(request_id, None)

@@ -50,6 +50,10 @@ from shared.messages import (
     PrefillJob,
     Role,
     SamplingParams,
+    StageHop,
+    StageJob,
+    StageOpened,
+    StageRef,
     TokenEvent,
 )
 from tests.e2e.conftest import children_of, start_stack, stop_stack
@@ -125,6 +129,20 @@ def templates(prefill: str, decode: str, rid: str) -> dict[str, tuple[Message, t
             Ack,
         ),
         subjects.kv_export(prefill): (KVExportRequest(block_hashes=[1, 2]), KVExportReply),
+        # Stage 0 of a group whose stage 1 is nowhere: its first hop finds nobody.
+        subjects.prefill_stage(prefill): (
+            StageJob(
+                request=req,
+                stages=[
+                    StageRef(instance_id=prefill, first_layer=0, end_layer=15),
+                    StageRef(instance_id="fuzz-phantom", first_layer=15, end_layer=30),
+                ],
+                index=0,
+                decode_id=decode,
+            ),
+            StageOpened,
+        ),
+        subjects.prefill_hop(prefill): (StageHop(request_id=rid, hidden=handle), Ack),
         subjects.CANCEL: (CancelRequest(request_id=rid), None),
         subjects.KV_EVENTS: (
             KVEvent(kind=KVEventKind.STORED, instance_id=prefill, block_hashes=[7, 8]),

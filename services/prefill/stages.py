@@ -1,0 +1,315 @@
+"""Pipelined prefill (CPP, Mooncake FAST'25 §3.3) on a prefill instance: the stages of
+groups it is part of (StageJob), each a range of the model's layers over a pool of its own.
+
+A stage opens the prompt on its StageRunner (its prefix hit goes back in the reply) and
+computes from the group's start. Stage 0 runs the prompt a chunk at a time; after each
+chunk its hidden states are offered on the data plane and the next stage is told
+(StageHop), which fetches them, acks, and runs its layers on them, and so on. Once a stage
+has run the prompt's last chunk, its KV slice (its layers of every block) is offered for
+decode and its handle travels on with the last hop. The last stage samples the first
+token from its logits, streams it to the client, and gives decode a DecodeJob with every
+stage's slice, which decode places layer by layer (handoff.fill_reserved_slice).
+
+Every stage's compute runs on the instance's engine thread, between engine steps, so a
+stage never competes with the instance's own prompts for its cores. A stage that fails
+(a hop that does not come, a peer that is gone) ends the request with the retryable error
+the gateway places again on.
+
+Not yet: pipelined prompts do not take logprobs, prompt logprobs or structured output (a
+StageJob asking for them is refused by name, and the conductor does not send one); the
+slices go to decode after the last chunk, not streamed while the prompt runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+from nats.aio.msg import Msg
+
+from services.worker.instance import Stream
+from shared import bus, errors, subjects
+from shared.engine.engine_types import RequestOutput
+from shared.engine.hidden import HiddenChunk
+from shared.engine.logits import RowContext
+from shared.engine.output import OutputTracker, make_detokenizer
+from shared.engine.params import SamplingParams
+from shared.engine.sampling import sample
+from shared.engine.stage import NoRoom, StageRunner
+from shared.messages import Ack, DecodeJob, KVHandle, StageHop, StageJob, StageOpened
+from shared.transfer import TransferFailed
+from shared.transfer.base import HANDOFF, HOP
+
+if TYPE_CHECKING:
+    from services.prefill.handlers import PrefillInstance
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageRun:
+    """One request's stage on this instance."""
+
+    job: StageJob
+    runner: StageRunner
+    hops: asyncio.Queue[tuple[HiddenChunk, list[KVHandle]]] = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    slice: KVHandle | None = None  # this stage's KV slice, offered once its layers are done
+
+
+def unsupported(job: StageJob) -> str | None:
+    """What a pipelined prompt cannot have yet, by name; None if nothing."""
+    s, req = job.request.sampling, job.request
+    named = [
+        name
+        for name, asked in (
+            ("logprobs", s.logprobs is not None),
+            ("prompt_logprobs", req.prompt_logprobs is not None),
+            ("structured output", s.constraint is not None),
+        )
+        if asked
+    ]
+    return ", ".join(named) or None
+
+
+class Stages:
+    def __init__(self, inst: PrefillInstance, kv_cache_bytes: int) -> None:
+        self.inst = inst
+        self.kv_cache_bytes = kv_cache_bytes
+        self.runners: dict[tuple[int, int], StageRunner] = {}
+        self.runs: dict[str, StageRun] = {}
+
+    def _runner(self, layers: tuple[int, int]) -> StageRunner:
+        """Engine thread: the runner for `layers`, its pool made on first use."""
+        runner = self.runners.get(layers)
+        if runner is None:
+            config = replace(self.inst.settings.engine_config(), kv_cache_bytes=self.kv_cache_bytes)
+            runner = StageRunner(self.inst.lm, config, layers)
+            self.runners[layers] = runner
+        return runner
+
+    # -- a StageJob: open the prompt ------------------------------------------------------
+    async def on_stage(self, msg: Msg) -> None:
+        try:
+            job = StageJob.model_validate_json(msg.data)
+        except ValueError as exc:
+            await bus.respond(msg, errors.InvalidRequest(f"bad stage job: {exc}"))
+            return
+        rid = job.request.request_id
+        refused = self._refusal(job)
+        if refused is not None:
+            await bus.respond(msg, refused)
+            return
+        layers = (job.me.first_layer, job.me.end_layer)
+        runner = await self.inst.run_engine(self._runner, layers)
+        try:
+            hit = await self.inst.run_engine(runner.open, rid, job.request.prompt_token_ids)
+        except ValueError as exc:
+            await bus.respond(msg, errors.InvalidRequest(str(exc)))
+            return
+        if hit < job.start_tokens:
+            await self.inst.run_engine(runner.close, rid)
+            await bus.respond(
+                msg,
+                errors.Rejected(
+                    f"stage holds {hit} of the group's {job.start_tokens} cached tokens",
+                    retry_after_s=0.0,
+                ),
+            )
+            return
+        await self.inst.run_engine(runner.rewind, rid, job.start_tokens)
+        run = StageRun(job, runner)
+        self.runs[rid] = run
+        if job.last:  # it streams the first token: the client's events start here
+            self.inst.streams[rid] = Stream(job.request, 0, job.start_tokens)
+        await bus.respond(msg, StageOpened(hit_tokens=hit))
+        run.task = asyncio.create_task(self._drive(run))
+
+    def _refusal(self, job: StageJob) -> errors.HalfmoonError | None:
+        rid = job.request.request_id
+        if self.kv_cache_bytes <= 0:
+            return errors.Rejected("this instance runs no pipeline stages (stage_kv_gb 0)")
+        if job.me.instance_id != self.inst.instance_id:
+            return errors.InvalidRequest(f"stage {job.index} is {job.me.instance_id}, not here")
+        if job.stages[-1].end_layer != self.inst.lm.num_layers:
+            return errors.InvalidRequest(
+                f"the stages end at layer {job.stages[-1].end_layer}; "
+                f"the model has {self.inst.lm.num_layers}"
+            )
+        if rid in self.runs or self.inst.known(rid):
+            return errors.InvalidRequest(f"request {rid} is already here")
+        prompt = len(job.request.prompt_token_ids)
+        block = self.inst.settings.block_size
+        if job.start_tokens >= prompt or job.start_tokens % block:
+            return errors.InvalidRequest(
+                f"start_tokens {job.start_tokens}: a multiple of {block} below the "
+                f"prompt's {prompt} tokens"
+            )
+        missing = unsupported(job)
+        if missing:
+            return errors.InvalidRequest(f"a pipelined prefill does not take {missing} yet")
+        return None
+
+    # -- the chunks ------------------------------------------------------------------------
+    async def _drive(self, run: StageRun) -> None:
+        rid = run.job.request.request_id
+        try:
+            await self._chunks(run)
+        except (errors.HalfmoonError, TransferFailed, TimeoutError, ValueError, NoRoom) as exc:
+            # A peer gone, a hop refused or late, no room: the gateway places it again. The
+            # last stage tells the client (a stage before it fails there by a late hop).
+            log.warning("request %s: stage %d failed (%s)", rid, run.job.index, exc)
+            if run.slice is not None:  # nobody will fetch it now
+                await self.inst.sender.withdraw(run.slice.transfer_id)
+            if run.job.last:
+                await self.inst.finish_with_error(rid, "unavailable", f"pipelined prefill: {exc}")
+        finally:
+            self.runs.pop(rid, None)
+            await self.inst.run_engine(run.runner.close, rid)
+
+    async def _chunks(self, run: StageRun) -> None:
+        rid, chunk = run.job.request.request_id, self.inst.settings.chunk_tokens
+        seq = run.runner.seqs[rid]
+        timeout = self.inst.settings.transfer_timeout_s
+        while seq.num_uncomputed_tokens > 0:
+            if run.job.index == 0:
+                n, slices = min(chunk, seq.num_uncomputed_tokens), list[KVHandle]()
+                out = await self.inst.run_engine(run.runner.run, rid, n)
+            else:
+                async with asyncio.timeout(timeout):
+                    hop, slices = await run.hops.get()
+                out = await self.inst.run_engine(run.runner.run_hop, rid, hop.meta.num_tokens, hop)
+            if seq.num_uncomputed_tokens == 0:  # the prompt's last chunk: my slice too
+                slices = [*slices, await self._offer_slice(run)]
+            if run.job.last:
+                if seq.num_uncomputed_tokens == 0:
+                    await self._first_token(run, out, slices)
+            else:
+                await self._pass_on(run, out, slices)
+
+    async def _offer_slice(self, run: StageRun) -> KVHandle:
+        rid = run.job.request.request_id
+        export = await self.inst.run_engine(run.runner.export, rid)
+        run.slice = await self.inst.offers.offer(HANDOFF, export)
+        return run.slice
+
+    async def _pass_on(self, run: StageRun, out: torch.Tensor, slices: list[KVHandle]) -> None:
+        """The chunk's hidden states to the next stage, acked once it has them."""
+        rid = run.job.request.request_id
+        chunk = run.runner.hop(rid, out)
+        handle = await self.inst.sender.offer_off_loop(
+            HOP,
+            chunk.meta.model_dump_json().encode(),
+            chunk.payload(),
+            chunk.meta.num_tokens,
+            ttl_s=self.inst.settings.transfer_timeout_s,
+        )
+        nxt = run.job.stages[run.job.index + 1].instance_id
+        try:
+            await bus.request(
+                self.inst.nc,
+                subjects.prefill_hop(nxt),
+                StageHop(request_id=rid, hidden=handle, slices=slices),
+                Ack,
+                timeout_s=self.inst.settings.transfer_timeout_s,
+            )
+        except errors.HalfmoonError:
+            await self.inst.sender.withdraw(handle.transfer_id)
+            raise
+
+    # -- a hop from the stage before --------------------------------------------------------
+    async def on_hop(self, msg: Msg) -> None:
+        try:
+            hop = StageHop.model_validate_json(msg.data)
+        except ValueError as exc:
+            await bus.respond(msg, errors.InvalidRequest(f"bad stage hop: {exc}"))
+            return
+        run = self.runs.get(hop.request_id)
+        if run is None or run.job.index == 0:
+            await bus.respond(msg, errors.Rejected(f"no stage of {hop.request_id} takes hops here"))
+            return
+        try:
+            meta, payload = await self.inst.receiver.fetch(
+                hop.hidden, self.inst.settings.transfer_timeout_s, HOP
+            )
+            chunk = HiddenChunk.from_bytes(meta, payload)
+        except (TransferFailed, ValueError) as exc:
+            await bus.respond(msg, errors.Rejected(f"hidden states not fetched: {exc}"))
+            return
+        run.hops.put_nowait((chunk, hop.slices))
+        await bus.respond(msg, Ack())
+
+    # -- the last stage: the first token, and decode ----------------------------------------
+    async def _first_token(
+        self, run: StageRun, logits: torch.Tensor, slices: list[KVHandle]
+    ) -> None:
+        req = run.job.request
+        rid = req.request_id
+        stream = self.inst.streams.get(rid)
+        if stream is None:  # cancelled meanwhile
+            return
+        produced = time.time()
+        params = SamplingParams.of(req.sampling)
+        tracker = OutputTracker(
+            params,
+            make_detokenizer(self.inst.lm.tokenizer, list(req.prompt_token_ids)),
+            self.inst.lm.eos_token_ids,
+            len(req.prompt_token_ids),
+            self.inst.lm.max_model_len,
+        )
+        stops = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.inst.lm.eos_token_ids
+        )
+        row = RowContext(params, 0, list(req.prompt_token_ids), len(req.prompt_token_ids), stops)
+        token = sample(logits, [row]).tokens[0]
+        step = tracker.append(token)
+        out = RequestOutput(
+            rid,
+            [token],
+            step.text,
+            step.finish_reason,
+            len(req.prompt_token_ids),
+            1,
+            run.job.start_tokens,
+        )
+        await self.inst.publish_output(out)
+        if step.finish_reason is not None:  # it ended at its first token: decode has nothing
+            for handle in slices:
+                await self.inst.sender.withdraw(handle.transfer_id)
+            return
+        self.inst.streams.pop(rid, None)
+        self.inst.finished.add(rid)
+        job = DecodeJob(
+            request=req,
+            prefill_id=self.inst.instance_id,
+            kv=None,
+            kv_slices=slices,
+            output_token_ids=[token],
+            emitted_text=tracker.emitted_text,
+            events_sent=stream.next_index,
+            cached_tokens=run.job.start_tokens,
+            first_token_time=produced,
+        )
+        try:
+            await bus.request(
+                self.inst.nc, subjects.decode_submit(run.job.decode_id), job, Ack, timeout_s=5.0
+            )
+        except errors.HalfmoonError as exc:
+            for handle in slices:
+                await self.inst.sender.withdraw(handle.transfer_id)
+            await self.inst.finish_with_error(
+                rid,
+                exc.code,
+                f"decode {run.job.decode_id} did not take the request: {exc.message}",
+                stream,
+            )
+
+    async def release(self, request_id: str) -> None:
+        """A cancel: the stage stops; its blocks stay cached."""
+        run = self.runs.get(request_id)
+        if run is not None and run.task is not None:
+            run.task.cancel()
