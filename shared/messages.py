@@ -304,6 +304,13 @@ class StageOpened(Message):
     hit_tokens: Count
 
 
+class StageClose(Message):
+    """Conductor → a stage it opened, when another stage of the group refused: drop the
+    prompt (the request goes elsewhere; unlike a cancel, it is not ended)."""
+
+    request_id: RequestId
+
+
 class StageHop(Message):
     """Stage → the next stage, request/reply: one chunk's hidden states are offered at
     `hidden` (data plane); acked once fetched. The prompt's last chunk also carries the

@@ -37,6 +37,11 @@ def prefill_stage(instance_id: str) -> str:
     return f"{PREFIX}.prefill.{instance_id}.stage"
 
 
+def prefill_stage_close(instance_id: str) -> str:
+    """Request/reply: drop a stage opened for a group that did not form (StageClose)."""
+    return f"{PREFIX}.prefill.{instance_id}.stage_close"
+
+
 def prefill_hop(instance_id: str) -> str:
     """Request/reply: a pipelined prefill's next chunk of hidden states (StageHop)."""
     return f"{PREFIX}.prefill.{instance_id}.hop"

@@ -42,6 +42,19 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
         description="colocated: the (prefill) instance chosen for a request "
         "decodes it too, and there are no decode instances",
     )
+    max_stages: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="pipelined prefill: kvcentric weighs groups of up to this many idle "
+        "prefill instances, each running a range of the layers (1: off)",
+    )
+    pipeline_min_tokens: int = Field(
+        0,
+        ge=0,
+        description="prompts of at least this many tokens are weighed for a group "
+        "(0: only those no single instance prefills within the TTFT SLO)",
+    )
     heartbeat_expiry_s: float = Field(3.0, gt=0, description="an instance silent this long is dead")
     dispatch_timeout_s: float = Field(
         5.0, gt=0, description="wait for a prefill instance to take a job"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Callable
@@ -16,8 +17,8 @@ from services.conductor.calibration import Calibrator
 from services.conductor.costmodel import CostModel, load_cost_model, prior_for
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.policy import follow, make_policy
-from services.conductor.registry import Registry
-from services.conductor.views import Candidate, Decision
+from services.conductor.registry import InstanceState, Registry
+from services.conductor.views import Candidate, Decision, Snapshot
 from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
 from shared.messages import (
@@ -29,6 +30,10 @@ from shared.messages import (
     Placement,
     PrefillJob,
     Role,
+    StageClose,
+    StageJob,
+    StageOpened,
+    StageRef,
 )
 
 log = logging.getLogger(__name__)
@@ -153,14 +158,7 @@ class Conductor:
             req, matches, self.settings.ttft_slo_ms / 1e3, self.settings.tbt_slo_ms / 1e3
         )
         while True:
-            snap = snapshot.build(
-                prefills,
-                decodes,
-                self.cost,
-                self.settings.balancing_threshold,
-                self.settings.slo_margin,
-                colocated,
-            )
+            snap = self._snapshot(prefills, decodes, colocated)
             t_decide = time.perf_counter()
             decision = follow(
                 self.policy.name, snap, view, req.follow_prefill
@@ -198,6 +196,21 @@ class Conductor:
             decode_id=decision.decode_id,
             policy=decision.policy,
             predicted_ttft_ms=decision.ttft_s * 1e3,
+        )
+
+    def _snapshot(
+        self, prefills: list[InstanceState], decodes: list[InstanceState], colocated: bool
+    ) -> Snapshot:
+        s = self.settings
+        return snapshot.build(
+            prefills,
+            decodes,
+            self.cost,
+            s.balancing_threshold,
+            s.slo_margin,
+            colocated,
+            s.max_stages,
+            s.pipeline_min_tokens,
         )
 
     def _record(self, req: GenerateRequest, d: Decision, now: float) -> None:
@@ -246,6 +259,9 @@ class Conductor:
 
     async def _dispatch(self, req: GenerateRequest, d: Decision) -> None:
         assert d.prefill is not None
+        if d.prefill.stages:
+            await self._dispatch_group(req, d)
+            return
         job = prefill_job(req, d)
         # Count the work before awaiting the ack, so decisions made meanwhile see it.
         self._account(req, d, +1)
@@ -261,11 +277,46 @@ class Conductor:
             self._account(req, d, -1)
             raise
 
+    async def _dispatch_group(self, req: GenerateRequest, d: Decision) -> None:
+        """A pipelined prefill: each stage opened, the last first, so stage 0 (which starts
+        computing at once) finds the rest ready. If one refuses, those opened are closed
+        and the refusal goes up: the request is decided again without the group's first."""
+        jobs = stage_jobs(req, d, self.cost.block_size)
+        self._account(req, d, +1)
+        opened: list[StageJob] = []
+        try:
+            for job in reversed(jobs):
+                await bus.request(
+                    self.nc,
+                    subjects.prefill_stage(job.me.instance_id),
+                    job,
+                    StageOpened,
+                    timeout_s=self.settings.dispatch_timeout_s,
+                )
+                opened.append(job)
+        except errors.HalfmoonError:
+            self._account(req, d, -1)
+            for job in opened:
+                with contextlib.suppress(errors.HalfmoonError):
+                    await bus.request(
+                        self.nc,
+                        subjects.prefill_stage_close(job.me.instance_id),
+                        StageClose(request_id=req.request_id),
+                        Ack,
+                        timeout_s=self.settings.dispatch_timeout_s,
+                    )
+            raise
+
     def _account(self, req: GenerateRequest, d: Decision, sign: int) -> None:
-        """Add (+1) or take back (-1) a dispatch: the prefill's predicted work, and the
-        decode's new sequence, its prompt tokens and the KV blocks it will take."""
+        """Add (+1) or take back (-1) a dispatch: the prefill's predicted work (each stage's
+        time held, for a group), and the decode's new sequence, its prompt tokens and the
+        KV blocks it will take."""
         assert d.prefill is not None
-        self.registry.dispatched(d.prefill.instance_id, sign * d.prefill.prefill_s, count=sign)
+        if d.prefill.stages:
+            for instance_id, t in d.prefill.stages:
+                self.registry.dispatched(instance_id, sign * t.end_s, count=sign)
+        else:
+            self.registry.dispatched(d.prefill.instance_id, sign * d.prefill.prefill_s, count=sign)
         decode_id = d.decode_id or d.prefill.instance_id  # colocated: the same instance
         self.registry.dispatched(
             decode_id,
@@ -285,6 +336,23 @@ def stage_record(c: Candidate) -> list[dict[str, object]]:
             "end_ms": t.end_s * 1e3,
         }
         for instance_id, t in c.stages
+    ]
+
+
+def stage_jobs(req: GenerateRequest, d: Decision, block_size: int) -> list[StageJob]:
+    """The jobs that carry out a group decision: one per stage, in pipeline order, all
+    starting after the prefix the group holds (never the prompt's last token)."""
+    assert d.prefill is not None
+    refs = [
+        StageRef(instance_id=iid, first_layer=t.layers[0], end_layer=t.layers[1])
+        for iid, t in d.prefill.stages
+    ]
+    cached = d.prefill.prefix_blocks * block_size
+    last_block = (len(req.prompt_token_ids) - 1) // block_size * block_size
+    start = min(cached, last_block)
+    return [
+        StageJob(request=req, stages=refs, index=i, decode_id=d.decode_id, start_tokens=start)
+        for i in range(len(refs))
     ]
 
 

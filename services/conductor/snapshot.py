@@ -57,6 +57,8 @@ def build(
     threshold: float,
     slo_margin: float = 1.0,
     colocated: bool = False,
+    max_stages: int = 1,
+    pipeline_min_tokens: int = 0,
 ) -> Snapshot:
     # a view kept from an earlier decision, else a fresh one (kept for the next)
     return Snapshot(
@@ -66,6 +68,8 @@ def build(
         threshold,
         slo_margin,
         colocated,
+        max_stages=max_stages,
+        pipeline_min_tokens=pipeline_min_tokens,
     )
 
 

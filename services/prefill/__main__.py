@@ -37,6 +37,9 @@ async def serve(settings: PrefillSettings) -> None:
         await nc.subscribe(subjects.kv_export(settings.instance_id), cb=inst.on_export)
         await nc.subscribe(subjects.prefill_stage(settings.instance_id), cb=inst.stages.on_stage)
         await nc.subscribe(subjects.prefill_hop(settings.instance_id), cb=inst.stages.on_hop)
+        await nc.subscribe(
+            subjects.prefill_stage_close(settings.instance_id), cb=inst.stages.on_close
+        )
         await inst.publish_cleared()  # a previous incarnation's blocks are gone
         rt.spawn(inst.serve(rt.stop))
         rt.heartbeat(inst.heartbeat)

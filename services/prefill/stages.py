@@ -26,28 +26,62 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.worker.instance import Stream
+from services.prefill.args import PrefillSettings
+from services.prefill.offers import KVOffers
+from services.worker.instance import CancelSet, Stream
 from shared import bus, errors, subjects
 from shared.engine.engine_types import RequestOutput
 from shared.engine.hidden import HiddenChunk
 from shared.engine.logits import RowContext
 from shared.engine.output import OutputTracker, make_detokenizer
 from shared.engine.params import SamplingParams
+from shared.engine.runner import LoadedModel
 from shared.engine.sampling import sample
 from shared.engine.stage import NoRoom, StageRunner
-from shared.messages import Ack, DecodeJob, KVHandle, StageHop, StageJob, StageOpened
-from shared.transfer import TransferFailed
+from shared.messages import (
+    Ack,
+    DecodeJob,
+    GenerateRequest,
+    KVHandle,
+    StageClose,
+    StageHop,
+    StageJob,
+    StageOpened,
+)
+from shared.transfer import KVReceiver, KVSender, TransferFailed
 from shared.transfer.base import HANDOFF, HOP
 
-if TYPE_CHECKING:
-    from services.prefill.handlers import PrefillInstance
-
 log = logging.getLogger(__name__)
+
+
+T = TypeVar("T")
+
+
+class Host(Protocol):
+    """What a stage needs of the prefill instance it runs on (handlers.PrefillInstance)."""
+
+    settings: PrefillSettings
+    lm: LoadedModel
+    instance_id: str
+    nc: NATS
+    sender: KVSender
+    receiver: KVReceiver
+    offers: KVOffers
+    streams: dict[str, Stream]
+    finished: CancelSet
+
+    async def run_engine(self, fn: Callable[..., T], *args: Any) -> T: ...
+    async def publish_output(self, out: RequestOutput) -> None: ...
+    async def finish_with_error(
+        self, request_id: str, code: str, message: str, stream: Stream | None = None
+    ) -> None: ...
+    def known(self, request_id: str) -> bool: ...
 
 
 @dataclass
@@ -77,7 +111,7 @@ def unsupported(job: StageJob) -> str | None:
 
 
 class Stages:
-    def __init__(self, inst: PrefillInstance, kv_cache_bytes: int) -> None:
+    def __init__(self, inst: Host, kv_cache_bytes: int) -> None:
         self.inst = inst
         self.kv_cache_bytes = kv_cache_bytes
         self.runners: dict[tuple[int, int], StageRunner] = {}
@@ -169,6 +203,8 @@ class Stages:
                 await self.inst.finish_with_error(rid, "unavailable", f"pipelined prefill: {exc}")
         finally:
             self.runs.pop(rid, None)
+            if run.job.last and rid not in self.inst.finished:  # closed, or failed
+                self.inst.streams.pop(rid, None)
             await self.inst.run_engine(run.runner.close, rid)
 
     async def _chunks(self, run: StageRun) -> None:
@@ -253,19 +289,7 @@ class Stages:
         if stream is None:  # cancelled meanwhile
             return
         produced = time.time()
-        params = SamplingParams.of(req.sampling)
-        tracker = OutputTracker(
-            params,
-            make_detokenizer(self.inst.lm.tokenizer, list(req.prompt_token_ids)),
-            self.inst.lm.eos_token_ids,
-            len(req.prompt_token_ids),
-            self.inst.lm.max_model_len,
-        )
-        stops = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.inst.lm.eos_token_ids
-        )
-        row = RowContext(params, 0, list(req.prompt_token_ids), len(req.prompt_token_ids), stops)
-        token = sample(logits, [row]).tokens[0]
+        token, tracker = self._sample(req, logits)
         step = tracker.append(token)
         out = RequestOutput(
             rid,
@@ -308,8 +332,39 @@ class Stages:
                 stream,
             )
 
+    def _sample(self, req: GenerateRequest, logits: torch.Tensor) -> tuple[int, OutputTracker]:
+        """The first token, drawn as the engine draws it, and the tracker that turns it
+        into text and says whether the request ends there."""
+        lm, prompt = self.inst.lm, list(req.prompt_token_ids)
+        params = SamplingParams.of(req.sampling)
+        tracker = OutputTracker(
+            params,
+            make_detokenizer(lm.tokenizer, prompt),
+            lm.eos_token_ids,
+            len(prompt),
+            lm.max_model_len,
+        )
+        stops = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else lm.eos_token_ids
+        )
+        row = RowContext(params, 0, prompt, len(prompt), stops)
+        return sample(logits, [row]).tokens[0], tracker
+
+    async def on_close(self, msg: Msg) -> None:
+        """The conductor's StageClose: another stage of the group refused, so the request
+        goes elsewhere. This stage lets go of it (answered once it has), without ending
+        it as a cancel would."""
+        try:
+            close = StageClose.model_validate_json(msg.data)
+        except ValueError as exc:
+            await bus.respond(msg, errors.InvalidRequest(f"bad stage close: {exc}"))
+            return
+        await self.release(close.request_id)
+        await bus.respond(msg, Ack())
+
     async def release(self, request_id: str) -> None:
         """A cancel: the stage stops; its blocks stay cached."""
         run = self.runs.get(request_id)
         if run is not None and run.task is not None:
             run.task.cancel()
+            await asyncio.wait({run.task})  # its blocks and stream let go

@@ -50,6 +50,7 @@ from shared.messages import (
     PrefillJob,
     Role,
     SamplingParams,
+    StageClose,
     StageHop,
     StageJob,
     StageOpened,
@@ -143,6 +144,7 @@ def templates(prefill: str, decode: str, rid: str) -> dict[str, tuple[Message, t
             StageOpened,
         ),
         subjects.prefill_hop(prefill): (StageHop(request_id=rid, hidden=handle), Ack),
+        subjects.prefill_stage_close(prefill): (StageClose(request_id=rid), Ack),
         subjects.CANCEL: (CancelRequest(request_id=rid), None),
         subjects.KV_EVENTS: (
             KVEvent(kind=KVEventKind.STORED, instance_id=prefill, block_hashes=[7, 8]),

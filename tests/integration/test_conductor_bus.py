@@ -20,15 +20,21 @@ from shared.messages import (
     Placement,
     PrefillJob,
     Role,
+    StageClose,
+    StageJob,
+    StageOpened,
 )
 from tests.factories import request
 from tests.waiting import until
 
 
 @pytest.fixture
-async def cluster(nats_url):
+async def cluster(nats_url, request):
     nc = await nats.connect(nats_url)
-    settings = ConductorSettings(nats_url=nats_url, heartbeat_expiry_s=1.0, dispatch_timeout_s=1.0)
+    extra = getattr(request, "param", {})  # e.g. pipelined prefill's settings
+    settings = ConductorSettings(
+        nats_url=nats_url, heartbeat_expiry_s=1.0, dispatch_timeout_s=1.0, **extra
+    )
     conductor = Conductor(settings, nc, records=None)
     subs = [
         await nc.subscribe(subjects.HEARTBEAT_ALL, cb=conductor.on_heartbeat),
@@ -110,3 +116,73 @@ async def test_no_live_instances_is_unavailable(cluster):
     )
     with pytest.raises(errors.Unavailable, match="no live"):
         await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, request("r3"), Placement, 2)
+
+
+async def fake_stage(nc, iid, got: list, accept=True):
+    """A prefill instance's stage subjects: jobs and closes recorded, in arrival order."""
+
+    async def on_stage(msg):
+        got.append(StageJob.model_validate_json(msg.data))
+        await bus.respond(msg, StageOpened(hit_tokens=0) if accept else errors.Rejected("no"))
+
+    async def on_close(msg):
+        got.append(StageClose.model_validate_json(msg.data))
+        await bus.respond(msg, Ack())
+
+    return [
+        await nc.subscribe(subjects.prefill_stage(iid), cb=on_stage),
+        await nc.subscribe(subjects.prefill_stage_close(iid), cb=on_close),
+    ]
+
+
+GROUPS = {"max_stages": 2, "pipeline_min_tokens": 1024}
+LONG = list(range(1, 3001))
+
+
+@pytest.mark.parametrize("cluster", [GROUPS], indirect=True)
+async def test_a_long_prompt_goes_to_a_group_of_idle_instances(cluster):
+    nc, conductor = cluster
+    got: list = []
+    subs = [*await fake_stage(nc, "pa", got), *await fake_stage(nc, "pb", got)]
+    for iid in ("pa", "pb"):
+        await beat(nc, iid, Role.PREFILL)
+    await beat(nc, "d0", Role.DECODE)
+    await heard(conductor, "pa", "pb", "d0")
+    req = request("long", prompt=LONG)
+    placement = await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, req, Placement, 3)
+    assert (placement.prefill_id, placement.decode_id) == ("pa", "d0")
+    # The last stage opened first; both name the same group, split evenly by layers.
+    assert [(j.index, j.me.instance_id) for j in got] == [(1, "pb"), (0, "pa")]
+    layers = conductor.cost.num_layers
+    half = layers // 2
+    assert [(s.first_layer, s.end_layer) for s in got[0].stages] == [(0, half), (half, layers)]
+    assert all(j.decode_id == "d0" and j.start_tokens == 0 for j in got)
+    for s in subs:
+        await s.unsubscribe()
+
+
+@pytest.mark.parametrize("cluster", [GROUPS], indirect=True)
+async def test_a_group_whose_stage_refuses_is_closed_and_one_instance_takes_it(cluster):
+    nc, conductor = cluster
+    stage_a: list = []
+    stage_b: list = []
+    single: list[PrefillJob] = []
+    subs = [
+        *await fake_stage(nc, "qa", stage_a, accept=False),  # stage 0 says no
+        *await fake_stage(nc, "qb", stage_b),
+        await fake_prefill(nc, "qb", single),
+    ]
+    for iid in ("qa", "qb"):
+        await beat(nc, iid, Role.PREFILL)
+    await beat(nc, "d1", Role.DECODE)
+    await heard(conductor, "qa", "qb", "d1")
+    req = request("long2", prompt=LONG)
+    placement = await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, req, Placement, 3)
+    assert placement.prefill_id == "qb" and [j.request.request_id for j in single] == ["long2"]
+    assert [type(m).__name__ for m in stage_b] == ["StageJob", "StageClose"]  # let go first
+    assert [type(m).__name__ for m in stage_a] == ["StageJob"]
+    # Taken back: the group's predicted work is off both instances' queues but qb's job.
+    qa = next(x for x in conductor.registry.all() if x.info.instance_id == "qa")
+    assert qa.dispatched_since_beat == 0 and qa.pending_s == 0.0
+    for s in subs:
+        await s.unsubscribe()
