@@ -1,31 +1,12 @@
 """Pipelined prefill in placement (CPP): which groups of prefill instances `kvcentric`
-weighs for a prompt, and how a prefix split by layers among a group is named in the KV
-index (pure; policy.py's module docstring has the rule, pipeline.py the times)."""
+weighs for a prompt (pure; policy.py's module docstring has the rule, pipeline.py the
+times, shared/groups.py how a group's prefix is named in the KV index)."""
 
 from __future__ import annotations
 
 from services.conductor.pipeline import balanced_split, pipelined, prefill_end_s
 from services.conductor.views import Candidate, RequestView, Snapshot
-
-GROUP = "group:"  # the start of a group's holder id in the KV index
-
-
-def group_holder(stages: list[tuple[str, tuple[int, int]]]) -> str:
-    """The KV index's holder id for a prefix split among a group's stages by layer range,
-    e.g. "group:p00@0-40,p01@40-80"."""
-    return GROUP + ",".join(f"{i}@{a}-{b}" for i, (a, b) in stages)
-
-
-def group_members(holder: str) -> list[tuple[str, tuple[int, int]]] | None:
-    """The stages a group holder id names, in order; None for a single instance's id."""
-    if not holder.startswith(GROUP):
-        return None
-    out = []
-    for part in holder[len(GROUP) :].split(","):
-        instance_id, _, layers = part.rpartition("@")
-        first, _, end = layers.partition("-")
-        out.append((instance_id, (int(first), int(end))))
-    return out
+from shared.groups import group_members
 
 
 def wants_group(snap: Snapshot, req: RequestView, single: Candidate) -> bool:

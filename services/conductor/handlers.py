@@ -21,6 +21,7 @@ from services.conductor.registry import InstanceState, Registry
 from services.conductor.views import Candidate, Decision, Snapshot
 from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
+from shared.groups import holder_alive
 from shared.messages import (
     Ack,
     GenerateRequest,
@@ -153,7 +154,9 @@ class Conductor:
         if not decodes or not prefills:
             raise errors.Unavailable("no live prefill and decode instances", retry_after_s=2.0)
         live = {p.info.instance_id for p in prefills}
-        matches = {k: v for k, v in (await self._prefix_matches(req)).items() if k in live}
+        matches = {  # an instance, or a group all of whose stages are, alive
+            k: v for k, v in (await self._prefix_matches(req)).items() if holder_alive(k, live)
+        }
         view = snapshot.request_view(
             req, matches, self.settings.ttft_slo_ms / 1e3, self.settings.tbt_slo_ms / 1e3
         )

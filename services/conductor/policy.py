@@ -30,8 +30,9 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from services.conductor.groups import GROUP, group_candidates, wants_group
+from services.conductor.groups import group_candidates, wants_group
 from services.conductor.views import Candidate, Decision, InstanceView, RequestView, Snapshot
+from shared.groups import GROUP
 
 
 def best_holder(req: RequestView) -> tuple[str, int]:

@@ -10,6 +10,7 @@ from nats.aio.msg import Msg
 from services.kvmanager.index import KVIndex
 from shared import bus, errors
 from shared.db.kv_records import KVBlockWriter
+from shared.groups import groups_with
 from shared.messages import KVEvent, KVEventKind, KVMatchReply, KVMatchRequest
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,15 @@ class KVManager:
             if rec:
                 rec.removed(event.instance_id, event.tier, event.block_hashes)
         else:
-            self.index.cleared(event.instance_id)
-            if rec:
-                rec.cleared(event.instance_id)
+            # An instance that restarted lost its stage pools too: every group it is in
+            # holds nothing any more.
+            for holder in [
+                event.instance_id,
+                *groups_with(self.index.instances(), event.instance_id),
+            ]:
+                self.index.cleared(holder)
+                if rec:
+                    rec.cleared(holder)
         self.events_applied += 1
 
     async def on_event(self, msg: Msg) -> None:

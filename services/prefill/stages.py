@@ -44,10 +44,13 @@ from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.engine.sampling import sample
 from shared.engine.stage import NoRoom, StageRunner
+from shared.groups import group_holder
 from shared.messages import (
     Ack,
     DecodeJob,
     GenerateRequest,
+    KVEvent,
+    KVEventKind,
     KVHandle,
     StageClose,
     StageHop,
@@ -94,6 +97,13 @@ class StageRun:
     task: asyncio.Task | None = None
     slice: KVHandle | None = None  # this stage's KV slice, offered once its layers are done
 
+    @property
+    def holder(self) -> str:
+        """The group's id in the KV index, which its stages publish their blocks under."""
+        return group_holder(
+            [(s.instance_id, (s.first_layer, s.end_layer)) for s in self.job.stages]
+        )
+
 
 def unsupported(job: StageJob) -> str | None:
     """What a pipelined prompt cannot have yet, by name; None if nothing."""
@@ -116,6 +126,9 @@ class Stages:
         self.kv_cache_bytes = kv_cache_bytes
         self.runners: dict[tuple[int, int], StageRunner] = {}
         self.runs: dict[str, StageRun] = {}
+        # The group holder ids each runner's blocks were published under: an eviction is
+        # news to every one of them (a runner serves every group with its layer range).
+        self.holders: dict[tuple[int, int], set[str]] = {}
 
     def _runner(self, layers: tuple[int, int]) -> StageRunner:
         """Engine thread: the runner for `layers`, its pool made on first use."""
@@ -219,6 +232,7 @@ class Stages:
                 async with asyncio.timeout(timeout):
                     hop, slices = await run.hops.get()
                 out = await self.inst.run_engine(run.runner.run_hop, rid, hop.meta.num_tokens, hop)
+            await self._publish_blocks(run)
             if seq.num_uncomputed_tokens == 0:  # the prompt's last chunk: my slice too
                 slices = [*slices, await self._offer_slice(run)]
             if run.job.last:
@@ -226,6 +240,29 @@ class Stages:
                     await self._first_token(run, out, slices)
             else:
                 await self._pass_on(run, out, slices)
+
+    async def _publish_blocks(self, run: StageRun) -> None:
+        """The stage's new full blocks (and evictions) as KV events under the group's
+        holder id, so the conductor sees the prefix the group holds, layer range by layer
+        range. A stage that lost a block the index still credits refuses a job that
+        counts on it (on_stage), and the conductor decides again."""
+        stored, evicted = await self.inst.run_engine(run.runner.blocks.drain_events)
+        holders = self.holders.setdefault(run.runner.layers, set())
+        holders.add(run.holder)
+        nbytes = run.runner.kv.shape.block_nbytes
+        events = [(KVEventKind.STORED, run.holder, stored)] + [
+            (KVEventKind.REMOVED, h, evicted) for h in sorted(holders)
+        ]
+        for kind, holder, hashes in events:
+            if hashes:
+                event = KVEvent(
+                    kind=kind,
+                    instance_id=holder,
+                    block_hashes=hashes,
+                    block_nbytes=nbytes,
+                    sent_at=time.time(),
+                )
+                await self.inst.nc.publish(subjects.KV_EVENTS, event.encode())
 
     async def _offer_slice(self, run: StageRun) -> KVHandle:
         rid = run.job.request.request_id

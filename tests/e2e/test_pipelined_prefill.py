@@ -1,20 +1,27 @@
 """Pipelined prefill through the whole stack: with groups on (`HALFMOON_MAX_STAGES=2`), a
 long prompt goes to both prefill instances at once, each running half the layers, and the
 answer is transformers' own greedy answer, token for token. The conductor's decision
-record says it chose the group; a short prompt still goes to one instance."""
+record says it chose the group; the same prompt again goes to the same group, which holds
+its prefix (published under the group's holder id); a short prompt goes to one instance."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import aiohttp
+import nats
 import pytest
 import torch
 from sqlalchemy import select
 
+from shared import bus, subjects
 from shared.db.schema import DecisionRecord
 from shared.db.session import make_engine, sessionmaker
 from shared.engine.runner import load_model
+from shared.groups import group_holder
+from shared.hashing import block_hashes
+from shared.messages import KVMatchReply, KVMatchRequest
 from tests.conftest import make_database
 from tests.e2e.conftest import start_stack, stop_stack
 from tests.waiting import until
@@ -76,6 +83,25 @@ async def stages_of(database_url: str, request_id: str) -> list | None:
     return chosen.get("stages")
 
 
+async def group_holds(stack, model_dir, prompt: str) -> str:
+    """Until the KV manager credits a group with every full block of `prompt`; its id."""
+    ids = load_model(model_dir, "float32").tokenizer(prompt).input_ids
+    hashes = block_hashes(ids, 16)
+    nc = await nats.connect(re.search(r"NATS\s+(nats://\S+)", stack.log()).group(1))
+
+    async def holder() -> str | None:
+        reply = await bus.request(
+            nc, subjects.KV_MATCH, KVMatchRequest(block_hashes=hashes), KVMatchReply, 10
+        )
+        held = reply.matches.items()
+        return next((i for i, n in held if i.startswith("group:") and n == len(hashes)), None)
+
+    try:
+        return await until(holder, what="the prompt's blocks under a group's id")
+    finally:
+        await nc.close()
+
+
 async def test_a_long_prompt_runs_on_a_group_and_answers_as_transformers(
     pipelined_stack, model_dir
 ):
@@ -85,5 +111,12 @@ async def test_a_long_prompt_runs_on_a_group_and_answers_as_transformers(
     stages = await stages_of(pipelined_stack.database_url, long["id"])
     assert stages is not None and [s["layers"] for s in stages] == [[0, 15], [15, 30]]
     assert len({s["instance"] for s in stages}) == 2
+    holder = await group_holds(pipelined_stack, model_dir, LONG)
+    again = await complete(pipelined_stack.url, LONG)  # the group's prefix, reused
+    assert again["choices"][0]["text"] == long["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 512
+    reused = await stages_of(pipelined_stack.database_url, again["id"])
+    assert reused is not None and [s["instance"] for s in reused] == [s["instance"] for s in stages]
+    assert holder == group_holder([(s["instance"], tuple(s["layers"])) for s in stages])
     short = await complete(pipelined_stack.url, "The capital of France is")
     assert await stages_of(pipelined_stack.database_url, short["id"]) is None

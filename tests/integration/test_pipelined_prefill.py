@@ -17,7 +17,9 @@ from services.gateway.streams import RETRYABLE
 from services.prefill.args import PrefillSettings
 from services.prefill.handlers import PrefillInstance
 from shared import bus, errors, subjects
-from shared.messages import DecodeJob, StageJob, StageOpened, StageRef
+from shared.groups import group_holder
+from shared.hashing import block_hashes
+from shared.messages import DecodeJob, KVEvent, KVEventKind, StageJob, StageOpened, StageRef
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 from tests.factories import tiny_llama
 from tests.integration.test_instance_faults import Events, gen, nc, reference, running
@@ -103,6 +105,8 @@ async def test_a_pipelined_prefill_gives_one_engines_tokens(nc, lm, stages):
     events = Events()
     rid = f"cpp{stages}"
     await nc.subscribe(subjects.tokens(rid), cb=events.on_msg)
+    kv_events = Spy(KVEvent)
+    await nc.subscribe(subjects.KV_EVENTS, cb=kv_events.on_msg)
     async with group(nc, lm, f"ok{stages}", stages) as (prefills, dec, jobs, _):
         assert (
             await start(nc, stage_jobs(gen(rid, LONG), prefills, dec, SPLITS[stages]))
@@ -125,6 +129,20 @@ async def test_a_pipelined_prefill_gives_one_engines_tokens(nc, lm, stages):
     assert first.kv is None and len(first.kv_slices) == stages
     assert all(h.num_tokens == len(LONG) for h in first.kv_slices)
     assert second.cached_tokens == 112 and events2.got[-1].usage.cached_tokens == 112
+    # Each stage published the prompt's 7 full blocks under the group's holder id.
+    holder = group_holder(
+        [(p.instance_id, split) for p, split in zip(prefills, SPLITS[stages], strict=True)]
+    )
+    stored = [
+        e
+        for e in kv_events.got
+        if e.kind == KVEventKind.STORED and e.instance_id.startswith("group:")  # not decode's
+    ]
+    assert {e.instance_id for e in stored} == {holder}
+    full = block_hashes(LONG, 16)
+    assert len(full) == 7 and sorted(h for e in stored for h in e.block_hashes) == sorted(
+        full * stages
+    )
 
 
 async def test_a_stage_that_is_gone_ends_the_request_retryably(nc, lm):

@@ -6,7 +6,6 @@ import pytest
 
 from services.conductor import snapshot
 from services.conductor.costmodel import CostModel
-from services.conductor.groups import group_holder, group_members
 from services.conductor.policy import (
     POLICIES,
     InstanceView,
@@ -16,6 +15,7 @@ from services.conductor.policy import (
     make_policy,
 )
 from services.conductor.registry import Registry
+from shared.groups import group_holder, group_members
 from shared.messages import InstanceInfo, Role
 
 # Round numbers: prefill = 1 ms per new token; decode step = 10 ms + 1 ms per sequence;

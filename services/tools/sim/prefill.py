@@ -24,7 +24,7 @@ class PrefillJob:
     # only the last stage's end gives the first token.
     stage: int = -1
     last: bool = True
-    group: str = ""  # the group's holder id in the index (policy.group_holder)
+    group: str = ""  # the group's holder id in the index (shared/groups.py)
 
 
 @dataclass

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Sequence, cast
 
 from services.conductor.costmodel import CostModel
-from services.conductor.groups import group_holder
 from services.conductor.pipeline import balanced_split, chunk_sizes, chunk_work, pipelined
 from services.conductor.policy import Policy, make_policy
 from services.conductor.views import Candidate, RequestView, Snapshot
@@ -40,6 +39,7 @@ from services.tools.sim.decode import DecodeInstance
 from services.tools.sim.handoff import after_prefill_s, tail_blocks
 from services.tools.sim.model import Outcome, SimRequest
 from services.tools.sim.prefill import ChunkedPrefillInstance, PrefillInstance, PrefillJob
+from shared.groups import group_holder
 
 _TIER = "dram"
 _PREFILL_DONE, _KV_ARRIVED = 0, 1
@@ -144,7 +144,7 @@ class Cluster:
             for i in range(cfg.num_decode)
         }
         # Prefixes held by groups, split by layers among their stages: one pool per group
-        # holder id (policy.group_holder), mirrored into the index under that id. (They
+        # holder id (shared/groups.py), mirrored into the index under that id. (They
         # do not compete with their members' own pools for memory: a simplification.)
         self.group_pools: dict[str, HashPool] = {}
         self.events: list[tuple[float, int, int, str, Outcome | None]] = []
