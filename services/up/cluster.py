@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 
 from services.up.settings import UpSettings
 from shared import aio, bus, subjects
+from shared.cpus import engine_cpus
 from shared.lifecycle import child_preexec
 from shared.messages import InstanceInfo
 from shared.natsd import EmbeddedNats
@@ -146,6 +147,15 @@ class LocalCluster:
             *self._context_args(),
         ]
 
+    def _pin(self, index: int) -> list[str]:
+        """`--cpus` for engine `index` in start order, with --pin-engines."""
+        if not self.s.pin_engines:
+            return []
+        cores = sorted(os.sched_getaffinity(0))
+        n_prefill, n_decode = self.engines()
+        threads = self.s.threads or max(1, len(cores) // (n_prefill + n_decode))
+        return ["--cpus", engine_cpus(index, threads, cores)]
+
     def _context_args(self) -> list[str]:
         """The served context, the same on the gateway and every engine."""
         args = ["--max-model-len", str(self.s.max_model_len)] if self.s.max_model_len else []
@@ -170,13 +180,14 @@ class LocalCluster:
             await self._spawn(
                 f"{name}-{i}",
                 "prefill",
-                ["-m", "services.prefill", "--instance-id", f"{name}-{i}", *engine],
+                ["-m", "services.prefill", "--instance-id", f"{name}-{i}", *engine, *self._pin(i)],
             )
         for i in range(n_decode):
+            pin = self._pin(n_prefill + i)
             await self._spawn(
                 f"decode-{i}",
                 "decode",
-                ["-m", "services.decode", "--instance-id", f"decode-{i}", *engine],
+                ["-m", "services.decode", "--instance-id", f"decode-{i}", *engine, *pin],
             )
         await self._spawn(
             "gateway",

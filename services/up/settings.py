@@ -54,6 +54,12 @@ class UpSettings(ContextSettings):
     threads: int = Field(
         0, ge=0, description="torch threads per engine instance (0: cores / instances)"
     )
+    pin_engines: bool = Field(
+        False,
+        description="pin each engine instance to its own cores (`threads` each, in start "
+        "order, round-robin over the cores this process may use): prefill stages that "
+        "must not share a core, and benchmarks that say what ran where",
+    )
     engine_nice: int = Field(
         10,
         ge=0,

@@ -6,6 +6,7 @@ import asyncio
 import os
 
 from services.worker.settings import WorkerSettings
+from shared.cpus import parse_cpus
 from shared.engine.runner import LoadedModel, load_model
 from shared.lifecycle import new_instance_id, setup_logging
 from shared.model_context import for_model
@@ -23,6 +24,8 @@ async def load_for(settings: WorkerSettings, role: str) -> LoadedModel:
     setup_logging(settings.log_level, role, settings.instance_id)
     if settings.nice:
         os.nice(settings.nice)
+    if settings.cpus:  # before torch starts its threads: they inherit the mask
+        os.sched_setaffinity(0, parse_cpus(settings.cpus))
     model_dir = await asyncio.to_thread(ensure_model, settings.model)
     name = settings.served_model_name or model_dir.name
     try:

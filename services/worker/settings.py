@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from shared import tls
+from shared.cpus import parse_cpus
 from shared.engine.llm_engine import EngineConfig
 from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, ContextSettings, halfmoon_home
 from shared.transfer import KVReceiver, KVSender
@@ -36,6 +37,11 @@ class WorkerSettings(BaseSettings, ContextSettings):
         le=19,
         description="CPU niceness: on a shared box a niced engine "
         "lets the control plane (gateway, conductor) answer at once",
+    )
+    cpus: str = Field(
+        "",
+        description="pin this instance to these CPUs, as the kernel lists them ('0', "
+        "'0-1,4'; empty: no pinning)",
     )
     block_size: int = Field(16, gt=0, le=64, description="KV block size in tokens")
     kv_cache_gb: float = Field(1.0, gt=0, description="KV pool (DRAM tier) size in GiB")
@@ -84,6 +90,13 @@ class WorkerSettings(BaseSettings, ContextSettings):
     def _kv_tls(self) -> WorkerSettings:
         tls.kv_contexts(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca)  # loads, or says why
         return self
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v: str) -> str:
+        if v:
+            parse_cpus(v)  # a ValueError names what is wrong
+        return v
 
     def engine_config(self) -> EngineConfig:
         disk_dir = self.disk_tier_dir or str(halfmoon_home() / "kvdisk" / self.instance_id)

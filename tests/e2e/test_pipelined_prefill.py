@@ -7,7 +7,9 @@ its prefix (published under the group's holder id); a short prompt goes to one i
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import aiohttp
 import nats
@@ -23,7 +25,7 @@ from shared.groups import group_holder
 from shared.hashing import block_hashes
 from shared.messages import KVMatchReply, KVMatchRequest
 from tests.conftest import make_database
-from tests.e2e.conftest import start_stack, stop_stack
+from tests.e2e.conftest import children_of, start_stack, stop_stack
 from tests.waiting import until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -40,7 +42,8 @@ def pipelined_stack(tmp_path, model_dir):
         "HALFMOON_PIPELINE_MIN_TOKENS": "512",
         "HALFMOON_CHUNK_TOKENS": "128",  # several chunks, so the stages overlap
     }
-    extra = ["--dtype", "float32", "--prefill", "2"]
+    # Each engine pinned to one core of its own, as a group's stages should be.
+    extra = ["--dtype", "float32", "--prefill", "2", "--threads", "1", "--pin-engines"]
     stack = start_stack(tmp_path, model_dir, url, extra, env=env)
     yield stack
     assert stop_stack(stack) == 0
@@ -102,9 +105,25 @@ async def group_holds(stack, model_dir, prompt: str) -> str:
         await nc.close()
 
 
+def pinned(stack) -> dict[str, set[int]]:
+    """The CPUs each engine process of the stack may run on, by instance id."""
+    out = {}
+    for pid in children_of(stack.proc.pid):
+        args = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        if "--instance-id" in args and "--cpus" in args:
+            out[args[args.index("--instance-id") + 1]] = os.sched_getaffinity(pid)
+    return out
+
+
 async def test_a_long_prompt_runs_on_a_group_and_answers_as_transformers(
     pipelined_stack, model_dir
 ):
+    cores = sorted(os.sched_getaffinity(0))
+    assert pinned(pipelined_stack) == {
+        "prefill-0": {cores[0]},
+        "prefill-1": {cores[1 % len(cores)]},
+        "decode-0": {cores[2 % len(cores)]},
+    }
     long = await complete(pipelined_stack.url, LONG)
     assert long["choices"][0]["text"] == reference(model_dir, LONG)
     assert long["usage"]["prompt_tokens"] > 512
