@@ -91,6 +91,7 @@ BENCHES = {
     "request": "services.tools.bench.request_latency",
     "engine": "services.tools.bench.engine.cli",
     "context": "services.tools.bench.context",
+    "cpp": "services.tools.bench.cpp",
     "kv": "services.tools.bench.kv_bench",
     "transfer": "services.tools.bench.transfer_bench",
     "handoff": "services.tools.bench.handoff_bench",
@@ -176,6 +177,7 @@ commands:
   bench request      one request's latency through the stack vs in-process
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
   bench context      a stretched context (--rope-scaling): perplexity at 8k and 32k, decode at 32k
+  bench cpp          a long prompt's TTFT on a 2-stage pipelined group vs one instance, same cores
   bench kv           the KV index's prefix-match latency
   bench conductor    decision latency; with --url, predicted vs measured TTFT
   bench serve        Halfmoon side by side with llama.cpp, transformers serve (or any OpenAI URL)

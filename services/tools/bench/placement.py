@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.cpus import parse_cpus as cpu_list
+
 
 def free_port() -> int:
     import socket
@@ -26,13 +28,7 @@ def parse_cpus(spec: str) -> tuple[int, ...]:
     """ "0-3,6" -> (0, 1, 2, 3, 6); "" -> every core this process may run on."""
     if not spec.strip():
         return tuple(sorted(os.sched_getaffinity(0)))
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        first, last = int(lo), int(hi or lo)
-        if first < 0 or last < first:
-            raise ValueError(f"bad CPU range {part!r} in {spec!r}")
-        cpus.update(range(first, last + 1))
+    cpus = cpu_list(spec)
     allowed = os.sched_getaffinity(0)
     if not cpus <= allowed:
         raise ValueError(

@@ -1,0 +1,171 @@
+"""`halfmoon bench cpp`: a long prompt's time to first token on a pipelined prefill group
+(Mooncake FAST'25 §3.3) against one instance, through the live stack, on the same cores.
+
+Three layouts of `halfmoon up`, one after the other, each pinned to the same cores:
+- one instance on one core: one prefill engine pinned to a core, decode on the other;
+- a 2-stage group, a core each: two prefill engines pinned apart, with groups on
+  (HALFMOON_MAX_STAGES=2), so every long prompt runs half the layers on each;
+- one instance on both cores: one prefill engine with two threads, unpinned.
+Each gets the same prompts: token ids cut from one long text (this Python's standard
+library sources), a different stretch per request so nothing is cached, sent as
+/v1/completions with 2 new tokens, streamed; TTFT is the client's, to the first token.
+Each stack is warmed up the same way first (a short prompt, then a 1,024-token one).
+Contexts past the model's trained 8,192 positions run every layout with the same
+--rope-scaling (yarn:4 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+import aiohttp
+
+from services.tools.bench.context import long_text
+from services.tools.bench.placement import Placement, format_cpus, parse_cpus
+from services.tools.bench.servers import HalfmoonServer
+from shared.engine.runner import load_model
+from shared.model_store import ensure_model
+
+TRAINED = 8_192
+WARM_TOKENS = 1_024
+
+# name -> (`up` flags, env, engines, threads each)
+LAYOUTS: dict[str, tuple[list[str], dict[str, str], int, int]] = {
+    "one instance, one core": (
+        ["--prefill", "1", "--decode", "1", "--pin-engines"],
+        {},
+        2,
+        1,
+    ),
+    "2-stage group, a core each": (
+        ["--prefill", "2", "--decode", "1", "--pin-engines"],
+        # the warm-up's 1,024-token prompt runs on the group too (its stage pools made)
+        {"HALFMOON_MAX_STAGES": "2", "HALFMOON_PIPELINE_MIN_TOKENS": str(WARM_TOKENS)},
+        3,
+        1,
+    ),
+    "one instance, both cores": (["--prefill", "1", "--decode", "1"], {}, 2, 2),
+}
+
+
+async def ttft(url: str, model: str, ids: list[int]) -> float:
+    """Seconds from sending `ids` to the first streamed token (RuntimeError on a failure)."""
+    body = {"model": model, "prompt": ids, "max_tokens": 2, "stream": True, "temperature": 0}
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        t0 = time.perf_counter()
+        async with http.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+            async for raw in resp.content:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[5:])
+                if "error" in obj:
+                    raise RuntimeError(str(obj["error"])[:300])
+                if any(c.get("text") for c in obj.get("choices") or []):
+                    return time.perf_counter() - t0
+    raise RuntimeError("the stream ended without a token")
+
+
+def prompts(ids: list[int], sizes: list[int], runs: int) -> dict[int, list[list[int]]]:
+    """`runs` prompts of each size, each a stretch of `ids` no other prompt shares."""
+    out: dict[int, list[list[int]]] = {}
+    at = 0
+    for n in sizes:
+        out[n] = []
+        for _ in range(runs):
+            out[n].append(ids[at : at + n])
+            at += n
+    return out
+
+
+async def measure(
+    server: HalfmoonServer, model: str, work: dict[int, list[list[int]]], warm: list[list[int]]
+) -> dict[int, list[float]]:
+    for w in warm:
+        await ttft(server.url, model, w)
+    return {n: [await ttft(server.url, model, p) for p in ps] for n, ps in work.items()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model_dir = ensure_model(args.model)
+    cpus = parse_cpus(args.cpus)
+    if len(cpus) < 2:
+        raise SystemExit("bench cpp needs two cores (--cpus)")
+    cpus = cpus[:2]
+    sizes = [int(x) for x in args.tokens.split(",")]
+    tokenizer = load_model(model_dir, "float32").tokenizer
+    need = (len(sizes) * args.runs + 2) * max(sizes)
+    ids = long_text(args.text, tokenizer, need)
+    work = prompts(ids[2 * max(sizes) :], sizes, args.runs)
+    warm = [ids[:8], ids[max(sizes) : max(sizes) + WARM_TOKENS]]
+    context = ["--rope-scaling", args.rope_scaling] if max(sizes) > TRAINED else []
+    common = [*context, "--kv-cache-gb", str(args.kv_cache_gb), *args.halfmoon_args.split()]
+    result: dict[str, Any] = {"cpus": format_cpus(cpus), "dtype": args.dtype, "layouts": {}}
+    for name, (flags, env, engines, threads) in LAYOUTS.items():
+        placement = Placement(cpus, engines, threads)
+        env = {**env, "HALFMOON_STAGE_KV_GB": str(args.kv_cache_gb)}
+        server = HalfmoonServer(model_dir, args.dtype, placement, [*flags, *common], env)
+        print(f"bench cpp: {name} ...", file=sys.stderr, flush=True)
+        server.start()
+        try:
+            got = asyncio.run(measure(server, model_dir.name, work, warm))
+        finally:
+            server.stop()
+        result["layouts"][name] = {str(n): times for n, times in got.items()}
+    return result
+
+
+def render(r: dict[str, Any]) -> str:
+    names = list(LAYOUTS)
+    base, group, both = names
+    lines = [
+        f"bench cpp: TTFT (s, median) of a fresh prompt, cores {r['cpus']}, {r['dtype']}",
+        f"{'tokens':>7}  {base:>24} {group:>28} {both:>26}  group/one  both/one",
+    ]
+    sizes = sorted({int(n) for layout in r["layouts"].values() for n in layout})
+    for n in sizes:
+        t = {k: statistics.median(r["layouts"][k][str(n)]) for k in names}
+        lines.append(
+            f"{n:>7}  {t[base]:>24.2f} {t[group]:>28.2f} {t[both]:>26.2f}  "
+            f"{t[group] / t[base]:>9.2f} {t[both] / t[base]:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="halfmoon bench cpp",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="", help="model folder (default: the pulled default model)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
+    p.add_argument("--tokens", default="8192,16384", help="prompt sizes, comma-separated")
+    p.add_argument("--runs", type=int, default=1, help="prompts of each size per layout")
+    p.add_argument("--cpus", default="", help="the two cores (default: the first two allowed)")
+    p.add_argument("--rope-scaling", default="yarn:4", help="for sizes past 8,192 tokens")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="each engine's and stage's pool")
+    p.add_argument("--text", default="", help="the long text (default: the stdlib sources)")
+    p.add_argument("--halfmoon-args", default="", help="more `halfmoon up` flags, every layout")
+    p.add_argument("--json-out", default="", help="also write the JSON document here")
+    args = p.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result, indent=2))
+    print(render(result), file=sys.stderr)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
