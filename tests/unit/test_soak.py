@@ -89,14 +89,16 @@ def test_a_go_processs_rss_is_bounded_while_its_runtime_holds_no_more():
     rss, anon, go_sys, other = _go_process(rss_rise=2.6, sys_rise=0.0, anon_end=14.4)
     assert not 0 < rss.over_window <= rss.allowed  # past the RSS rule on its own
     assert rss.ok and anon.ok and "within Go's flat Sys 21.2" in rss.bounded_by
-    assert go_sys.ok and not go_sys.bounded_by
+    assert go_sys.ok and not go_sys.bounded_by and not go_sys.judged
     assert not other.ok and not other.bounded_by  # no runtime accounting: judged as is
     assert "bounded: private RSS 14.4" in table([rss])
 
 
 def test_a_go_process_that_takes_more_from_the_os_or_outgrows_it_is_growth():
     rss, anon, go_sys, _ = _go_process(rss_rise=6.0, sys_rise=6.0, anon_end=20.0)
-    assert not go_sys.ok and not rss.ok and not anon.ok  # Sys itself grows: a leak
+    assert not rss.ok and not anon.ok  # the runtime took more from the OS: no bound
+    assert go_sys.ok and not go_sys.judged  # a high-water mark is shown, never judged
+    assert "high-water mark, not judged (rose +6.0)" in table([go_sys])
     rss, anon, _, _ = _go_process(rss_rise=4.0, sys_rise=0.0, anon_end=25.0)
     assert not rss.ok and not anon.ok  # private RSS past Sys: not the runtime's pages
 
@@ -113,3 +115,50 @@ def test_retention_defaults_to_a_quarter_of_the_run():
     assert parse_args(["--minutes", "60", "--retention-s", "120"]).retention == 120.0
     with pytest.raises(SystemExit):
         parse_args(["--targets", "gateway"])
+
+
+def _saved(sys_step_at: float, rss_end: float) -> dict:
+    """A saved report of a 60-minute run: nats-server's Sys steps up once (a new heap
+    peak) at `sys_step_at` s, its RSS runs flat at 30 MiB and ends at `rss_end`."""
+    ts = [float(t) for t in range(120, 3600, 10)]
+    name = "nats-server (pid 9)"
+    samples = {
+        f"{name} | go_sys_mib": [[t, 21.3 if t < sys_step_at else 25.3] for t in ts],
+        f"{name} | go_heap_mib": [[t, 6.0 + (t % 60) / 20] for t in ts],
+        f"{name} | rss_mib": [[t, 30.0 if t < 3500 else rss_end] for t in ts],
+        f"{name} | rss_anon_mib": [[t, 15.0] for t in ts],
+    }
+    return {
+        "settings": {"minutes": 60.0},
+        "wall_s": 3600.0,
+        "retention_s": 900.0,
+        "outcomes": {"completed": 10},
+        "examples": {},
+        "records_lost": 0,
+        "records_lost_ids": [],
+        "kills": [],
+        "growth": [],
+        "table": "",
+        "samples": samples,
+    }
+
+
+def test_a_saved_report_is_judged_again_from_its_samples():
+    from services.tools.soak.run import failed, rejudge
+
+    # Sys stepped up in the second half and stayed: a new peak, not a leak (heap, RSS flat).
+    r = rejudge(_saved(sys_step_at=2250.0, rss_end=30.0), 3600.0)
+    assert not failed(r)
+    assert "high-water mark, not judged (rose" in r["table"]
+    assert {g["kind"] for g in r["growth"] if g["judged"]} == {
+        "go_heap_mib",
+        "rss_mib",
+        "rss_anon_mib",
+    }
+    # The RSS floor rising past the rule with Sys rising too is growth, as in a live run.
+    leak = _saved(sys_step_at=2250.0, rss_end=40.0)
+    leak["samples"]["nats-server (pid 9) | rss_mib"] = [
+        [t, 30.0 + (t - 1800) / 180 if t > 1800 else 30.0]
+        for t, _ in leak["samples"]["nats-server (pid 9) | rss_mib"]
+    ]
+    assert failed(rejudge(leak, 3600.0))

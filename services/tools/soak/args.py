@@ -44,6 +44,11 @@ class SoakSettings(BaseModel):
     dtype: str = Field("auto", description="auto | float32 | bfloat16")
     log_level: str = Field("WARNING", description="the services' log level")
     report: str = Field("", description="also write the report here as JSON")
+    judge: str = Field(
+        "",
+        description="no run: judge the samples of a saved --report again with this "
+        "version's rules, and print its summary (with --report, write it there)",
+    )
 
     @field_validator("targets")
     @classmethod

@@ -19,6 +19,12 @@ MIN_SPAN = 0.5
 # Slices of the window whose lowest samples make the floor: enough to fit a line through,
 # few enough that each holds several collections or prunes (5 minutes of a 30-minute half).
 FLOOR_SLICES = 6
+# Series that never fall, so a slope through them reads any new peak in the window as
+# growth: Go's `Sys` (all the runtime ever took from the OS; it keeps the address space
+# when it returns pages) steps up when a burst (a killed service's clients reconnecting,
+# say) sets a new heap peak, and stays there. Shown, and used as the bound in
+# runtime_bounded, never judged on its own: a leak shows in the live heap and the RSS.
+HIGH_WATER_MARKS = frozenset({"go_sys_mib"})
 
 
 @dataclass(frozen=True)
@@ -86,12 +92,25 @@ class Growth:
     bounded_by: str = ""  # why growth past `allowed` is bounded (runtime_bounded)
 
     @property
-    def judged(self) -> bool:
+    def covered(self) -> bool:
+        """Enough samples over enough of the window to fit a line through."""
         return self.points >= MIN_POINTS and self.span >= MIN_SPAN
 
     @property
+    def high_water(self) -> bool:
+        return self.kind in HIGH_WATER_MARKS
+
+    @property
+    def judged(self) -> bool:
+        return self.covered and not self.high_water
+
+    @property
+    def within_rule(self) -> bool:
+        return self.over_window <= self.allowed
+
+    @property
     def ok(self) -> bool:
-        return not self.judged or self.over_window <= self.allowed or bool(self.bounded_by)
+        return not self.judged or self.within_rule or bool(self.bounded_by)
 
 
 def judge(
@@ -119,9 +138,9 @@ def judge(
 
 def runtime_bounded(growths: list[Growth]) -> list[Growth]:
     """RSS growth of a process whose runtime accounts for its memory (a Go program: its
-    `Sys`, all it took from the OS) is bounded when that accounting is flat and the
-    private RSS is still within it: the runtime is touching pages it already held, which
-    it cannot do past `Sys`. Anything else is judged as it stands."""
+    `Sys`, all it took from the OS) is bounded when that accounting did not rise in the
+    window and the private RSS is still within it: the runtime is touching pages it
+    already held, which it cannot do past `Sys`. Anything else is judged as it stands."""
     by = {(g.series, g.kind): g for g in growths}
     out = []
     for g in growths:
@@ -130,8 +149,8 @@ def runtime_bounded(growths: list[Growth]) -> list[Growth]:
             g.kind in ("rss_mib", "rss_anon_mib")
             and not g.ok
             and sys_ is not None
-            and sys_.judged
-            and sys_.ok
+            and sys_.covered
+            and sys_.within_rule
             and anon is not None
             and anon.last <= sys_.last
         ):
@@ -153,7 +172,10 @@ def table(growths: list[Growth]) -> str:
         verdict = "flat" if g.ok else f"GROWS (> {g.allowed:.1f} over the window)"
         if g.bounded_by:
             verdict = f"+{g.over_window:.1f} (> {g.allowed:.1f}), bounded: {g.bounded_by}"
-        if not g.judged:
+        if g.high_water and g.covered:
+            rose = "rose" if not g.within_rule else "held"
+            verdict = f"high-water mark, not judged ({rose} {g.over_window:+.1f})"
+        elif not g.judged:
             verdict = f"not judged: {g.points} samples over {g.span:.0%} of the window"
         lines.append(
             f"{g.series:<30} {g.kind:<14} {g.mean:>9.1f} {g.first:>9.1f} {g.last:>9.1f} "

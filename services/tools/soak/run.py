@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Sequence
 
 import aiohttp
@@ -110,17 +112,36 @@ async def soak(s: SoakSettings, cluster: LocalCluster, stop: asyncio.Event) -> d
     ids = {rid for sent, rids in traffic.ids if sent >= since for rid in rids}
     records = await audit(cluster.database_url, since, ids)
     lost = records.missing[:5] + records.not_terminal[:5]
-    half = min(end, s.duration_s) / 2
-    growths = runtime_bounded(
-        [
-            judge(series, kind, points, half, end)
-            for (series, kind), points in sorted(samples.points.items())
-        ]
-    )
+    growths = judge_all(samples.points, s.duration_s, end)
     r = report(s, traffic, faults, records.lost, lost, growths, end)
     # Every sample, so that a run's verdict can be checked or judged again from its report.
     r["samples"] = {f"{series} | {kind}": pts for (series, kind), pts in samples.points.items()}
     return r
+
+
+def judge_all(
+    points: dict[tuple[str, str], list[tuple[float, float]]], duration_s: float, end: float
+) -> list[Growth]:
+    """Every series judged over the second half of the traffic (the run's `end` s)."""
+    half = min(end, duration_s) / 2
+    return runtime_bounded(
+        [judge(series, kind, pts, half, end) for (series, kind), pts in sorted(points.items())]
+    )
+
+
+def rejudge(r: dict[str, Any], duration_s: float) -> dict[str, Any]:
+    """A saved report judged again from its own samples with this version's rules (what it
+    measured is kept; only the growth verdicts and the table are new)."""
+    points = {
+        tuple(key.split(" | ", 1)): [(float(t), float(v)) for t, v in pts]
+        for key, pts in r["samples"].items()
+    }
+    growths = judge_all(points, duration_s, float(r["wall_s"]))
+    return {
+        **r,
+        "growth": [dict(asdict(g), ok=g.ok, judged=g.judged) for g in growths],
+        "table": table(growths),
+    }
 
 
 def report(
@@ -193,6 +214,14 @@ async def run(s: SoakSettings) -> int:
     return conclude(summary(r), r, s.report, failed(r), cluster)
 
 
+def judge_saved(s: SoakSettings) -> int:
+    saved = json.loads(Path(s.judge).read_text())
+    r = rejudge(saved, float(saved["settings"]["minutes"]) * 60.0)
+    return conclude(summary(r), r, s.report, failed(r), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     s = parse_args(argv)
+    if s.judge:
+        return judge_saved(s)
     return tool_main("soak", lambda: run(s))
