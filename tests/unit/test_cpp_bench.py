@@ -3,7 +3,9 @@ sharing a token stretch (nothing cached between them), and the table's ratios.""
 
 from __future__ import annotations
 
-from services.tools.bench.cpp import LAYOUTS, prompts, render
+import json
+
+from services.tools.bench.cpp import LAYOUTS, prompts, render, stages_of
 
 
 def test_prompts_are_disjoint_stretches_of_the_text():
@@ -23,3 +25,13 @@ def test_the_table_gives_each_layout_against_one_instance_on_one_core():
     }
     row = render(r).splitlines()[-1].split()
     assert row[0] == "8192" and row[-2:] == ["0.54", "0.59"]  # median 41 against 22 and 24
+
+
+def test_the_placement_is_read_from_the_chosen_candidate_of_the_decision():
+    single = {"instance": "prefill-0", "ttft_ms": 2005.4}
+    group = {"instance": "prefill-0", "ttft_ms": 1579.9, "stages": [{"i": 0}, {"i": 1}]}
+    record = json.dumps([single, group])
+    assert stages_of((1579.9, record)) == 2  # both start on prefill-0: the time tells
+    assert stages_of((2005.4, record)) == 1
+    assert stages_of((999.0, record)) == 0 and stages_of(None) == 0
+    assert stages_of((None, "[]")) == 0  # refused: no prediction recorded

@@ -10,6 +10,9 @@ Each gets the same prompts: token ids cut from one long text (this Python's stan
 library sources), a different stretch per request so nothing is cached, sent as
 /v1/completions with 2 new tokens, streamed; TTFT is the client's, to the first token.
 Each stack is warmed up the same way first (a short prompt, then a 1,024-token one).
+Each measured prompt waits until the conductor has seen the prefill instances idle, and
+its decision record must show the layout's placement (a group's stages, or one instance):
+a prompt placed otherwise stops the bench rather than report another layout's time.
 Contexts past the model's trained 8,192 positions run every layout with the same
 --rope-scaling (yarn:4 by default).
 """
@@ -19,9 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sqlite3
 import statistics
 import sys
 import time
+from contextlib import closing
 from typing import Any, Sequence
 
 import aiohttp
@@ -33,6 +38,8 @@ from shared.engine.runner import load_model
 from shared.model_store import ensure_model
 
 TRAINED = 8_192
+NEW_TOKENS = 2  # per request: the first token, and one more so decode takes it over
+HEARTBEAT_S = 1.0  # the services' default heartbeat_interval_s
 WARM_TOKENS = 1_024
 
 # name -> (`up` flags, env, engines, threads each)
@@ -54,12 +61,19 @@ LAYOUTS: dict[str, tuple[list[str], dict[str, str], int, int]] = {
 }
 
 
-async def ttft(url: str, model: str, ids: list[int]) -> float:
-    """Seconds from sending `ids` to the first streamed token (RuntimeError on a failure)."""
+async def ttft(url: str, model: str, ids: list[int]) -> tuple[float, str]:
+    """Seconds from sending `ids` to the first streamed token, and the request's id
+    (RuntimeError on a failure)."""
     # TTFT is measured, not admission: a long prompt alone is served however slowly one
     # core prefills it (the default 30 s TTFT SLO would refuse it).
     slo = {"ttft_slo_ms": 3_600_000, "tbt_slo_ms": 60_000}
-    body = {"model": model, "prompt": ids, "max_tokens": 2, "stream": True, "temperature": 0}
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": NEW_TOKENS,
+        "stream": True,
+        "temperature": 0,
+    }
     body |= slo
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -75,7 +89,7 @@ async def ttft(url: str, model: str, ids: list[int]) -> float:
                 if "error" in obj:
                     raise RuntimeError(str(obj["error"])[:300])
                 if any(c.get("text") for c in obj.get("choices") or []):
-                    return time.perf_counter() - t0
+                    return time.perf_counter() - t0, str(obj.get("id", ""))
     raise RuntimeError("the stream ended without a token")
 
 
@@ -91,12 +105,51 @@ def prompts(ids: list[int], sizes: list[int], runs: int) -> dict[int, list[list[
     return out
 
 
+def stages_of(decision: tuple[float | None, str] | None) -> int:
+    """How many prefill instances the conductor's decision record put a request on (1: a
+    single instance): the chosen candidate is the one whose predicted TTFT is the one the
+    decision records."""
+    predicted, candidates = decision or (None, "[]")
+    if predicted is None:
+        return 0  # no record (not written yet), or refused
+    for c in json.loads(candidates):
+        if abs(float(c.get("ttft_ms", -1.0)) - predicted) < 1e-6:
+            return len(c.get("stages") or []) or 1
+    return 0
+
+
+def placed_on(server: HalfmoonServer, request_id: str) -> int:
+    """stages_of() the request's decision, read from the stack's SQLite database."""
+    with closing(sqlite3.connect(server.tmp / "home" / "halfmoon.db")) as db:
+        row = db.execute(
+            "select predicted_ttft_ms, candidates from decisions where request_id = ?",
+            (request_id,),
+        ).fetchone()
+    return stages_of(row)
+
+
+async def one(server: HalfmoonServer, model: str, ids: list[int], stages: int) -> float:
+    """A request's TTFT, once the conductor has seen every prefill instance idle (two
+    heartbeats after the one before ended: a group forms from idle instances only), and
+    checked to have run on `stages` instances: a figure from another layout is refused."""
+    await asyncio.sleep(2 * HEARTBEAT_S)
+    seconds, rid = await ttft(server.url, model, ids)
+    got = placed_on(server, rid)
+    if got != stages:
+        raise RuntimeError(f"{len(ids)}-token prompt {rid}: ran on {got} instances, not {stages}")
+    return seconds
+
+
 async def measure(
-    server: HalfmoonServer, model: str, work: dict[int, list[list[int]]], warm: list[list[int]]
+    server: HalfmoonServer,
+    model: str,
+    work: dict[int, list[list[int]]],
+    warm: list[list[int]],
+    stages: int,
 ) -> dict[int, list[float]]:
     for w in warm:
         await ttft(server.url, model, w)
-    return {n: [await ttft(server.url, model, p) for p in ps] for n, ps in work.items()}
+    return {n: [await one(server, model, p, stages) for p in ps] for n, ps in work.items()}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,7 +164,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids = long_text(args.text, tokenizer, need)
     work = prompts(ids[2 * max(sizes) :], sizes, args.runs)
     warm = [ids[:8], ids[max(sizes) : max(sizes) + WARM_TOKENS]]
-    context = ["--rope-scaling", args.rope_scaling] if max(sizes) > TRAINED else []
+    # A prompt of the trained length leaves no room for its new tokens: stretch it too.
+    long = max(sizes) + NEW_TOKENS > TRAINED
+    context = ["--rope-scaling", args.rope_scaling] if long else []
     common = [*context, "--kv-cache-gb", str(args.kv_cache_gb), *args.halfmoon_args.split()]
     result: dict[str, Any] = {"cpus": format_cpus(cpus), "dtype": args.dtype, "layouts": {}}
     for name, (flags, env, engines, threads) in LAYOUTS.items():
@@ -121,7 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"bench cpp: {name} ...", file=sys.stderr, flush=True)
         server.start()
         try:
-            got = asyncio.run(measure(server, model_dir.name, work, warm))
+            stages = int(env.get("HALFMOON_MAX_STAGES", "1"))
+            got = asyncio.run(measure(server, model_dir.name, work, warm, stages))
         finally:
             server.stop()
         result["layouts"][name] = {str(n): times for n, times in got.items()}
