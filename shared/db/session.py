@@ -17,8 +17,13 @@ log = logging.getLogger(__name__)
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
 
+def sqlite_file(home: Path) -> Path:
+    """The SQLite database of a HALFMOON_HOME (the default when no URL is set)."""
+    return home / "halfmoon.db"
+
+
 def default_url() -> str:
-    return f"sqlite+aiosqlite:///{halfmoon_home() / 'halfmoon.db'}"
+    return f"sqlite+aiosqlite:///{sqlite_file(halfmoon_home())}"
 
 
 def resolve_url(url: str) -> str:

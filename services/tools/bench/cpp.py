@@ -34,12 +34,14 @@ import aiohttp
 from services.tools.bench.context import long_text
 from services.tools.bench.placement import Placement, format_cpus, parse_cpus
 from services.tools.bench.servers import HalfmoonServer
+from shared.db.session import sqlite_file
 from shared.engine.runner import load_model
 from shared.model_store import ensure_model
+from shared.settings import BaseSettings
 
 TRAINED = 8_192
 NEW_TOKENS = 2  # per request: the first token, and one more so decode takes it over
-HEARTBEAT_S = 1.0  # the services' default heartbeat_interval_s
+HEARTBEAT_S: float = BaseSettings.model_fields["heartbeat_interval_s"].default
 WARM_TOKENS = 1_024
 
 # name -> (`up` flags, env, engines, threads each)
@@ -66,15 +68,15 @@ async def ttft(url: str, model: str, ids: list[int]) -> tuple[float, str]:
     (RuntimeError on a failure)."""
     # TTFT is measured, not admission: a long prompt alone is served however slowly one
     # core prefills it (the default 30 s TTFT SLO would refuse it).
-    slo = {"ttft_slo_ms": 3_600_000, "tbt_slo_ms": 60_000}
     body = {
         "model": model,
         "prompt": ids,
         "max_tokens": NEW_TOKENS,
         "stream": True,
         "temperature": 0,
+        "ttft_slo_ms": 3_600_000,
+        "tbt_slo_ms": 60_000,
     }
-    body |= slo
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         t0 = time.perf_counter()
@@ -120,7 +122,7 @@ def stages_of(decision: tuple[float | None, str] | None) -> int:
 
 def placed_on(server: HalfmoonServer, request_id: str) -> int:
     """stages_of() the request's decision, read from the stack's SQLite database."""
-    with closing(sqlite3.connect(server.tmp / "home" / "halfmoon.db")) as db:
+    with closing(sqlite3.connect(sqlite_file(server.tmp / "home"))) as db:
         row = db.execute(
             "select predicted_ttft_ms, candidates from decisions where request_id = ?",
             (request_id,),
@@ -175,8 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server = HalfmoonServer(model_dir, args.dtype, placement, [*flags, *common], env)
         print(f"bench cpp: {name} ...", file=sys.stderr, flush=True)
         server.start()
+        stages = int(env.get("HALFMOON_MAX_STAGES", "1"))
         try:
-            stages = int(env.get("HALFMOON_MAX_STAGES", "1"))
             got = asyncio.run(measure(server, model_dir.name, work, warm, stages))
         finally:
             server.stop()

@@ -55,7 +55,7 @@ async def start_cluster(
         model=str(model_dir),
         dtype=cast(Any, s.dtype),  # a str here; UpSettings validates it against its choices
         log_level=s.log_level,
-        database_url=f"sqlite+aiosqlite:///{home / 'halfmoon.db'}",
+        database_url=f"sqlite+aiosqlite:///{db.sqlite_file(home)}",
         restart=True,
         restart_backoff_s=0.5,
         metrics_base_port=0,

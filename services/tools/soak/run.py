@@ -137,8 +137,12 @@ def rejudge(r: dict[str, Any], duration_s: float) -> dict[str, Any]:
         for key, pts in r["samples"].items()
     }
     growths = judge_all(points, duration_s, float(r["wall_s"]))
+    return {**r, **verdicts(growths)}
+
+
+def verdicts(growths: list[Growth]) -> dict[str, Any]:
+    """The report's growth part: each series' figures and verdict, and the table."""
     return {
-        **r,
         "growth": [dict(asdict(g), ok=g.ok, judged=g.judged) for g in growths],
         "table": table(growths),
     }
@@ -162,8 +166,7 @@ def report(
         "records_lost": lost,
         "records_lost_ids": lost_ids,
         "kills": [asdict(k) for k in faults.kills],
-        "growth": [dict(asdict(g), ok=g.ok, judged=g.judged) for g in growths],
-        "table": table(growths),
+        **verdicts(growths),
     }
 
 
