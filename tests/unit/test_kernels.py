@@ -181,3 +181,24 @@ def test_paged_prefill_attention_matches_sdpa(dtype, hq, hkv, d, bs, n, pos0):
     want = _chunk_reference(qkv[:, : hq * d].reshape(n, hq, d), k, v, table, pos0, d**-0.5)
     tol = 2e-6 if dtype == torch.float32 else 1.6e-2  # bf16: the output's own rounding
     torch.testing.assert_close(out.float(), want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("spread", [0.01, 8.0, 40.0])
+def test_paged_prefill_attention_rescales_on_wide_scores(spread):
+    """The AVX2 softmax moves a row's running max only when a score passes it by 8 or
+    more: scores far apart (and rising along the keys, so the max moves block after
+    block) must still give SDPA's answer."""
+    torch.manual_seed(int(spread * 10))
+    hq, hkv, d, bs, n, pos0 = 9, 3, 64, 16, 70, 300
+    nb = -(-(pos0 + n) // bs)
+    ramp = torch.linspace(0, 1, nb * bs).view(nb, 1, 1, bs)  # later keys score higher
+    k = torch.randn(nb, hkv, d, bs) + ramp * spread
+    v = torch.randn(nb, hkv, bs, d)
+    table = torch.randperm(nb).to(torch.int32)
+    k_in_table_order = k.clone()
+    k[table.long()] = k_in_table_order  # block i of the sequence lives at table[i]
+    qkv = torch.randn(n, (hq + 2 * hkv) * d).abs() * spread
+    out = torch.empty(n, hq * d)
+    kernels.paged_prefill_attention(qkv, k, v, table, pos0, d**-0.5, out)
+    want = _chunk_reference(qkv[:, : hq * d].reshape(n, hq, d), k, v, table, pos0, d**-0.5)
+    torch.testing.assert_close(out, want, rtol=0, atol=2e-5)

@@ -24,9 +24,9 @@
  * A tile holds up to PF_MAX_ROWS rows: K and V are streamed from memory once per tile,
  * so fewer rows (16 at first) made a 16k-token context run at the cache's speed, not the
  * FMAs'. Inner kernels for 16-token blocks with AVX-512 (a row's scores one zmm, eight
- * rows per K load, P.V four rows by 64 columns in registers) or AVX2 (two ymm, four rows,
- * two rows by 32 columns), plain C for every other shape; about twice SDPA's rate on one
- * core either way (docs/benchmarks.md).
+ * rows per K load, P.V four rows by 64 columns in registers) or AVX2 (two ymm, six rows
+ * per K load, P.V six rows by 16 columns, and a lazier softmax: see softmax_b16), plain C
+ * for every other shape (docs/benchmarks.md has each against SDPA).
  */
 #include <math.h>
 #include <stdint.h>
@@ -56,6 +56,7 @@ typedef struct {
     float sc[PF_MAX_ROWS * PF_MAX_BLOCK];
     float kf[PF_MAX_DIM * PF_MAX_BLOCK], vf[PF_MAX_BLOCK * PF_MAX_DIM];
     float m[PF_MAX_ROWS], l[PF_MAX_ROWS];
+    float lv[PF_MAX_ROWS * 8];  /* AVX2: each row's sum, a vector until the tile ends */
 } Scratch;
 
 static inline float q_at(const PArgs *a, long i) {
@@ -198,103 +199,121 @@ static void pv_d16(const float *p, int R, int D, const float *V, int n, float *a
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-/* AVX2: a 16-token block's scores are two ymm a row; four rows share each K row load. */
-static void scores_b16(const float *q, int R, int D, const float *K, float *sc) {
-    int r = 0;
-    for (; r + 4 <= R; r += 4) {
-        __m256 lo[4], hi[4];
-        for (int x = 0; x < 4; x++) lo[x] = hi[x] = _mm256_setzero_ps();
-        const float *q0 = q + r * D;
-        for (int d = 0; d < D; d++) {
-            const __m256 k0 = _mm256_loadu_ps(K + d * 16), k1 = _mm256_loadu_ps(K + d * 16 + 8);
-            #pragma GCC unroll 4
-            for (int x = 0; x < 4; x++) {
-                const __m256 qd = _mm256_broadcast_ss(q0 + x * D + d);
-                lo[x] = _mm256_fmadd_ps(qd, k0, lo[x]);
-                hi[x] = _mm256_fmadd_ps(qd, k1, hi[x]);
-            }
-        }
-        for (int x = 0; x < 4; x++) {
-            _mm256_storeu_ps(sc + (r + x) * 16, lo[x]);
-            _mm256_storeu_ps(sc + (r + x) * 16 + 8, hi[x]);
+/* AVX2: a 16-token block's scores are two ymm a row; six rows share each K row load
+ * (twelve accumulators: with eight, the FMAs' latency was exposed). */
+static inline __attribute__((always_inline)) void scores_rows(
+    const float *q, int r, int D, const float *K, float *sc, const int ROWS) {
+    __m256 lo[6], hi[6];
+    #pragma GCC unroll 6
+    for (int x = 0; x < ROWS; x++) lo[x] = hi[x] = _mm256_setzero_ps();
+    const float *q0 = q + r * D;
+    for (int d = 0; d < D; d++) {
+        const __m256 k0 = _mm256_loadu_ps(K + d * 16), k1 = _mm256_loadu_ps(K + d * 16 + 8);
+        #pragma GCC unroll 6
+        for (int x = 0; x < ROWS; x++) {
+            const __m256 qd = _mm256_broadcast_ss(q0 + x * D + d);
+            lo[x] = _mm256_fmadd_ps(qd, k0, lo[x]);
+            hi[x] = _mm256_fmadd_ps(qd, k1, hi[x]);
         }
     }
-    for (; r < R; r++) {
-        __m256 lo = _mm256_setzero_ps(), hi = lo;
-        for (int d = 0; d < D; d++) {
-            const __m256 qd = _mm256_broadcast_ss(q + r * D + d);
-            lo = _mm256_fmadd_ps(qd, _mm256_loadu_ps(K + d * 16), lo);
-            hi = _mm256_fmadd_ps(qd, _mm256_loadu_ps(K + d * 16 + 8), hi);
-        }
-        _mm256_storeu_ps(sc + r * 16, lo);
-        _mm256_storeu_ps(sc + r * 16 + 8, hi);
+    #pragma GCC unroll 6
+    for (int x = 0; x < ROWS; x++) {
+        _mm256_storeu_ps(sc + (r + x) * 16, lo[x]);
+        _mm256_storeu_ps(sc + (r + x) * 16 + 8, hi[x]);
     }
 }
 
+static void scores_b16(const float *q, int R, int D, const float *K, float *sc) {
+    int r = 0;
+    for (; r + 6 <= R; r += 6) scores_rows(q, r, D, K, sc, 6);
+    for (; r < R; r++) scores_rows(q, r, D, K, sc, 1);
+}
+
+/* The online softmax of 16-token blocks, a row two ymm, with two shortcuts that took a
+ * quarter of the tile's time when every block paid for them:
+ * - the running max moves only when a score passes it by more than LAZY_MAX (the
+ *   probabilities stay at most e^8 ~ 3e3, far inside fp32), so most blocks skip the
+ *   horizontal max and the rescale;
+ * - a row's sum stays a vector (lv) until the tile ends, with no horizontal add a block;
+ * - blocks every row sees whole (all but the chunk's diagonal) skip the masks. */
+#define LAZY_MAX 8.0f
 static void softmax_b16(const PArgs *a, Scratch *s, int R, int D, int first_key, int nk, int t0) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const int whole = nk == 16 && a->pos0 + t0 >= first_key + 15;  /* row 0 sees all 16 */
     for (int r = 0; r < R; r++) {
         float *sr = s->sc + r * 16;
-        const int valid = row_valid(a, r, first_key, nk, t0);
-        if (!valid) {
-            _mm256_storeu_ps(sr, _mm256_setzero_ps());
-            _mm256_storeu_ps(sr + 8, _mm256_setzero_ps());
-            continue;
+        __m256 x0 = _mm256_loadu_ps(sr), x1 = _mm256_loadu_ps(sr + 8);
+        __m256 m0 = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m1 = m0;
+        if (!whole) {
+            const int valid = row_valid(a, r, first_key, nk, t0);
+            if (!valid) {
+                _mm256_storeu_ps(sr, _mm256_setzero_ps());
+                _mm256_storeu_ps(sr + 8, _mm256_setzero_ps());
+                continue;
+            }
+            m0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane));
+            m1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8), lane));
+            x0 = _mm256_blendv_ps(ninf, x0, m0);
+            x1 = _mm256_blendv_ps(ninf, x1, m1);
         }
-        const __m256 m0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane));
-        const __m256 m1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8), lane));
-        const __m256 ninf = _mm256_set1_ps(-INFINITY);
-        const __m256 x0 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr), m0);
-        const __m256 x1 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr + 8), m1);
-        const float bmax = hmax256(_mm256_max_ps(x0, x1));
-        const float new_m = bmax > s->m[r] ? bmax : s->m[r];
-        const __m256 nm = _mm256_set1_ps(new_m);
+        const __m256 mx = _mm256_max_ps(x0, x1);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(mx, _mm256_set1_ps(s->m[r] + LAZY_MAX), _CMP_GT_OQ))) {
+            const float new_m = hmax256(mx);
+            const __m256 corr = _mm256_set1_ps(exp_approx(s->m[r] - new_m));
+            float *lr = s->lv + r * 8, *ar = s->acc + r * D;
+            _mm256_storeu_ps(lr, _mm256_mul_ps(_mm256_loadu_ps(lr), corr));
+            int d = 0;
+            for (; d + 8 <= D; d += 8)
+                _mm256_storeu_ps(ar + d, _mm256_mul_ps(_mm256_loadu_ps(ar + d), corr));
+            for (; d < D; d++) ar[d] *= _mm256_cvtss_f32(corr);
+            s->m[r] = new_m;
+        }
+        const __m256 nm = _mm256_set1_ps(s->m[r]);
         const __m256 e0 = _mm256_and_ps(m0, exp256_nonpos(_mm256_sub_ps(x0, nm)));
         const __m256 e1 = _mm256_and_ps(m1, exp256_nonpos(_mm256_sub_ps(x1, nm)));
         _mm256_storeu_ps(sr, e0);
         _mm256_storeu_ps(sr + 8, e1);
-        rescale_row(s, r, D, new_m);
-        s->l[r] += hsum256(_mm256_add_ps(e0, e1));
+        float *lr = s->lv + r * 8;
+        _mm256_storeu_ps(lr, _mm256_add_ps(_mm256_loadu_ps(lr), _mm256_add_ps(e0, e1)));
     }
 }
 
-/* acc[r] += sum_t p[r][t] V[t], head_dim a multiple of 8: two rows at a time over 32-wide
- * slices of the head (8 accumulators and 4 V loads a key). */
+/* acc[r] += sum_t p[r][t] V[t], head_dim a multiple of 8: up to six rows at a time over
+ * 16-wide slices of the head (12 accumulators, 2 V loads and 6 broadcasts a key). */
 static inline __attribute__((always_inline)) void pv_tile(
     const float *p, int r, int D, int j, const float *V, int n, float *acc, const int ROWS,
     const int W) {
-    __m256 c[2][4];
-    #pragma GCC unroll 2
+    __m256 c[6][2];
+    #pragma GCC unroll 6
     for (int y = 0; y < ROWS; y++)
-        #pragma GCC unroll 4
+        #pragma GCC unroll 2
         for (int x = 0; x < W; x++) c[y][x] = _mm256_loadu_ps(acc + (r + y) * D + j + 8 * x);
     for (int t = 0; t < n; t++) {
-        __m256 vr[4];
-        #pragma GCC unroll 4
-        for (int x = 0; x < W; x++) vr[x] = _mm256_loadu_ps(V + t * D + j + 8 * x);
+        __m256 vr[2];
         #pragma GCC unroll 2
+        for (int x = 0; x < W; x++) vr[x] = _mm256_loadu_ps(V + t * D + j + 8 * x);
+        #pragma GCC unroll 6
         for (int y = 0; y < ROWS; y++) {
             const __m256 py = _mm256_broadcast_ss(p + (r + y) * 16 + t);
-            #pragma GCC unroll 4
+            #pragma GCC unroll 2
             for (int x = 0; x < W; x++) c[y][x] = _mm256_fmadd_ps(py, vr[x], c[y][x]);
         }
     }
-    #pragma GCC unroll 2
+    #pragma GCC unroll 6
     for (int y = 0; y < ROWS; y++)
-        #pragma GCC unroll 4
+        #pragma GCC unroll 2
         for (int x = 0; x < W; x++) _mm256_storeu_ps(acc + (r + y) * D + j + 8 * x, c[y][x]);
 }
 
 static void pv_d16(const float *p, int R, int D, const float *V, int n, float *acc) {
-    for (int j = 0; j < D; j += 32) {
-        const int w = D - j < 32 ? (D - j) / 8 : 4;
+    for (int j = 0; j < D; j += 16) {
+        const int w = D - j < 16 ? 1 : 2;
         int r = 0;
-        if (w == 4)
-            for (; r + 2 <= R; r += 2) pv_tile(p, r, D, j, V, n, acc, 2, 4);
+        if (w == 2)
+            for (; r + 6 <= R; r += 6) pv_tile(p, r, D, j, V, n, acc, 6, 2);
         for (; r < R; r++) {
-            if (w == 4) pv_tile(p, r, D, j, V, n, acc, 1, 4);
-            else if (w == 3) pv_tile(p, r, D, j, V, n, acc, 1, 3);
-            else if (w == 2) pv_tile(p, r, D, j, V, n, acc, 1, 2);
+            if (w == 2) pv_tile(p, r, D, j, V, n, acc, 1, 2);
             else pv_tile(p, r, D, j, V, n, acc, 1, 1);
         }
     }
@@ -347,6 +366,7 @@ static void tile(const PArgs *a, int h, int t0, Scratch *s) {
         s->l[r] = 0.f;
     }
     memset(s->acc, 0, sizeof(float) * R * D);
+    memset(s->lv, 0, sizeof(float) * R * 8);
     const int keys = a->pos0 + t0 + tq;  /* the tile's last row sees this many */
     const int fast = B == 16;
     for (int b = 0; b * B < keys; b++) {
@@ -372,6 +392,7 @@ static void tile(const PArgs *a, int h, int t0, Scratch *s) {
             pv_generic(s->sc, R, D, V, B, nk, s->acc);
     }
     for (int r = 0; r < R; r++) {
+        for (int x = 0; x < 8; x++) s->l[r] += s->lv[r * 8 + x];
         const float inv = s->l[r] > 0.f ? 1.f / s->l[r] : 0.f;
         const long oi = ((long)(t0 + r / G) * a->num_q_heads + h * G + r % G) * D;
         for (int d = 0; d < D; d++) {
