@@ -92,6 +92,7 @@ BENCHES = {
     "engine": "services.tools.bench.engine.cli",
     "context": "services.tools.bench.context",
     "cpp": "services.tools.bench.cpp",
+    "long": "services.tools.bench.long",
     "kv": "services.tools.bench.kv_bench",
     "transfer": "services.tools.bench.transfer_bench",
     "handoff": "services.tools.bench.handoff_bench",

@@ -4,6 +4,7 @@ its decode timing, on a random Llama (the bench itself runs the real model at 32
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +30,21 @@ def test_decode_timing_runs_one_stream_after_a_cached_prompt():
     engine = context.engine_for(lm, len(ids) + 16, chunk=64)
     context.perplexity(engine, ids, scored=10)  # leaves the text in the prefix cache
     assert context.decode_at(engine, ids, steps=4) > 0
+    assert not engine.has_work()
+
+
+def test_decode_timing_leaves_out_an_uncached_prompts_prefill(monkeypatch):
+    """With nothing cached (bench long's decode part), the prompt's chunks run first and
+    untimed: the timed steps are the decode steps alone."""
+    lm = tiny_llama(max_len=512)
+    ids = list(range(1, 200))  # 4 chunks of 64
+    engine = context.engine_for(lm, len(ids) + 16, chunk=64)
+    timed = []
+    clock = iter(range(10**6))
+    fake = SimpleNamespace(perf_counter=lambda: timed.append(1) or next(clock))
+    monkeypatch.setattr(context, "time", fake)  # the bench's clock only, not the engine's
+    assert context.decode_at(engine, ids, steps=4) == 1.0  # every timed step one tick
+    assert len(timed) == 2 * 4  # two clock reads for each of the 4 decode steps
     assert not engine.has_work()
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from services.tools.bench.cpp import LAYOUTS, prompts, render, stages_of
+from services.tools.bench.cpp import LAYOUTS, prompts, render
+from services.tools.decisions import stages_of
 
 
 def test_prompts_are_disjoint_stretches_of_the_text():
@@ -31,7 +32,8 @@ def test_the_placement_is_read_from_the_chosen_candidate_of_the_decision():
     single = {"instance": "prefill-0", "ttft_ms": 2005.4}
     group = {"instance": "prefill-0", "ttft_ms": 1579.9, "stages": [{"i": 0}, {"i": 1}]}
     record = json.dumps([single, group])
-    assert stages_of((1579.9, record)) == 2  # both start on prefill-0: the time tells
-    assert stages_of((2005.4, record)) == 1
-    assert stages_of((999.0, record)) == 0 and stages_of(None) == 0
-    assert stages_of((None, "[]")) == 0  # refused: no prediction recorded
+    assert stages_of(1579.9, record) == 2  # both start on prefill-0: the time tells
+    assert stages_of(2005.4, record) == 1
+    assert stages_of(2005.4, [single, group]) == 1  # the column as SQLAlchemy reads it
+    assert stages_of(999.0, record) == 0
+    assert stages_of(None, "[]") == 0  # refused: no prediction recorded

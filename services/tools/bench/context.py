@@ -61,12 +61,14 @@ def engine_for(lm: LoadedModel, tokens: int, chunk: int) -> LLMEngine:
 
 
 def decode_at(engine: LLMEngine, ids: list[int], steps: int) -> float:
-    """Seconds per decode step of one stream after `ids` (cached: only its last token is
-    computed again before the steps), best half's mean."""
+    """Seconds per decode step of one stream after `ids`, best half's mean. The prompt's
+    steps (all of it, or only its last token when the prefix cache holds the rest) are
+    run first and not timed."""
     engine.add_request(
         "long", ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     )
-    engine.step()  # the prompt (all but its last token from the prefix cache)
+    while not any(o.new_token_ids for o in engine.step()):
+        pass  # prefill chunks, up to the first token
     times = []
     while engine.has_work():
         t0 = time.perf_counter()
@@ -84,27 +86,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_dir, args.dtype, threads=args.threads, context=for_model(model_dir, 0, args.rope)
     )
     ids = long_text(args.text, plain.tokenizer, args.tokens)
-    window = ids[-min(TRAINED_WINDOW - 1, plain.max_model_len - 1) :]
     t0 = time.perf_counter()
-    short = engine_for(stretched, len(window), args.chunk_tokens)
     result: dict[str, Any] = {
         "model": plain.name,
         "dtype": str(plain.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "rope_scaling": args.rope,
         "tokens": len(ids),
-        "window": len(window),
-        "scored": args.score_tokens,
-        "ppl_shipped_window": perplexity(
-            engine_for(plain, len(window), args.chunk_tokens), window, args.score_tokens
-        ),
-        "ppl_stretched_window": perplexity(short, window, args.score_tokens),
     }
-    del short
     whole = engine_for(stretched, len(ids), args.chunk_tokens)
-    t1 = time.perf_counter()
-    result["ppl_stretched_whole"] = perplexity(whole, ids, args.score_tokens)
-    result["score_whole_s"] = time.perf_counter() - t1
+    if not args.decode_only:
+        result.update(perplexities(args, plain, stretched, ids))
+        t1 = time.perf_counter()
+        result["ppl_stretched_whole"] = perplexity(whole, ids, args.score_tokens)
+        result["score_whole_s"] = time.perf_counter() - t1
     step_s = decode_at(whole, ids, args.decode_steps)
     weights = whole.model.weight_nbytes
     kv_read = len(ids) * whole.kv.shape.block_nbytes // whole.kv.shape.block_size
@@ -120,25 +115,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def perplexities(
+    args: argparse.Namespace, plain: LoadedModel, stretched: LoadedModel, ids: list[int]
+) -> dict[str, Any]:
+    """The last tokens' perplexity in the trained window, as shipped and stretched."""
+    window = ids[-min(TRAINED_WINDOW - 1, plain.max_model_len - 1) :]
+    short = engine_for(stretched, len(window), args.chunk_tokens)
+    return {
+        "window": len(window),
+        "scored": args.score_tokens,
+        "ppl_shipped_window": perplexity(
+            engine_for(plain, len(window), args.chunk_tokens), window, args.score_tokens
+        ),
+        "ppl_stretched_window": perplexity(short, window, args.score_tokens),
+    }
+
+
 def render(r: dict[str, Any]) -> str:
-    return "\n".join(
-        [
-            f"context bench: {r['model']} {r['dtype']}, {r['threads']} threads, "
-            f"{r['tokens']:,}-token text, last {r['scored']:,} tokens scored",
+    lines = [
+        f"context bench: {r['model']} {r['dtype']}, {r['threads']} threads, "
+        f"{r['tokens']:,}-token text"
+        + (f", last {r['scored']:,} tokens scored" if "scored" in r else ""),
+    ]
+    if "ppl_shipped_window" in r:
+        lines += [
             f"  perplexity, as shipped, {r['window']:,}-token window:    "
             f"{r['ppl_shipped_window']:.3f}",
             f"  perplexity, {r['rope_scaling']}, the same window:       "
             f"{r['ppl_stretched_window']:.3f}",
             f"  perplexity, {r['rope_scaling']}, all {r['tokens']:,} tokens:  "
             f"{r['ppl_stretched_whole']:.3f} (scored in {r['score_whole_s']:.0f} s)",
-            f"  one-stream decode at {r['tokens']:,} tokens: {r['decode_step_ms']:.1f} ms a "
-            f"step, bound {r['decode_bound_ms']:.1f} ms ({r['decode_of_bound']:.0%} of it; "
-            f"read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s, this run)",
         ]
+    lines.append(
+        f"  one-stream decode at {r['tokens']:,} tokens: {r['decode_step_ms']:.1f} ms a "
+        f"step, bound {r['decode_bound_ms']:.1f} ms ({r['decode_of_bound']:.0%} of it; "
+        f"read bandwidth {r['read_bandwidth_gb_s']:.1f} GB/s, this run)"
     )
+    return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="halfmoon bench context", description=__doc__)
     p.add_argument("--model", default="", help="model folder (default: the default model)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
@@ -147,9 +163,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32_000, help="text length in tokens")
     p.add_argument("--score-tokens", type=int, default=2_000, help="tokens scored at its end")
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--decode-only", action="store_true", help="time the decode, skip perplexity")
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--json-out", default="")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if not 0 < args.score_tokens < TRAINED_WINDOW // 2 or args.tokens <= TRAINED_WINDOW:
         p.error(f"--score-tokens under {TRAINED_WINDOW // 2} and --tokens over {TRAINED_WINDOW}")

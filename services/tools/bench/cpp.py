@@ -34,6 +34,7 @@ import aiohttp
 from services.tools.bench.context import long_text
 from services.tools.bench.placement import Placement, format_cpus, parse_cpus
 from services.tools.bench.servers import HalfmoonServer
+from services.tools.decisions import stages_of
 from shared.db.session import sqlite_file
 from shared.engine.runner import load_model
 from shared.model_store import ensure_model
@@ -43,6 +44,9 @@ TRAINED = 8_192
 NEW_TOKENS = 2  # per request: the first token, and one more so decode takes it over
 HEARTBEAT_S: float = BaseSettings.model_fields["heartbeat_interval_s"].default
 WARM_TOKENS = 1_024
+# The gateway's first-token wait (300 s by default) is shorter than one core's 16k
+# prefill on a slow CPU: the bench waits as long as its client does.
+LONG_WAITS = {"HALFMOON_FIRST_TOKEN_TIMEOUT_S": "3600"}
 
 # name -> (`up` flags, env, engines, threads each)
 LAYOUTS: dict[str, tuple[list[str], dict[str, str], int, int]] = {
@@ -107,19 +111,6 @@ def prompts(ids: list[int], sizes: list[int], runs: int) -> dict[int, list[list[
     return out
 
 
-def stages_of(decision: tuple[float | None, str] | None) -> int:
-    """How many prefill instances the conductor's decision record put a request on (1: a
-    single instance): the chosen candidate is the one whose predicted TTFT is the one the
-    decision records."""
-    predicted, candidates = decision or (None, "[]")
-    if predicted is None:
-        return 0  # no record (not written yet), or refused
-    for c in json.loads(candidates):
-        if abs(float(c.get("ttft_ms", -1.0)) - predicted) < 1e-6:
-            return len(c.get("stages") or []) or 1
-    return 0
-
-
 def placed_on(server: HalfmoonServer, request_id: str) -> int:
     """stages_of() the request's decision, read from the stack's SQLite database."""
     with closing(sqlite3.connect(sqlite_file(server.tmp / "home"))) as db:
@@ -127,7 +118,7 @@ def placed_on(server: HalfmoonServer, request_id: str) -> int:
             "select predicted_ttft_ms, candidates from decisions where request_id = ?",
             (request_id,),
         ).fetchone()
-    return stages_of(row)
+    return stages_of(*row) if row else 0
 
 
 async def one(server: HalfmoonServer, model: str, ids: list[int], stages: int) -> float:
@@ -173,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"cpus": format_cpus(cpus), "dtype": args.dtype, "layouts": {}}
     for name, (flags, env, engines, threads) in LAYOUTS.items():
         placement = Placement(cpus, engines, threads)
-        env = {**env, "HALFMOON_STAGE_KV_GB": str(args.kv_cache_gb)}
+        env = {**env, **LONG_WAITS, "HALFMOON_STAGE_KV_GB": str(args.kv_cache_gb)}
         server = HalfmoonServer(model_dir, args.dtype, placement, [*flags, *common], env)
         print(f"bench cpp: {name} ...", file=sys.stderr, flush=True)
         server.start()
@@ -203,7 +194,7 @@ def render(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="halfmoon bench cpp",
         description=__doc__,
@@ -219,7 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--text", default="", help="the long text (default: the stdlib sources)")
     p.add_argument("--halfmoon-args", default="", help="more `halfmoon up` flags, every layout")
     p.add_argument("--json-out", default="", help="also write the JSON document here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     result = run(args)
     print(json.dumps(result, indent=2))
     print(render(result), file=sys.stderr)

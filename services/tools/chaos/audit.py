@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from shared.db.schema import TERMINAL_STATUSES, RequestRecord
+from services.tools.decisions import stages_of
+from shared.db.schema import TERMINAL_STATUSES, DecisionRecord, RequestRecord
 from shared.db.session import make_engine, sessionmaker
 
 
@@ -20,6 +21,7 @@ class Audit:
     by_status: Counter = field(default_factory=Counter)
     not_terminal: list[str] = field(default_factory=list)  # rows still queued or running
     missing: list[str] = field(default_factory=list)  # ids clients were given, with no row
+    pipelined: int = 0  # requests placed on a pipelined prefill group (stages > 1)
 
     @property
     def lost(self) -> int:
@@ -47,10 +49,15 @@ async def _read(engine: AsyncEngine, since: float, client_ids: set[str]) -> Audi
     t = RequestRecord
     async with sessionmaker(engine)() as s:
         rows = (await s.execute(select(t.id, t.status).where(t.arrival_time >= since))).all()
-    statuses = {rid: status for rid, status in rows}
+        statuses = {rid: status for rid, status in rows}
+        d = DecisionRecord
+        placed = (
+            await s.execute(select(d.predicted_ttft_ms, d.candidates).where(d.created >= since))
+        ).all()
     return Audit(
         rows=len(rows),
         by_status=Counter(statuses.values()),
         not_terminal=sorted(r for r, st in statuses.items() if st not in TERMINAL_STATUSES),
         missing=sorted(client_ids - set(statuses)),
+        pipelined=sum(stages_of(p, c) > 1 for p, c in placed),
     )

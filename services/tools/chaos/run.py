@@ -155,6 +155,7 @@ def _report(
         "hung": tally["hung"],
         "inconsistent": tally["inconsistent"],
         "records_lost": records.lost,
+        "pipelined": records.pipelined,
         "records": {
             "rows": records.rows,
             "by_status": dict(records.by_status),
@@ -190,6 +191,7 @@ def summary(report: dict) -> str:
         f"  inconsistent       {report['inconsistent']}",
         f"  records lost       {report['records_lost']}  (SQL rows {report['records']['rows']}: "
         f"{report['records']['by_status']})",
+        f"  pipelined prefill  {report.get('pipelined', 0)} requests placed on a group",
         f"  recovered          {'yes' if r['recovered'] else 'NO'} (all roles back after "
         f"{r['roles_back_s']}s, serving after {r['serving_again_s']}s)",
     ]

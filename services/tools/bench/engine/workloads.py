@@ -74,9 +74,10 @@ def single_stream(
     }
 
 
-def prefix_reuse(engine: LLMEngine, vocab: int) -> dict[str, float]:
-    """TTFT of a 2,048-token prompt whose first 1,792 tokens are cached, against cold."""
-    rng = random.Random(7)
+def prefix_reuse(engine: LLMEngine, vocab: int, seed: int = 7) -> dict[str, float]:
+    """TTFT of a 2,048-token prompt whose first 1,792 tokens are cached, against cold
+    (another seed: other prompts, none of them cached by an earlier call)."""
+    rng = random.Random(seed)
     shared = [rng.randrange(100, vocab) for _ in range(1792)]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 

@@ -1,0 +1,61 @@
+"""`halfmoon bench long`'s verdicts and table: each figure judged against its target on
+the right side (lower is better for ratios of time, higher for a share of the bound)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.tools.bench import cpp, long
+
+
+def test_each_target_is_judged_on_its_side():
+    assert long.verdict("reuse", 0.155).startswith("met")
+    assert long.verdict("reuse", 0.17).startswith("NOT MET")
+    assert long.verdict("decode", 0.61).startswith("met")  # a share: higher is better
+    assert long.verdict("decode", 0.59).startswith("NOT MET")
+    assert long.verdict("handoff", 1.5).startswith("met")
+    assert long.verdict("cpp", 0.61).startswith("NOT MET")
+
+
+def test_the_table_prints_every_part_with_its_verdict():
+    one, group, both = cpp.LAYOUTS
+    layouts = {one: {"16384": [100.0]}, group: {"16384": [55.0]}, both: {"16384": [54.0]}}
+    rounds = [{"warm_ttft_ms": 600.0, "cold_ttft_ms": 4000.0, "ratio": 0.15}] * 3
+    result = {
+        "machine": "a CPU, 2 cores, avx2",
+        "parts": {
+            "attention": {
+                "dtype": "float32",
+                "rows": [
+                    {
+                        "context": 2048,
+                        "sdpa_gflops": 100.0,
+                        "native_gflops": 150.0,
+                        "native_over_sdpa": 1.5,
+                    }
+                ],
+            },
+            "reuse": {"rounds": rounds, "value": 0.15},
+            "decode": {
+                "tokens": 32000,
+                "decode_step_ms": 20.0,
+                "decode_bound_ms": 13.0,
+                "read_bandwidth_gb_s": 20.0,
+                "value": 0.65,
+            },
+            "handoff": {"table": "(handoff table)", "value": 1.8},
+            "cpp": {"cpus": "0-1", "dtype": "auto", "layouts": layouts, "value": 0.55},
+        },
+    }
+    text = long.render(result)
+    assert "native  150.0, SDPA  100.0 (1.50x)" in text
+    assert "-> 0.150x  met (<= 0.16)" in text
+    assert "-> 65% of the bound  met (>= 0.6)" in text
+    assert "1.80x  NOT MET (<= 1.5)" in text
+    assert "0.55x  met (<= 0.6)" in text
+
+
+def test_an_unknown_part_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        long.main(["--parts", "attention,speed"])
+    assert "unknown parts ['speed']" in capsys.readouterr().err
