@@ -3,6 +3,8 @@ the right side (lower is better for ratios of time, higher for a share of the bo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.tools.bench import cpp, long
@@ -59,3 +61,37 @@ def test_an_unknown_part_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         long.main(["--parts", "attention,speed"])
     assert "unknown parts ['speed']" in capsys.readouterr().err
+
+
+def test_the_pool_holds_the_largest_prompt_twice_in_fp32(tmp_path):
+    """A 2 GiB pool refused the 32k handoff prompt (2,001 blocks) on an fp32 machine."""
+    config = {
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "num_hidden_layers": 30,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    per_token = 2 * 30 * 3 * 64 * 4  # K and V, every layer, fp32
+    gb = long.pool_gb(tmp_path, 32000, None)
+    assert gb * 2**30 >= 2 * 32000 * per_token and gb % 0.25 == 0
+    assert long.pool_gb(tmp_path, 32000, 1.5) == 1.5  # asked for: as asked
+    assert long.pool_gb(tmp_path, 100, None) == 1.0  # never under 1 GiB
+
+
+def test_a_failed_part_is_recorded_and_the_rest_still_run(monkeypatch, tmp_path):
+    def broken(args):
+        raise RuntimeError("429 rejected: no decode instance with room")
+
+    monkeypatch.setitem(long.RUNNERS, "handoff", broken)
+    monkeypatch.setitem(long.RUNNERS, "reuse", lambda args: {"rounds": ROUNDS, "value": 0.15})
+    out = tmp_path / "long.json"
+    rc = long.main(["--parts", "handoff,reuse", "--json-out", str(out)])
+    saved = json.loads(out.read_text())
+    assert rc == 1
+    assert "429 rejected" in saved["parts"]["handoff"]["error"]
+    assert saved["parts"]["reuse"]["value"] == 0.15  # measured after the failure
+    assert "handoff: FAILED" in long.render(saved)
+
+
+ROUNDS = [{"warm_ttft_ms": 600.0, "cold_ttft_ms": 4000.0, "ratio": 0.15}] * 3

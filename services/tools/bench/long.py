@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -85,8 +86,25 @@ def _decode(args: argparse.Namespace) -> dict[str, Any]:
     return {**r, "value": r["decode_of_bound"]}
 
 
+def pool_gb(model_dir: Path, tokens: int, requested: float | None) -> float:
+    """Each live engine's KV pool: as asked, or room for the largest prompt twice over in
+    fp32 (the widest dtype `auto` picks), in quarter GiB: a 32k prompt of the default
+    model is 1.4 GiB of fp32 KV, and decode must hold it whole beside what it reserves."""
+    if requested is not None:
+        return requested
+    c = json.loads((model_dir / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 4
+    return max(1.0, math.ceil(2 * tokens * per_token / 2**30 * 4) / 4)
+
+
+def _largest(sizes: str) -> int:
+    return max(int(x) for x in sizes.split(","))
+
+
 def _handoff(args: argparse.Namespace) -> dict[str, Any]:
-    up = ["--rope-scaling", args.rope, "--kv-cache-gb", str(args.kv_cache_gb)]
+    gb = pool_gb(ensure_model(args.model), _largest(HANDOFF_SIZES), args.kv_cache_gb)
+    up = ["--rope-scaling", args.rope, "--kv-cache-gb", str(gb)]
     if args.dtype != "auto":
         up += ["--dtype", args.dtype]
     flags = ["--sizes", HANDOFF_SIZES, "--runs", "1", *(f"--up-flag={f}" for f in up)]
@@ -96,7 +114,8 @@ def _handoff(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cpp(args: argparse.Namespace) -> dict[str, Any]:
     flags = ["--tokens", CPP_SIZES, "--dtype", args.dtype, "--rope-scaling", args.rope]
-    flags += ["--kv-cache-gb", str(args.kv_cache_gb), *(["--cpus", args.cpus] if args.cpus else [])]
+    gb = pool_gb(ensure_model(args.model), _largest(CPP_SIZES), args.kv_cache_gb)
+    flags += ["--kv-cache-gb", str(gb), *(["--cpus", args.cpus] if args.cpus else [])]
     r = cpp.run(cpp.parser().parse_args([*flags, *_model(args)]))
     one, group, _both = cpp.LAYOUTS
     at = CPP_SIZES.split(",")[-1]
@@ -118,6 +137,9 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Each part in turn. A part that fails is recorded as such and the rest still run;
+    with --json-out the document is rewritten after every part, so a long run that is
+    stopped keeps what it measured."""
     info = cpu.detect()
     out: dict[str, Any] = {
         "machine": f"{info.model}, {len(os.sched_getaffinity(0))} cores, {info.level}",
@@ -127,8 +149,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for part in args.parts:
         print(f"bench long: {part} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        out["parts"][part] = RUNNERS[part](args)
+        try:
+            out["parts"][part] = RUNNERS[part](args)
+        except Exception as e:  # noqa: BLE001 - a part that fails is a result; the rest still run
+            print(f"bench long: {part} failed: {e!r}", file=sys.stderr, flush=True)
+            out["parts"][part] = {"error": repr(e)}
         out["parts"][part]["part_wall_s"] = round(time.perf_counter() - t0, 1)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(out, indent=2, default=str))
     return out
 
 
@@ -139,8 +167,9 @@ def verdict(part: str, value: float) -> str:
 
 
 def render(r: dict[str, Any]) -> str:
-    p = r["parts"]
     lines = [f"bench long: {r['machine']}", ""]
+    failed = {k: v["error"] for k, v in r["parts"].items() if "error" in v}
+    p = {k: v for k, v in r["parts"].items() if k not in failed}
     if "attention" in p:
         lines.append(f"prefill attention, {p['attention']['dtype']}, GFLOP/s (512-query chunk):")
         for row in p["attention"]["rows"]:
@@ -177,6 +206,7 @@ def render(r: dict[str, Any]) -> str:
             f"16k, group / one instance on one core: {p['cpp']['value']:.2f}x  "
             f"{verdict('cpp', p['cpp']['value'])}"
         )
+    lines += [f"{part}: FAILED: {err}" for part, err in failed.items()]
     return "\n".join(lines)
 
 
@@ -189,7 +219,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="", help="model folder (default: the pulled default model)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--rope", default="yarn:4", help="the stretch for contexts past 8,192")
-    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="each live engine's KV pool")
+    p.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help="each live engine's KV pool (default: twice the largest prompt's fp32 KV)",
+    )
     p.add_argument("--cpus", default="", help="cpp's two cores (default: the first two allowed)")
     p.add_argument(
         "--parts",
@@ -207,10 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := [x for x in args.parts if x not in PARTS]:
         p.error(f"unknown parts {unknown}; known: {', '.join(PARTS)}")
     result = run(args)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2, default=str))
     print(render(result))
-    return 0
+    return 1 if any("error" in v for v in result["parts"].values()) else 0
 
 
 if __name__ == "__main__":
