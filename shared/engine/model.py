@@ -4,7 +4,8 @@ Weights come from a transformers model. Every scheduled token of every sequence 
 through the linear layers as one flat batch; attention is per sequence against its
 blocks in the pool, read in place by the native paged kernels: one-token queries (decode,
 paged_attention.c) and multi-token chunks (prefill, prefill_attention.c). The torch path
-gathers a chunk's KV and runs SDPA.
+gathers a chunk's KV and runs SDPA; so does the native path for bf16 chunks on a CPU
+with AMX tiles, where SDPA is faster (attention_path.py says when).
 
 Two paths compute the same arithmetic (rounding included, see csrc/ops.c):
 - native (CPU with the C kernels): per layer, RMSNorm fused with the residual add, the
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shared.engine import fused, kernels
+from shared.engine import attention_path, fused, kernels
 from shared.engine.batch import BatchMeta, ChunkMeta
 from shared.engine.decode_step import NativeDecodeStep
 from shared.engine.hf_types import HFConfig, HFDecoderLayer, HFNorm, causal_lm
@@ -111,6 +112,10 @@ class PagedLlama:
             and cfg.hidden_size <= _MAX_NATIVE_DIM
             and self.head_dim <= _MAX_NATIVE_HEAD_DIM
         )
+        # Chunks of at least this many queries attend through SDPA (None: never).
+        self.sdpa_min_chunk = attention_path.for_model(self.dtype)
+        # Causal masks by (queries, pos0), shared by every layer of one forward.
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._step: NativeDecodeStep | bool | None = None  # False: not for this model
 
@@ -151,9 +156,12 @@ class PagedLlama:
             h = self.embed(meta.input_ids)
         else:  # the stage before's rows may come from another device or over the wire
             h = hidden.to(device=self.embed.weight.device, dtype=self.dtype, copy=True)
-        if self.native:
-            return self._forward_native(h, meta)
-        return self._forward_torch(h, meta)
+        try:
+            if self.native:
+                return self._forward_native(h, meta)
+            return self._forward_torch(h, meta)
+        finally:
+            self._masks.clear()  # a 32k context's is tens of MB
 
     # -- native path ----------------------------------------------------------------------
     def _forward_native(self, h: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
@@ -252,8 +260,14 @@ class PagedLlama:
                 self.scale,
                 out[: meta.num_single],
             )
+        least = self.sdpa_min_chunk
         for chunk in meta.chunks:  # each chunk against its sequence's KV in place
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+            if least is not None and chunk.num_tokens >= least:
+                # qkv holds the rotated queries and the KV is in the pool already.
+                q = qkv[rows, :hq].view(chunk.num_tokens, self.num_heads, self.head_dim)
+                out[rows] = self._chunk(i, q, chunk).reshape(chunk.num_tokens, hq)
+                continue
             kernels.paged_prefill_attention(
                 qkv[rows],
                 self.kv.k[i],
@@ -319,24 +333,36 @@ class PagedLlama:
 
     # -- the torch path's attention ------------------------------------------------------
     def _chunk(self, i: int, q: torch.Tensor, chunk: ChunkMeta) -> torch.Tensor:
-        return sdpa_chunk(self.kv, i, q, chunk, self.scale)
+        mask = None
+        if chunk.pos0 and chunk.num_tokens > 1:  # the same mask for every layer: build once
+            key = (chunk.num_tokens, chunk.pos0)
+            mask = self._masks.get(key)
+            if mask is None:
+                mask = self._masks[key] = causal_bias(*key, q.dtype, q.device)
+        return sdpa_chunk(self.kv, i, q, chunk, self.scale, mask)
 
 
 def sdpa_chunk(
-    kv: KVCache, layer: int, q: torch.Tensor, chunk: ChunkMeta, scale: float
+    kv: KVCache,
+    layer: int,
+    q: torch.Tensor,
+    chunk: ChunkMeta,
+    scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of a chunk's queries [n, Hq, D] against its sequence's gathered KV (the torch
-    path; the native one reads the blocks in place, prefill_attention.c)."""
+    path; the native one reads the blocks in place, prefill_attention.c). `mask`: the
+    chunk's causal_bias, if the caller keeps one (else it is built here)."""
     total = chunk.pos0 + chunk.num_tokens
     k, v = kv.gather(layer, chunk.block_ids, total)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    kwargs = (
-        {"is_causal": True}
-        if chunk.pos0 == 0
-        else {"attn_mask": _causal_mask(chunk.num_tokens, chunk.pos0, q.device)}
-    )
-    if chunk.num_tokens == 1:
-        kwargs = {}
+    kwargs: dict[str, object] = {}
+    if chunk.num_tokens > 1 and chunk.pos0 == 0:
+        kwargs = {"is_causal": True}
+    elif chunk.num_tokens > 1:
+        if mask is None:
+            mask = causal_bias(chunk.num_tokens, chunk.pos0, q.dtype, q.device)
+        kwargs = {"attn_mask": mask}
     o = F.scaled_dot_product_attention(
         qh, k.unsqueeze(0), v.unsqueeze(0), scale=scale, enable_gqa=True, **kwargs
     )
@@ -362,8 +388,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _causal_mask(num_queries: int, pos0: int, device: torch.device) -> torch.Tensor:
-    """Query j (at position pos0 + j) sees keys 0 .. pos0 + j."""
+def causal_bias(
+    num_queries: int, pos0: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Query j (at position pos0 + j) sees keys 0 .. pos0 + j: 0 there, -inf past it.
+    Additive in the queries' dtype, as SDPA would turn a boolean mask into on every call
+    (building and converting it was a tenth of a 256-token chunk's attention at 2k)."""
     keys = torch.arange(pos0 + num_queries, device=device)
     queries = torch.arange(pos0, pos0 + num_queries, device=device)
-    return keys.unsqueeze(0) <= queries.unsqueeze(1)
+    hidden = keys.unsqueeze(0) > queries.unsqueeze(1)
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -torch.inf)

@@ -36,6 +36,7 @@ def test_the_table_prints_every_part_with_its_verdict():
                         "native_over_sdpa": 1.5,
                     }
                 ],
+                "engine_runs": "native paged kernel",
             },
             "reuse": {"rounds": rounds, "value": 0.15},
             "decode": {
@@ -51,6 +52,7 @@ def test_the_table_prints_every_part_with_its_verdict():
     }
     text = long.render(result)
     assert "native  150.0, SDPA  100.0 (1.50x)" in text
+    assert "the engine runs: native paged kernel" in text
     assert "-> 0.150x  met (<= 0.16)" in text
     assert "-> 65% of the bound  met (>= 0.6)" in text
     assert "1.80x  NOT MET (<= 1.5)" in text

@@ -3,7 +3,8 @@ bound, measured in one run on this machine, and judged against its target.
 
 Parts, in order (--parts picks some):
 - attention: prefill attention GFLOP/s of the native paged kernel against SDPA, a
-  512-query chunk at the end of a 2k and a 16k context (in process, all allowed cores);
+  512-query chunk at the end of a 2k and a 16k context (in process, all allowed cores),
+  and which of the two the engine runs here (attention_path.py);
 - reuse: TTFT of a 2,048-token prompt whose first 1,792 tokens are cached, against the
   same prompt cold (in process; three rounds, median). Target 0.16x or lower;
 - decode: one stream's decode step at a 32k context against its bandwidth bound (the
@@ -36,7 +37,7 @@ import torch
 
 from services.tools.bench import context, cpp, handoff_bench
 from services.tools.bench.engine import attention, workloads
-from shared.engine import cpu
+from shared.engine import attention_path, cpu
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.params import SamplingParams
 from shared.engine.runner import load_model
@@ -64,7 +65,8 @@ def _attention(args: argparse.Namespace) -> dict[str, Any]:
         lm.dtype,
         chunk=512,
     )
-    return {"dtype": str(lm.dtype).removeprefix("torch."), "rows": rows}
+    dtype = str(lm.dtype).removeprefix("torch.")
+    return {"dtype": dtype, "rows": rows, "engine_runs": attention_path.describe(lm.dtype)}
 
 
 def _reuse(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,6 +181,7 @@ def render(r: dict[str, Any]) -> str:
                 f"{row['sdpa_gflops']:6.1f}"
                 + (f" ({row['native_over_sdpa']:.2f}x)" if native else " (no native kernel)")
             )
+        lines.append(f"  the engine runs: {p['attention']['engine_runs']}")
     if "reuse" in p:
         rounds = p["reuse"]["rounds"]
         lines.append(
