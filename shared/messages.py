@@ -82,6 +82,8 @@ class SamplingParams(BaseModel):
     )
     logprobs: int | None = Field(None, ge=0, le=20)  # None: none; k: the chosen and top k
     constraint: Constraint | None = None
+    # Speculative drafts per step (None: the deployment's; 0: none for this request).
+    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
 
 
 class TokenLogprob(BaseModel):

@@ -108,6 +108,7 @@ INT_FIELDS = (
     "logprobs",
     "top_logprobs",
     "best_of",
+    "num_speculative_tokens",
 )
 SEED_RANGE = 2**63
 
@@ -137,6 +138,8 @@ class SamplingFields(Strict):
     user: str | None = None  # a caller's tag: logged with the request id, never used
     ignore_eos: bool = False  # extension: benchmarks need fixed output lengths
     ttft_slo_ms: float | None = Field(None, gt=0)  # extension: this request's SLOs
+    # Extension: prompt-lookup drafts per decode step (0: none; unset: the deployment's).
+    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
     tbt_slo_ms: float | None = Field(None, gt=0)
     response_format: ResponseFormat | None = None
     # vLLM-style structured-output extensions (one constraint per request in all).
@@ -204,6 +207,7 @@ class SamplingFields(Strict):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=logprobs,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 

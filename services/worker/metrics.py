@@ -111,6 +111,16 @@ class EngineMetrics:
             "halfmoon_engine_preemptions", "Sequences preempted for KV room", s.preemptions
         )
         yield counter(
+            "halfmoon_spec_draft_tokens",
+            "Speculative tokens proposed by prompt lookup (decode steps with drafts)",
+            s.spec_draft_tokens,
+        )
+        yield counter(
+            "halfmoon_spec_accepted_tokens",
+            "Speculative tokens the model kept (acceptance rate: over the drafted ones)",
+            s.spec_accepted_tokens,
+        )
+        yield counter(
             "halfmoon_kv_evicted_blocks",
             "DRAM-tier blocks evicted from the cache",
             s.evicted_blocks,

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from shared import tls
 from shared.cpus import parse_cpus
 from shared.engine.llm_engine import EngineConfig
+from shared.engine.speculative import SpeculativeConfig
 from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, ContextSettings, halfmoon_home
 from shared.transfer import KVReceiver, KVSender
 
@@ -53,6 +54,19 @@ class WorkerSettings(BaseSettings, ContextSettings):
     chunk_tokens: int = Field(
         512, gt=0, description="prefill chunk: tokens computed per step at most"
     )
+    num_speculative_tokens: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="prompt-lookup speculative decoding: drafts per decode step at most, "
+        "from what followed the last tokens earlier in the context (0: off; a request's "
+        "num_speculative_tokens overrides it)",
+    )
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest recurring suffix to draft from")
+    prompt_lookup_max: int = Field(4, ge=1, description="longest recurring suffix tried first")
+    speculative_disable_by_batch_size: int = Field(
+        4, ge=1, description="no drafts while more sequences than this decode"
+    )
     kv_host: str = Field("127.0.0.1", description="address the KV data plane binds")
     kv_advertise_host: str = Field("", description="address peers use to reach the data plane")
     kv_port: int = Field(0, ge=0, description="KV data plane port (0: any free port)")
@@ -91,6 +105,12 @@ class WorkerSettings(BaseSettings, ContextSettings):
         tls.kv_contexts(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca)  # loads, or says why
         return self
 
+    @model_validator(mode="after")
+    def _lookup(self) -> WorkerSettings:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        return self
+
     @field_validator("cpus")
     @classmethod
     def _cpus(cls, v: str) -> str:
@@ -113,6 +133,12 @@ class WorkerSettings(BaseSettings, ContextSettings):
             hot_hits=self.hot_hits,
             pin_ttl_s=self.pin_ttl_s,
             quantization=self.quantization,
+            speculative=SpeculativeConfig(
+                self.num_speculative_tokens,
+                self.prompt_lookup_min,
+                self.prompt_lookup_max,
+                self.speculative_disable_by_batch_size,
+            ),
         )
 
 

@@ -38,7 +38,8 @@ def build_batch(
     scheduled: list[ScheduledSeq], block_size: int, device: str, all_logits: bool = False
 ) -> tuple[BatchMeta, list[ScheduledSeq]]:
     """The batch, and the scheduled items in batch order (one-token queries first).
-    Logits come for each completing item's last row, or for every row (`all_logits`)."""
+    Logits come for each completing item's last row, for every row of one with drafts
+    (each row checks the draft after it), or for every row (`all_logits`)."""
     singles = [s for s in scheduled if s.num_new_tokens == 1]
     chunks = [s for s in scheduled if s.num_new_tokens > 1]
     order = singles + chunks
@@ -51,12 +52,13 @@ def build_batch(
     for item in order:
         seq, n = item.seq, item.num_new_tokens
         start, pos0 = len(ids), seq.num_computed_tokens
-        ids.extend(seq.token_ids[pos0 : pos0 + n])
+        ids.extend(seq.token_ids[pos0 : pos0 + n - len(item.draft)])
+        ids.extend(item.draft)
         for p in range(pos0, pos0 + n):
             positions.append(p)
             blocks.append(seq.block_table[p // block_size])
             offsets.append(p % block_size)
-        if all_logits:
+        if all_logits or (item.draft and item.completes):  # a draft's row checks it
             logit_rows.extend(range(start, start + n))
         elif item.completes:
             logit_rows.append(start + n - 1)

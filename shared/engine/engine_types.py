@@ -12,6 +12,7 @@ from shared.engine.logits import TokenLogprobs
 from shared.engine.output import OutputTracker
 from shared.engine.params import SamplingParams
 from shared.engine.sequence import Sequence
+from shared.engine.speculative import NgramDrafter, SpeculativeConfig
 from shared.messages import FinishReason
 
 
@@ -29,6 +30,7 @@ class EngineConfig:
     high_watermark: float = 0.90
     evict_ratio: float = 0.05
     quantization: Literal["none", "int8"] = "none"  # the linears' weights (int8: weight-only)
+    speculative: SpeculativeConfig = SpeculativeConfig()  # prompt-lookup drafts (off: 0)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class RequestState:
     tracker: OutputTracker
     matcher: Any = None  # structured output: the grammar's state (constraints.py)
     first_token_time: float | None = None
+    drafter: NgramDrafter | None = None  # made on its first decode step that may draft
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class EngineStats:
     prefix_miss_tokens: int = 0
     preemptions: int = 0
     evicted_blocks: int = 0
+    spec_draft_tokens: int = 0  # speculative tokens proposed, and kept, since start
+    spec_accepted_tokens: int = 0
 
 
 @dataclass

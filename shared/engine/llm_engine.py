@@ -54,9 +54,10 @@ from shared.engine.logits import RowContext, TokenLogprobs
 from shared.engine.params import SamplingParams
 from shared.engine.prompt_logprobs import score_prompt
 from shared.engine.runner import LoadedModel
-from shared.engine.sampling import Sampled, sample
+from shared.engine.sampling import sample, verify_drafts
 from shared.engine.scheduler import PoolTooSmall, ScheduledSeq, SchedulerOutput
 from shared.engine.sequence import Sequence
+from shared.engine.speculative import NgramDrafter, why_not
 from shared.messages import CostSample, FinishReason
 
 # The engine's types, importable from here as before the split.
@@ -86,6 +87,8 @@ class LLMEngine(KVHandoff):
         self.num_prefix_hit_tokens = 0
         self.num_prefix_miss_tokens = 0
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative tokens proposed, and kept, since start
+        self.num_accepted_tokens = 0
         # Called with each step's stats on the engine thread (metrics histograms lock).
         self.on_step: Callable[[StepStats], None] | None = None
         # What work cost, for the conductor's online cost model (drained by heartbeats;
@@ -190,9 +193,34 @@ class LLMEngine(KVHandoff):
         self.blocks.now = time.monotonic()
         if self.config.eviction == "watermark":
             self.blocks.evict_to_watermark(self.config.high_watermark, self.config.evict_ratio)
+        self._draft()
         sched = self.scheduler.schedule()
         self.tier.spill()  # evicted blocks go to disk before this step's KV overwrites them
         return sched
+
+    def _draft(self) -> None:
+        """Speculative tokens for each decoding sequence that may have them, while few
+        sequences decode (speculative.py)."""
+        spec = self.config.speculative
+        decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+        few = len(decoding) <= spec.disable_by_batch_size
+        for seq in decoding:
+            seq.draft_token_ids = self._draft_for(seq) if few else []
+
+    def _draft_for(self, seq: Sequence) -> list[int]:
+        params, spec = seq.params, self.config.speculative
+        k = spec.num_speculative_tokens
+        if params.num_speculative_tokens is not None:
+            k = params.num_speculative_tokens
+        # Room for the drafts and the model's own token after them.
+        k = min(k, params.max_tokens - seq.num_output_tokens - 1)
+        k = min(k, self.lm.max_model_len - seq.num_tokens - 1)
+        if k <= 0 or why_not(params) is not None:
+            return []
+        req = self.requests[seq.request_id]
+        if req.drafter is None:
+            req.drafter = NgramDrafter(spec)
+        return req.drafter.draft(seq.token_ids, k)
 
     def _record_step(self, sched: SchedulerOutput, seconds: float) -> None:
         stored, evicted = self.blocks.drain_events()
@@ -216,30 +244,56 @@ class LLMEngine(KVHandoff):
     ) -> list[RequestOutput]:
         """`started`: the cycle's start (perf_counter, thread_time)."""
         completing = [item for item in order if item.completes]
-        sampled = self._sample(completing, logits)
+        tokens, logprobs = self._sample(completing, logits)
         spent = StepTime(time.perf_counter() - started.wall_s, time.thread_time() - started.cpu_s)
         self.work_cpu_s += spent.cpu_s
-        self._account(order, spent)
+        self._account(order, spent, sum(len(t) for t in tokens))
         for item in order:
             self.scheduler.postprocess(item)
         return [
-            self._emit(item.seq, tok, lp)
-            for item, tok, lp in zip(completing, sampled.tokens, sampled.logprobs)
+            self._emit_all(item, toks, lp) for item, toks, lp in zip(completing, tokens, logprobs)
         ]
 
-    def _account(self, order: list[ScheduledSeq], spent: StepTime) -> None:
+    def _emit_all(
+        self, item: ScheduledSeq, tokens: list[int], logprobs: TokenLogprobs | None
+    ) -> RequestOutput:
+        """A step's tokens for one sequence: one, or the drafts it kept and one more.
+        A kept draft's KV is computed, so it counts once it is in the sequence."""
+        if len(tokens) == 1:
+            return self._emit(item.seq, tokens[0], logprobs)
+        seq = item.seq
+        self.num_draft_tokens += len(item.draft)
+        self.num_accepted_tokens += len(tokens) - 1
+        outs = []
+        for i, token in enumerate(tokens):
+            outs.append(self._emit(seq, token))
+            if outs[-1].finish_reason is not None:
+                break
+            if i < len(tokens) - 1:
+                seq.num_computed_tokens += 1
+                self.blocks.commit(seq)
+        last = outs[-1]
+        last.new_token_ids = [t for o in outs for t in o.new_token_ids]
+        last.text = "".join(o.text for o in outs)
+        return last
+
+    def _account(self, order: list[ScheduledSeq], spent: StepTime, emitted: int) -> None:
         """Each prompt's share of the step (by tokens) toward its prefill time; a step of
-        decodes only is one decode sample."""
+        decodes only is one decode sample. With drafts, a step yields `emitted` tokens
+        for its len(order) sequences: the sample is the time per token a sequence saw
+        (what the conductor's TBT model predicts), not the longer step itself."""
         tokens = sum(item.num_new_tokens for item in order)
-        if all(item.num_new_tokens == 1 and item.seq.num_output_tokens > 0 for item in order):
+        decoding = (item.num_new_tokens - len(item.draft) == 1 for item in order)
+        if all(decoding) and all(item.seq.num_output_tokens > 0 for item in order):
             ctx = sum(item.seq.num_tokens for item in order) / len(order)
+            per_token = len(order) / max(emitted, len(order))
             self.cost_samples.append(
                 CostSample(
                     kind="decode",
                     tokens=len(order),
                     context=ctx,
-                    seconds=spent.wall_s,
-                    cpu_seconds=spent.cpu_s,
+                    seconds=spent.wall_s * per_token,
+                    cpu_seconds=spent.cpu_s * per_token,
                 )
             )
             return
@@ -249,24 +303,45 @@ class LLMEngine(KVHandoff):
                 item.seq.prefill_seconds += spent.wall_s * share
                 item.seq.prefill_cpu_seconds += spent.cpu_s * share
 
-    def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> Sampled:
-        rows = []
+    def _sample(
+        self, items: list[ScheduledSeq], logits: torch.Tensor
+    ) -> tuple[list[list[int]], list[TokenLogprobs | None]]:
+        """Each completing item's tokens (and logprobs, where asked): one sampled from its
+        logits row, or, for an item with drafts, those its rows verify."""
+        rows, plain, first = [], [], []
+        at = 0
         for item in items:
-            seq, req = item.seq, self.requests[item.seq.request_id]
-            stops = frozenset(seq.params.stop_token_ids) | (
-                frozenset() if seq.params.ignore_eos else self.lm.eos_token_ids
-            )
-            rows.append(
-                RowContext(
-                    seq.params,
-                    seq.num_output_tokens,
-                    seq.token_ids,
-                    seq.num_prompt_tokens,
-                    stops,
-                    req.matcher,
-                )
-            )
-        return sample(logits, rows)
+            rows.append(self._row(item.seq))
+            first.append(at)
+            if not item.draft:
+                plain.append(len(rows) - 1)
+            at += 1 + len(item.draft)
+        tokens: list[list[int]] = [[] for _ in items]
+        logprobs: list[TokenLogprobs | None] = [None] * len(items)
+        if plain:
+            idx = torch.tensor([first[i] for i in plain], dtype=torch.long)
+            got = sample(logits.index_select(0, idx), [rows[i] for i in plain])
+            for i, tok, lp in zip(plain, got.tokens, got.logprobs):
+                tokens[i], logprobs[i] = [tok], lp
+        for i, item in enumerate(items):
+            if item.draft:
+                span = logits[first[i] : first[i] + 1 + len(item.draft)]
+                tokens[i] = verify_drafts(span, item.draft, rows[i])
+        return tokens, logprobs
+
+    def _row(self, seq: Sequence) -> RowContext:
+        req = self.requests[seq.request_id]
+        stops = frozenset(seq.params.stop_token_ids) | (
+            frozenset() if seq.params.ignore_eos else self.lm.eos_token_ids
+        )
+        return RowContext(
+            seq.params,
+            seq.num_output_tokens,
+            seq.token_ids,
+            seq.num_prompt_tokens,
+            stops,
+            req.matcher,
+        )
 
     def _emit(
         self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None
@@ -362,4 +437,6 @@ class LLMEngine(KVHandoff):
             prefix_miss_tokens=self.num_prefix_miss_tokens,
             preemptions=self.num_preemptions,
             evicted_blocks=self.blocks.num_evictions,
+            spec_draft_tokens=self.num_draft_tokens,
+            spec_accepted_tokens=self.num_accepted_tokens,
         )

@@ -356,15 +356,19 @@ def sdpa_chunk(
     total = chunk.pos0 + chunk.num_tokens
     k, v = kv.gather(layer, chunk.block_ids, total)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    kwargs: dict[str, object] = {}
-    if chunk.num_tokens > 1 and chunk.pos0 == 0:
-        kwargs = {"is_causal": True}
-    elif chunk.num_tokens > 1:
-        if mask is None:
-            mask = causal_bias(chunk.num_tokens, chunk.pos0, q.dtype, q.device)
-        kwargs = {"attn_mask": mask}
+    causal = chunk.num_tokens > 1 and chunk.pos0 == 0
+    if chunk.num_tokens == 1 or chunk.pos0 == 0:
+        mask = None  # one query sees every key; a chunk at 0 is plainly causal
+    elif mask is None:
+        mask = causal_bias(chunk.num_tokens, chunk.pos0, q.dtype, q.device)
     o = F.scaled_dot_product_attention(
-        qh, k.unsqueeze(0), v.unsqueeze(0), scale=scale, enable_gqa=True, **kwargs
+        qh,
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
     )
     return o[0].transpose(0, 1)
 

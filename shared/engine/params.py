@@ -44,6 +44,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: none; k: the chosen token's and the top k
     constraint: Constraint | None = None
+    # Speculative drafts per step (None: the engine's setting; 0: none for this request).
+    num_speculative_tokens: int | None = None
 
     @property
     def penalized(self) -> bool:

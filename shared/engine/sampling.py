@@ -17,6 +17,7 @@ import torch
 
 from shared.engine.logits import RowContext, TokenLogprobs, logprobs_of, process
 from shared.engine.params import SamplingParams
+from shared.engine.speculative import accept_greedy
 
 # Below this temperature sampling is greedy (as in vLLM): logits / 1e-38 overflow to inf,
 # softmax turns them into NaN, and one such request would fail its whole engine step.
@@ -111,3 +112,45 @@ def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         remove = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > top_p * total
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill_(remove, 0.0))
     return probs
+
+
+def verify_drafts(logits: torch.Tensor, draft: tuple[int, ...], row: RowContext) -> list[int]:
+    """The tokens a step with drafts yields: the drafts the model keeps, then one of its
+    own. `logits` [len(draft) + 1, V]: row j is the model's next token after the last
+    known token (j = 0) or after draft j.
+
+    Greedy keeps the drafts equal to the model's argmax: the tokens it would have chosen
+    one step at a time. Sampled keeps draft j with probability p_j(draft j), and on a
+    rejection draws from p_j without it (the residual of p_j against a point-mass draft,
+    renormalised): every token is then distributed as p_j alone would give it (Leviathan
+    et al. 2023, speculative sampling, with q a point mass)."""
+    if is_greedy(row.params):
+        targets = logits.argmax(dim=-1).tolist()
+        kept = accept_greedy(list(draft), targets)
+        return [*draft[:kept], targets[kept]]
+    probs = _probabilities(logits.float().clone(), [row.params] * logits.shape[0])
+    uniform = _uniforms(len(draft) + 1, row)
+    for j, token in enumerate(draft):
+        p = probs[j]
+        if uniform[j] * p.sum() < p[token]:
+            continue
+        residual = p.clone()
+        residual[token] = 0.0
+        return [*draft[:j], _inverse_cdf(residual, uniform[-1])]
+    return [*draft, _inverse_cdf(probs[-1], uniform[-1])]
+
+
+def _uniforms(n: int, row: RowContext) -> torch.Tensor:
+    """n uniform numbers for one row's step: from the request's seed and step if it has
+    one (the same draws wherever it runs), else from the global generator."""
+    if row.params.seed is None:
+        return torch.rand(n, dtype=torch.float64)
+    gen = torch.Generator()
+    gen.manual_seed((row.params.seed * 1_000_003 + row.step) & 0x7FFF_FFFF_FFFF_FFFF)
+    return torch.rand(n, generator=gen, dtype=torch.float64)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> int:
+    cdf = probs.double().cumsum(dim=0)
+    pick = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True)[0])
+    return min(pick, probs.shape[0] - 1)

@@ -30,12 +30,16 @@ class SchedulerConfig:
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts included
+    # Speculative tokens run after the sequence's last one (speculative.py): the step
+    # computes them too, and keeps those the model agrees with.
+    draft: tuple[int, ...] = ()
 
     @property
     def completes(self) -> bool:
         """After this step every known token has KV: the step yields a new token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        known = self.num_new_tokens - len(self.draft)
+        return self.seq.num_computed_tokens + known == self.seq.num_tokens
 
 
 @dataclass
@@ -92,12 +96,23 @@ class Scheduler:
                 break
             if seq.status != SeqStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self._allocate_or_preempt(seq, n, out):
+            draft = self._draft_that_fits(seq, budget)
+            n = min(seq.num_uncomputed_tokens, budget) + len(draft)
+            if not draft and not self._allocate_or_preempt(seq, n, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, draft))
             budget -= n
         return budget
+
+    def _draft_that_fits(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The sequence's drafts, cut to the step's budget, with their blocks taken; none
+        if the pool is short: a guess never preempts another sequence."""
+        if seq.num_uncomputed_tokens != 1 or not seq.draft_token_ids:
+            return ()
+        draft = tuple(seq.draft_token_ids[: budget - 1])
+        if draft and self.blocks.allocate(seq, 1 + len(draft)):
+            return draft
+        return ()
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for `seq`, preempting the newest running sequences; False if `seq` went."""
@@ -159,8 +174,9 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
 
     def postprocess(self, item: ScheduledSeq) -> list[int]:
-        """Account for a computed step; returns the hashes of newly full blocks."""
-        item.seq.num_computed_tokens += item.num_new_tokens
+        """Account for a computed step; returns the hashes of newly full blocks. Drafts
+        count once the engine has kept them (LLMEngine._emit_all)."""
+        item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
         return self.blocks.commit(item.seq)
 
 

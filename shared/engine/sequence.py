@@ -34,6 +34,8 @@ class Sequence:
     # BlockManager.prompt_key's memo: the hash of the prompt's last cacheable block.
     prompt_key: int | None = None
     prompt_key_known: bool = False
+    # Speculative tokens for the next step (set by the engine before it schedules).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
