@@ -93,6 +93,7 @@ BENCHES = {
     "context": "services.tools.bench.context",
     "cpp": "services.tools.bench.cpp",
     "long": "services.tools.bench.long",
+    "spec": "services.tools.bench.spec_bench",
     "kv": "services.tools.bench.kv_bench",
     "transfer": "services.tools.bench.transfer_bench",
     "handoff": "services.tools.bench.handoff_bench",
@@ -179,6 +180,7 @@ commands:
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
   bench context      a stretched context (--rope-scaling): perplexity at 8k and 32k, decode at 32k
   bench cpp          a long prompt's TTFT on a 2-stage pipelined group vs one instance, same cores
+  bench spec         prompt-lookup speculative decoding: grounded answers vs fresh chat, one stream
   bench kv           the KV index's prefix-match latency
   bench conductor    decision latency; with --url, predicted vs measured TTFT
   bench serve        Halfmoon side by side with llama.cpp, transformers serve (or any OpenAI URL)

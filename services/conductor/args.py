@@ -59,6 +59,13 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
     dispatch_timeout_s: float = Field(
         5.0, gt=0, description="wait for a prefill instance to take a job"
     )
+    stage_open_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="wait for a pipelined-prefill stage to open a prompt: its first prompt "
+        "for a layer range builds that range's KV pool and packed weights (seconds on a "
+        "busy small machine)",
+    )
     kv_match_timeout_s: float = Field(
         0.2, gt=0, description="wait for the KV manager's prefix match"
     )

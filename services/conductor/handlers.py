@@ -283,19 +283,24 @@ class Conductor:
     async def _dispatch_group(self, req: GenerateRequest, d: Decision) -> None:
         """A pipelined prefill: each stage opened, the last first, so stage 0 (which starts
         computing at once) finds the rest ready. If one refuses, those opened are closed
-        and the refusal goes up: the request is decided again without the group's first."""
+        and the refusal goes up: the request is decided again without the group's first.
+        A stage that did not answer in time is closed too: it may still open the prompt."""
         jobs = stage_jobs(req, d, self.cost.block_size)
         self._account(req, d, +1)
         opened: list[StageJob] = []
         try:
             for job in reversed(jobs):
-                await bus.request(
-                    self.nc,
-                    subjects.prefill_stage(job.me.instance_id),
-                    job,
-                    StageOpened,
-                    timeout_s=self.settings.dispatch_timeout_s,
-                )
+                try:
+                    await bus.request(
+                        self.nc,
+                        subjects.prefill_stage(job.me.instance_id),
+                        job,
+                        StageOpened,
+                        timeout_s=self.settings.stage_open_timeout_s,
+                    )
+                except errors.Timeout:
+                    opened.append(job)  # silent, not refused: it may open it yet
+                    raise
                 opened.append(job)
         except errors.HalfmoonError:
             self._account(req, d, -1)

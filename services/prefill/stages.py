@@ -92,10 +92,15 @@ class StageRun:
     """One request's stage on this instance."""
 
     job: StageJob
-    runner: StageRunner
+    runner: StageRunner | None  # None until a layer range's first prompt has built it
     hops: asyncio.Queue[tuple[HiddenChunk, list[KVHandle]]] = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
     slice: KVHandle | None = None  # this stage's KV slice, offered once its layers are done
+
+    @property
+    def built(self) -> StageRunner:
+        assert self.runner is not None, "a stage's runner is built before its chunks run"
+        return self.runner
 
     @property
     def holder(self) -> str:
@@ -152,7 +157,10 @@ class Stages:
             await bus.respond(msg, refused)
             return
         layers = (job.me.first_layer, job.me.end_layer)
-        runner = await self.inst.run_engine(self._runner, layers)
+        if layers not in self.runners:
+            await self._open_unbuilt(msg, job)
+            return
+        runner = self.runners[layers]
         try:
             hit = await self.inst.run_engine(runner.open, rid, job.request.prompt_token_ids)
         except ValueError as exc:
@@ -175,6 +183,38 @@ class Stages:
             self.inst.streams[rid] = Stream(job.request, 0, job.start_tokens)
         await bus.respond(msg, StageOpened(hit_tokens=hit))
         run.task = asyncio.create_task(self._drive(run))
+
+    async def _open_unbuilt(self, msg: Msg, job: StageJob) -> None:
+        """The first prompt for a layer range: its pool and packed weights take seconds
+        to build on a small machine, longer than a conductor waits for an answer. So the
+        stage answers at once (it holds nothing cached yet) and builds them in the run,
+        before its first chunk; hops that come meanwhile queue."""
+        rid = job.request.request_id
+        if job.start_tokens:
+            await bus.respond(
+                msg,
+                errors.Rejected(
+                    f"stage holds 0 of the group's {job.start_tokens} cached tokens",
+                    retry_after_s=0.0,
+                ),
+            )
+            return
+        run = StageRun(job, None)
+        self.runs[rid] = run
+        if job.last:
+            self.inst.streams[rid] = Stream(job.request, 0, 0)
+        await bus.respond(msg, StageOpened(hit_tokens=0))
+        run.task = asyncio.create_task(self._drive(run))
+
+    async def _build(self, run: StageRun) -> None:
+        """A run opened before its runner existed: build it, then open the prompt."""
+        job = run.job
+        layers = (job.me.first_layer, job.me.end_layer)
+        runner = await self.inst.run_engine(self._runner, layers)
+        await self.inst.run_engine(
+            runner.open, job.request.request_id, job.request.prompt_token_ids
+        )
+        run.runner = runner
 
     def _refusal(self, job: StageJob) -> errors.HalfmoonError | None:
         rid = job.request.request_id
@@ -205,6 +245,8 @@ class Stages:
     async def _drive(self, run: StageRun) -> None:
         rid = run.job.request.request_id
         try:
+            if run.runner is None:
+                await self._build(run)
             await self._chunks(run)
         except (errors.HalfmoonError, TransferFailed, TimeoutError, ValueError, NoRoom) as exc:
             # A peer gone, a hop refused or late, no room: the gateway places it again. The
@@ -218,20 +260,21 @@ class Stages:
             self.runs.pop(rid, None)
             if run.job.last and rid not in self.inst.finished:  # closed, or failed
                 self.inst.streams.pop(rid, None)
-            await self.inst.run_engine(run.runner.close, rid)
+            if run.runner is not None:
+                await self.inst.run_engine(run.runner.close, rid)
 
     async def _chunks(self, run: StageRun) -> None:
         rid, chunk = run.job.request.request_id, self.inst.settings.chunk_tokens
-        seq = run.runner.seqs[rid]
+        seq = run.built.seqs[rid]
         timeout = self.inst.settings.transfer_timeout_s
         while seq.num_uncomputed_tokens > 0:
             if run.job.index == 0:
                 n, slices = min(chunk, seq.num_uncomputed_tokens), list[KVHandle]()
-                out = await self.inst.run_engine(run.runner.run, rid, n)
+                out = await self.inst.run_engine(run.built.run, rid, n)
             else:
                 async with asyncio.timeout(timeout):
                     hop, slices = await run.hops.get()
-                out = await self.inst.run_engine(run.runner.run_hop, rid, hop.meta.num_tokens, hop)
+                out = await self.inst.run_engine(run.built.run_hop, rid, hop.meta.num_tokens, hop)
             await self._publish_blocks(run)
             if seq.num_uncomputed_tokens == 0:  # the prompt's last chunk: my slice too
                 slices = [*slices, await self._offer_slice(run)]
@@ -246,10 +289,10 @@ class Stages:
         holder id, so the conductor sees the prefix the group holds, layer range by layer
         range. A stage that lost a block the index still credits refuses a job that
         counts on it (on_stage), and the conductor decides again."""
-        stored, evicted = await self.inst.run_engine(run.runner.blocks.drain_events)
-        holders = self.holders.setdefault(run.runner.layers, set())
+        stored, evicted = await self.inst.run_engine(run.built.blocks.drain_events)
+        holders = self.holders.setdefault(run.built.layers, set())
         holders.add(run.holder)
-        nbytes = run.runner.kv.shape.block_nbytes
+        nbytes = run.built.kv.shape.block_nbytes
         events = [(KVEventKind.STORED, run.holder, stored)] + [
             (KVEventKind.REMOVED, h, evicted) for h in sorted(holders)
         ]
@@ -266,14 +309,14 @@ class Stages:
 
     async def _offer_slice(self, run: StageRun) -> KVHandle:
         rid = run.job.request.request_id
-        export = await self.inst.run_engine(run.runner.export, rid)
+        export = await self.inst.run_engine(run.built.export, rid)
         run.slice = await self.inst.offers.offer(HANDOFF, export)
         return run.slice
 
     async def _pass_on(self, run: StageRun, out: torch.Tensor, slices: list[KVHandle]) -> None:
         """The chunk's hidden states to the next stage, acked once it has them."""
         rid = run.job.request.request_id
-        chunk = run.runner.hop(rid, out)
+        chunk = run.built.hop(rid, out)
         handle = await self.inst.sender.offer_off_loop(
             HOP,
             chunk.meta.model_dump_json().encode(),

@@ -123,6 +123,8 @@ async def fake_stage(nc, iid, got: list, accept=True):
 
     async def on_stage(msg):
         got.append(StageJob.model_validate_json(msg.data))
+        if accept is None:
+            return  # silent: still building its pool when the conductor stops waiting
         await bus.respond(msg, StageOpened(hit_tokens=0) if accept else errors.Rejected("no"))
 
     async def on_close(msg):
@@ -184,5 +186,31 @@ async def test_a_group_whose_stage_refuses_is_closed_and_one_instance_takes_it(c
     # Taken back: the group's predicted work is off both instances' queues but qb's job.
     qa = next(x for x in conductor.registry.all() if x.info.instance_id == "qa")
     assert qa.dispatched_since_beat == 0 and qa.pending_s == 0.0
+    for s in subs:
+        await s.unsubscribe()
+
+
+@pytest.mark.parametrize("cluster", [{**GROUPS, "stage_open_timeout_s": 0.5}], indirect=True)
+async def test_a_stage_silent_past_the_open_timeout_is_closed_too(cluster):
+    """It may open the prompt after the conductor gave up on it: the close lets it go."""
+    nc, conductor = cluster
+    stage_a: list = []
+    stage_b: list = []
+    single: list[PrefillJob] = []
+    subs = [
+        *await fake_stage(nc, "ta", stage_a, accept=None),  # stage 0 never answers
+        *await fake_stage(nc, "tb", stage_b),
+        await fake_prefill(nc, "tb", single),
+    ]
+    for iid in ("ta", "tb"):
+        await beat(nc, iid, Role.PREFILL)
+    await beat(nc, "d2", Role.DECODE)
+    await heard(conductor, "ta", "tb", "d2")
+    req = request("long3", prompt=LONG)
+    placement = await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, req, Placement, 5)
+    assert placement.prefill_id == "tb" and [j.request.request_id for j in single] == ["long3"]
+    assert [type(m).__name__ for m in stage_b] == ["StageJob", "StageClose"]
+    await until(lambda: len(stage_a) == 2, what="the silent stage's close")
+    assert [type(m).__name__ for m in stage_a] == ["StageJob", "StageClose"]
     for s in subs:
         await s.unsubscribe()

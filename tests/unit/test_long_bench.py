@@ -46,7 +46,18 @@ def test_the_table_prints_every_part_with_its_verdict():
                 "read_bandwidth_gb_s": 20.0,
                 "value": 0.65,
             },
-            "handoff": {"table": "(handoff table)", "value": 1.8},
+            "handoff": {
+                "table": "(handoff table)",
+                "value": 1.8,
+                "rows": [
+                    {"prompt_tokens": 2048, "streamed_gap_ms": 70.0, "streamed_later_gap_ms": 30.0},
+                    {
+                        "prompt_tokens": 32000,
+                        "streamed_gap_ms": 150.0,
+                        "streamed_later_gap_ms": 100.0,
+                    },
+                ],
+            },
             "cpp": {"cpus": "0-1", "dtype": "auto", "layouts": layouts, "value": 0.55},
         },
     }
@@ -56,6 +67,7 @@ def test_the_table_prints_every_part_with_its_verdict():
     assert "-> 0.150x  met (<= 0.16)" in text
     assert "-> 65% of the bound  met (>= 0.6)" in text
     assert "1.80x  NOT MET (<= 1.5)" in text
+    assert "2048: 40.0, 32000: 50.0 -> largest / smallest 1.25x" in text
     assert "0.55x  met (<= 0.6)" in text
 
 

@@ -168,6 +168,19 @@ def verdict(part: str, value: float) -> str:
     return f"{'met' if met else 'NOT MET'} ({'<=' if lower else '>='} {target:g})"
 
 
+def handoff_excess(rows: list[dict[str, Any]]) -> str:
+    """The gap less a later gap of the same stream: what the handoff adds to the decode
+    step that any token at that context costs (a step at 32k reads several times the
+    KV bytes of one at 2k, handoff or not)."""
+    excess = [r["streamed_gap_ms"] - r["streamed_later_gap_ms"] for r in rows]
+    per = ", ".join(f"{r['prompt_tokens']}: {e:.1f}" for r, e in zip(rows, excess))
+    ratio = excess[-1] / excess[0] if excess[0] > 0 else float("inf")
+    return (
+        f"streamed gap less a later gap (the handoff's own share), ms: {per} -> "
+        f"largest / smallest {ratio:.2f}x"
+    )
+
+
 def render(r: dict[str, Any]) -> str:
     lines = [f"bench long: {r['machine']}", ""]
     failed = {k: v["error"] for k, v in r["parts"].items() if "error" in v}
@@ -203,6 +216,7 @@ def render(r: dict[str, Any]) -> str:
             f"streamed gap, largest prompt / smallest: {p['handoff']['value']:.2f}x  "
             f"{verdict('handoff', p['handoff']['value'])}"
         )
+        lines.append(handoff_excess(p["handoff"]["rows"]))
     if "cpp" in p:
         lines += ["", cpp.render(p["cpp"])]
         lines.append(
