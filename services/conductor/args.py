@@ -60,11 +60,10 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
         5.0, gt=0, description="wait for a prefill instance to take a job"
     )
     stage_open_timeout_s: float = Field(
-        30.0,
+        5.0,
         gt=0,
-        description="wait for a pipelined-prefill stage to open a prompt: its first prompt "
-        "for a layer range builds that range's KV pool and packed weights (seconds on a "
-        "busy small machine)",
+        description="wait for a pipelined-prefill stage to open a prompt (a stage answers "
+        "before it builds a layer range's pool; the gateway waits 10 s for the placement)",
     )
     kv_match_timeout_s: float = Field(
         0.2, gt=0, description="wait for the KV manager's prefix match"

@@ -40,8 +40,11 @@ def build_batch(
     """The batch, and the scheduled items in batch order (one-token queries first).
     Logits come for each completing item's last row, for every row of one with drafts
     (each row checks the draft after it), or for every row (`all_logits`)."""
-    singles = [s for s in scheduled if s.num_new_tokens == 1]
-    chunks = [s for s in scheduled if s.num_new_tokens > 1]
+    # A sequence's last token and its drafts go as one-token queries each, row j seeing
+    # the context up to itself: the kernels (and the rounding) of a decode step, so each
+    # row's logits are those the token would get decoded alone.
+    singles = [s for s in scheduled if s.num_new_tokens == 1 or s.draft]
+    chunks = [s for s in scheduled if s.num_new_tokens > 1 and not s.draft]
     order = singles + chunks
     ids: list[int] = []
     positions: list[int] = []
@@ -62,7 +65,7 @@ def build_batch(
             logit_rows.extend(range(start, start + n))
         elif item.completes:
             logit_rows.append(start + n - 1)
-        if n > 1:
+        if n > 1 and not item.draft:
             nblocks = -(-(pos0 + n) // block_size)
             chunk_meta.append(
                 ChunkMeta(
@@ -72,13 +75,14 @@ def build_batch(
                     torch.tensor(seq.block_table[:nblocks], dtype=torch.long, device=device),
                 )
             )
+    rows = [(item, j) for item in singles for j in range(item.num_new_tokens)]
     width = max((len(s.seq.block_table) for s in singles), default=1)
-    tables = torch.zeros(len(singles), width, dtype=torch.int32)
-    for row, item in enumerate(singles):
+    tables = torch.zeros(len(rows), width, dtype=torch.int32)
+    for row, (item, _) in enumerate(rows):
         tables[row, : len(item.seq.block_table)] = torch.tensor(
             item.seq.block_table, dtype=torch.int32
         )
-    ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in singles], dtype=torch.int32)
+    ctx = torch.tensor([it.seq.num_computed_tokens + j + 1 for it, j in rows], dtype=torch.int32)
 
     def t(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -88,7 +92,7 @@ def build_batch(
         t(positions),
         t(blocks),
         t(offsets),
-        len(singles),
+        len(rows),
         tables,
         ctx,
         chunk_meta,

@@ -4,8 +4,11 @@ quote their prompt, and what it costs on fresh chat, one stream, in process.
 Two engines on the same loaded model and threads, one with --num-speculative-tokens
 drafts and one without, take turns on each prompt (greedy, the same output cap). Each
 prompt's decode rate is its output tokens after the first over the time from the first
-token to the last: speculation changes decode, not the prompt. Both engines must give
-the same tokens (greedy speculation is exact); a prompt where they differ fails the run.
+token to the last: speculation changes decode, not the prompt. In fp32 both engines must
+give the same tokens (greedy speculation is exact) or the run fails. In bf16 a draft's
+verification rows take the kernels of a decode batch of k + 1 rows, whose rounding can
+differ from one row's (as a sequence's output can differ with its batch), so the run
+counts the outputs that came out identical.
 
 Workloads, as chat requests through the model's template:
 - grounded: answers that copy from the prompt: repeat a function of this Python's
@@ -116,7 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             want, t_plain = decode(plain, f"{name}{i}", ids, args.max_tokens)
             got, t_spec = decode(drafted, f"{name}{i}", ids, args.max_tokens)
             after = drafted.stats()
-            if got != want:
+            same = _common_prefix(got, want)
+            if got != want and lm.dtype == torch.float32:
                 raise RuntimeError(f"{name} prompt {i}: drafted output differs from plain")
             n = len(want) - 1
             rows.append(
@@ -127,6 +131,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "spec_tok_s": n / t_spec if n > 0 else 0.0,
                     "drafted": after.spec_draft_tokens - before.spec_draft_tokens,
                     "accepted": after.spec_accepted_tokens - before.spec_accepted_tokens,
+                    "same_tokens": same,
+                    "spec_output_tokens": len(got),
                 }
             )
             print(f"bench spec: {name} {i}: {rows[-1]}", file=sys.stderr, flush=True)
@@ -134,20 +140,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rates over the whole workload (tokens over seconds, summed), not a mean of rates."""
+    """Rates over the whole workload (tokens over seconds, summed), not a mean of rates;
+    each engine's rate over its own output (in bf16 the two may part ways)."""
     tokens = sum(r["output_tokens"] - 1 for r in rows)
+    spec_tokens = sum(r["spec_output_tokens"] - 1 for r in rows)
     plain_s = sum((r["output_tokens"] - 1) / r["plain_tok_s"] for r in rows if r["plain_tok_s"])
-    spec_s = sum((r["output_tokens"] - 1) / r["spec_tok_s"] for r in rows if r["spec_tok_s"])
+    spec_s = sum((r["spec_output_tokens"] - 1) / r["spec_tok_s"] for r in rows if r["spec_tok_s"])
     drafted = sum(r["drafted"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
     return {
         "rows": rows,
         "plain_tok_s": tokens / plain_s,
-        "spec_tok_s": tokens / spec_s,
-        "ratio": plain_s / spec_s,
+        "spec_tok_s": spec_tokens / spec_s,
+        "ratio": (spec_tokens / spec_s) / (tokens / plain_s),
         "acceptance": accepted / drafted if drafted else 0.0,
-        "accepted_per_token": accepted / tokens if tokens else 0.0,
+        "accepted_per_token": accepted / spec_tokens if spec_tokens else 0.0,
+        "identical": sum(
+            r["same_tokens"] == r["output_tokens"] == r["spec_output_tokens"] for r in rows
+        ),
     }
 
 
@@ -169,7 +189,8 @@ def render(r: dict[str, Any]) -> str:
         lines.append(
             f"{name:>9} {len(w['rows']):>7} {w['plain_tok_s']:>11.1f} {w['spec_tok_s']:>10.1f} "
             f"{w['ratio']:>5.2f}x {w['acceptance']:>8.0%} {w['accepted_per_token']:>10.2f}  "
-            f"{'met' if met else 'NOT MET'} (>= {target:g}x)"
+            f"{'met' if met else 'NOT MET'} (>= {target:g}x); "
+            f"{w['identical']} of {len(w['rows'])} outputs identical"
         )
     return "\n".join(lines)
 
