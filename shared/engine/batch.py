@@ -75,6 +75,21 @@ def build_batch(
                     torch.tensor(seq.block_table[:nblocks], dtype=torch.long, device=device),
                 )
             )
+    tables, ctx = _single_rows(singles)
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    meta = BatchMeta(
+        t(ids), t(positions), t(blocks), t(offsets), ctx.shape[0], tables, ctx, chunk_meta,
+        t(logit_rows),
+    )  # fmt: skip
+    return meta, order
+
+
+def _single_rows(singles: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each one-token query's block table and context (itself included): an item with
+    drafts gives one row per token, row j seeing j more tokens than the first."""
     rows = [(item, j) for item in singles for j in range(item.num_new_tokens)]
     width = max((len(s.seq.block_table) for s in singles), default=1)
     tables = torch.zeros(len(rows), width, dtype=torch.int32)
@@ -83,19 +98,4 @@ def build_batch(
             item.seq.block_table, dtype=torch.int32
         )
     ctx = torch.tensor([it.seq.num_computed_tokens + j + 1 for it, j in rows], dtype=torch.int32)
-
-    def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    meta = BatchMeta(
-        t(ids),
-        t(positions),
-        t(blocks),
-        t(offsets),
-        len(rows),
-        tables,
-        ctx,
-        chunk_meta,
-        t(logit_rows),
-    )
-    return meta, order
+    return tables, ctx

@@ -50,14 +50,13 @@ from shared.engine.engine_types import (
 )
 from shared.engine.handoff import KVHandoff
 from shared.engine.kv_transfer import export_sequence
-from shared.engine.logits import RowContext, TokenLogprobs
+from shared.engine.logits import TokenLogprobs
 from shared.engine.params import SamplingParams
 from shared.engine.prompt_logprobs import score_prompt
 from shared.engine.runner import LoadedModel
-from shared.engine.sampling import sample, verify_drafts
 from shared.engine.scheduler import PoolTooSmall, ScheduledSeq, SchedulerOutput
 from shared.engine.sequence import Sequence
-from shared.engine.speculative import NgramDrafter, why_not
+from shared.engine.step_tokens import StepTokens
 from shared.messages import CostSample, FinishReason
 
 # The engine's types, importable from here as before the split.
@@ -74,8 +73,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class LLMEngine(KVHandoff):
-    """The pool and the handoffs (KVHandoff, EngineCore), plus requests in and steps."""
+class LLMEngine(KVHandoff, StepTokens):
+    """The pool and the handoffs (KVHandoff, EngineCore), plus requests in and steps
+    (the tokens a step drafts and yields: StepTokens)."""
 
     def __init__(
         self, lm: LoadedModel, config: EngineConfig, connector: KVConnector | None = None
@@ -198,30 +198,6 @@ class LLMEngine(KVHandoff):
         self.tier.spill()  # evicted blocks go to disk before this step's KV overwrites them
         return sched
 
-    def _draft(self) -> None:
-        """Speculative tokens for each decoding sequence that may have them, while few
-        sequences decode (speculative.py)."""
-        spec = self.config.speculative
-        decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
-        few = len(decoding) <= spec.disable_by_batch_size
-        for seq in decoding:
-            seq.draft_token_ids = self._draft_for(seq) if few else []
-
-    def _draft_for(self, seq: Sequence) -> list[int]:
-        params, spec = seq.params, self.config.speculative
-        k = spec.num_speculative_tokens
-        if params.num_speculative_tokens is not None:
-            k = params.num_speculative_tokens
-        # Room for the drafts and the model's own token after them.
-        k = min(k, params.max_tokens - seq.num_output_tokens - 1)
-        k = min(k, self.lm.max_model_len - seq.num_tokens - 1)
-        if k <= 0 or why_not(params) is not None:
-            return []
-        req = self.requests[seq.request_id]
-        if req.drafter is None:
-            req.drafter = NgramDrafter(spec)
-        return req.drafter.draft(seq.token_ids, k)
-
     def _record_step(self, sched: SchedulerOutput, seconds: float) -> None:
         stored, evicted = self.blocks.drain_events()
         disk_stored, disk_removed = self.tier.drain_stored(), self.tier.drain_removed()
@@ -302,46 +278,6 @@ class LLMEngine(KVHandoff):
                 share = item.num_new_tokens / tokens
                 item.seq.prefill_seconds += spent.wall_s * share
                 item.seq.prefill_cpu_seconds += spent.cpu_s * share
-
-    def _sample(
-        self, items: list[ScheduledSeq], logits: torch.Tensor
-    ) -> tuple[list[list[int]], list[TokenLogprobs | None]]:
-        """Each completing item's tokens (and logprobs, where asked): one sampled from its
-        logits row, or, for an item with drafts, those its rows verify."""
-        rows, plain, first = [], [], []
-        at = 0
-        for item in items:
-            rows.append(self._row(item.seq))
-            first.append(at)
-            if not item.draft:
-                plain.append(len(rows) - 1)
-            at += 1 + len(item.draft)
-        tokens: list[list[int]] = [[] for _ in items]
-        logprobs: list[TokenLogprobs | None] = [None] * len(items)
-        if plain:
-            idx = torch.tensor([first[i] for i in plain], dtype=torch.long)
-            got = sample(logits.index_select(0, idx), [rows[i] for i in plain])
-            for i, tok, lp in zip(plain, got.tokens, got.logprobs):
-                tokens[i], logprobs[i] = [tok], lp
-        for i, item in enumerate(items):
-            if item.draft:
-                span = logits[first[i] : first[i] + 1 + len(item.draft)]
-                tokens[i] = verify_drafts(span, item.draft, rows[i])
-        return tokens, logprobs
-
-    def _row(self, seq: Sequence) -> RowContext:
-        req = self.requests[seq.request_id]
-        stops = frozenset(seq.params.stop_token_ids) | (
-            frozenset() if seq.params.ignore_eos else self.lm.eos_token_ids
-        )
-        return RowContext(
-            seq.params,
-            seq.num_output_tokens,
-            seq.token_ids,
-            seq.num_prompt_tokens,
-            stops,
-            req.matcher,
-        )
 
     def _emit(
         self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None
