@@ -7,6 +7,9 @@ sequence with the same prefix reuses it instead of recomputing. A block nobody u
 again: freed blocks stay cached until evicted, least recently freed first. A finished
 sequence frees its blocks tail first, so a chain's tail is evicted before its parents.
 
+A prompt that ends inside a block reuses that block's agreeing tokens too, copied on
+write (partial_blocks.py: the token-exact part).
+
 Callers that know only block hashes (the trace replay and the simulator, through
 services/kvmanager/pool.py) use the same pool through `take_cached` / `take_new` /
 `release`, and `add_blocks` grows a pool that stands for an unlimited one.
@@ -17,21 +20,12 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Iterable
 
+from shared.engine.block import Block
+from shared.engine.partial_blocks import PartialBlocks
 from shared.engine.sequence import Sequence
 from shared.hashing import hash_block, root_hash
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: int | None = None
-    token_ids: tuple[int, ...] = ()  # kept for verifying a hash hit
-    hits: int = 0  # prefix-cache hits since the block was cached
-    pinned_until: float = 0.0  # soft pin: evicted only when nothing unpinned is left
 
 
 @functools.lru_cache(maxsize=64)  # evict_to_watermark may ask after every block
@@ -45,7 +39,7 @@ def watermark_marks(num_blocks: int, high: float, ratio: float) -> tuple[int, in
     return trigger, min(trigger - 1, math.floor(num_blocks * (high - ratio)))
 
 
-class BlockManager:
+class BlockManager(PartialBlocks):
     def __init__(
         self, num_blocks: int, block_size: int, hot_hits: int = 0, pin_ttl_s: float = 60.0
     ) -> None:
@@ -69,6 +63,14 @@ class BlockManager:
         # (hash, block id, tokens), for spilling to a lower tier. Only kept when asked.
         self.keep_spills = False
         self._spills: list[tuple[int, int, tuple[int, ...]]] = []
+        # Partly filled blocks of finished sequences: parent hash -> (block id, tokens),
+        # the block's parent by id, and (source, destination) copies the engine owes.
+        self._partials: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._partial_parent: dict[int, int] = {}
+        # parent hash -> the newest cached full block after it: its first tokens serve a
+        # prompt that ends inside it (its answer filled the block the prompt ended in).
+        self._children: dict[int, int] = {}
+        self._copies: list[tuple[int, int]] = []
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -162,6 +164,8 @@ class BlockManager:
                 # An identical block computed concurrently keeps the first registration.
                 self._by_hash[h] = block.block_id
                 block.block_hash, block.token_ids = h, tokens
+                block.parent_hash = parent
+                self._children[parent] = block.block_id
                 self._stored_log.append(h)
             seq.block_hashes.append(h)
             new.append(h)
@@ -214,7 +218,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
-                if block.block_hash is None:
+                if self._is_empty(block):
                     # Nothing cached in it: hand it out before any block that is, so a
                     # partial tail freed now never costs a cached prefix its place.
                     self._free.move_to_end(block_id, last=False)
@@ -269,7 +273,10 @@ class BlockManager:
             if held <= target:
                 break
             block = self.blocks[block_id]
-            if block.block_hash is not None and block.pinned_until <= self.now:
+            if block_id in self._partial_parent:
+                self._drop_partial(block_id)
+                held -= 1
+            elif block.block_hash is not None and block.pinned_until <= self.now:
                 self._evict_hash(block_id)
                 held -= 1
                 evicted += 1
@@ -297,14 +304,18 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self._free[block_id]
-            self._num_empty -= block.block_hash is None
+            self._num_empty -= self._is_empty(block)
         block.ref_count += 1
 
     def _evict_hash(self, block_id: int) -> None:
+        self._drop_partial(block_id)
         block = self.blocks[block_id]
         if block.block_hash is not None:
             block.hits, block.pinned_until = 0, 0.0
             self._num_empty += block.ref_count == 0  # evicted from the free list
+            if block.parent_hash is not None and self._children.get(block.parent_hash) == block_id:
+                del self._children[block.parent_hash]
+            block.parent_hash = None
             if self._by_hash.get(block.block_hash) == block_id:
                 del self._by_hash[block.block_hash]
                 self.num_evictions += 1
@@ -328,7 +339,7 @@ class BlockManager:
         for block in self.blocks:
             if block.ref_count < 0 or (block.ref_count == 0) != (block.block_id in self._free):
                 raise RuntimeError(f"block {block.block_id}: ref {block.ref_count} vs free list")
-        empty = sum(1 for b in self._free if self.blocks[b].block_hash is None)
+        empty = sum(1 for b in self._free if self._is_empty(self.blocks[b]))
         if empty != self._num_empty:
             raise RuntimeError(f"{empty} empty free blocks, counted {self._num_empty}")
         for h, block_id in self._by_hash.items():

@@ -195,8 +195,17 @@ class LLMEngine(KVHandoff, StepTokens):
             self.blocks.evict_to_watermark(self.config.high_watermark, self.config.evict_ratio)
         self._draft()
         sched = self.scheduler.schedule()
+        self._copy_partials()
         self.tier.spill()  # evicted blocks go to disk before this step's KV overwrites them
         return sched
+
+    def _copy_partials(self) -> None:
+        """The kept partial blocks admitted prompts reuse, copied into blocks of their own
+        before the forward pass writes the rest of them (block_manager.match_partial)."""
+        copies = self.blocks.take_copies()
+        for src, dst in copies:
+            self.kv.write_block(dst, *self.kv.block_data(src))
+        self.blocks.release(src for src, _ in copies)
 
     def _record_step(self, sched: SchedulerOutput, seconds: float) -> None:
         stored, evicted = self.blocks.drain_events()

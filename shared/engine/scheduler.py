@@ -74,6 +74,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
+            self.blocks.keep_partial(seq)  # its computed tail, for a prompt that repeats it
         elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
@@ -138,6 +139,7 @@ class Scheduler:
             if key is not None and key in computing:
                 continue
             self.blocks.match_prefix(seq)
+            self.blocks.match_partial(seq)  # and the tokens of a kept partial block
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.allocate(seq, n):
                 # Give the prefix blocks back while waiting: a waiting sequence holds nothing.

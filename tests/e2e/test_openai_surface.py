@@ -238,7 +238,8 @@ async def test_n_samples_of_a_fresh_prompt_compute_it_once(stack):
     assert first["cached_tokens"] < cacheable // 2
     for rec in others:  # and only by it
         assert rec["prefill_instance"] == first["prefill_instance"]
-        assert rec["cached_tokens"] == cacheable
+        # its full blocks, and the block the prompt ends in if the first had let it go
+        assert cacheable <= rec["cached_tokens"] <= prompt_tokens - 1
     assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == first["cached_tokens"]
 
 

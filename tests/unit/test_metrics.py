@@ -285,7 +285,9 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
     inst = PrefillInstance(settings, None, tiny, sender, receiver)  # type: ignore[arg-type]
     try:
         m = EngineMetrics(inst)
-        prompt = list(range(1, 41))  # 2 full blocks can be reused (one token is always computed)
+        # b reuses all of a's prompt but its last token (2 full blocks, then the kept
+        # partial block's first 7 tokens: one is always computed).
+        prompt = list(range(1, 41))
         for rid in ("a", "b"):
             inst.engine.add_request(
                 rid, prompt, EngineParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -309,8 +311,8 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
         inst.close_engine()
         await sender.close()
     assert got["halfmoon_engine_info{instance_id=prefill-t,model=tiny,role=prefill}"] == 1
-    assert got["halfmoon_prefix_cache_hit_tokens_total"] == 32
-    assert got["halfmoon_prefix_cache_miss_tokens_total"] == 40 + 8
+    assert got["halfmoon_prefix_cache_hit_tokens_total"] == 39
+    assert got["halfmoon_prefix_cache_miss_tokens_total"] == 40 + 1
     assert got["halfmoon_engine_waiting_requests"] == 0
     assert got["halfmoon_engine_running_requests"] == 0
     total = inst.engine.blocks.num_blocks
@@ -319,7 +321,7 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
     assert got["halfmoon_kv_cached_blocks{tier=dram}"] >= 2
     assert got["halfmoon_kv_capacity_bytes{tier=disk}"] == int(0.001 * 2**30)
     assert got["halfmoon_engine_step_seconds_count"] >= 4
-    assert got["halfmoon_engine_step_tokens_total"] == 40 + 1 + 8 + 1
+    assert got["halfmoon_engine_step_tokens_total"] == 40 + 1 + 1 + 1  # b: its last token
     assert got["halfmoon_kv_transfer_seconds_count{direction=out,purpose=handoff}"] == 1
     assert got["halfmoon_kv_transfer_seconds_count{direction=in,purpose=handoff}"] == 1
     assert got["halfmoon_kv_transfer_seconds_sum{direction=in,purpose=handoff}"] > 0
