@@ -25,7 +25,9 @@ RequestId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 InstanceId = Annotated[str, StringConstraints(max_length=128)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # the engine checks its own vocabulary
 Hash64 = Annotated[int, Field(ge=0, lt=2**64)]  # shared.hashing: 64 bits, unsigned
-Count = Annotated[int, Field(ge=0, lt=2**53)]
+# JSON-safe integers: a double holds every integer below 2**53 exactly.
+COUNT_LIMIT = 2**53
+Count = Annotated[int, Field(ge=0, lt=COUNT_LIMIT)]
 Seconds = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]  # or a timestamp
 Port = Annotated[int, Field(ge=0, le=65535)]
 

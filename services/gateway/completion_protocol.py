@@ -38,7 +38,9 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt only
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: int | None = Field(None, ge=1, le=128)
+    best_of: int | None = Field(
+        None, ge=1, le=128, description="Must equal n: samples are not ranked (as in vLLM V1)."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> CompletionRequest:

@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from services.gateway.validation import Integral, Strict, drop_nulls, integral_fields
 from shared import errors
-from shared.messages import SamplingParams
+from shared.messages import COUNT_LIMIT, SamplingParams
 
 # OpenAI parameters Halfmoon does not implement: refused by name, with why.
 UNSUPPORTED = {
@@ -123,7 +123,8 @@ class SamplingFields(Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # extension, as in vLLM: 0 and -1 mean off
+    # Extension, as in vLLM: 0 and -1 mean off. Bounded as the bus's counts are.
+    top_k: int = Field(0, ge=-1, lt=COUNT_LIMIT)
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = Field(None, json_schema_extra=_stop_schema)
@@ -134,7 +135,7 @@ class SamplingFields(Strict):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # extension
     # Token id (as a string, as OpenAI has it) -> bias added to its logit.
     logit_bias: dict[str, float] | None = Field(None, max_length=300)
-    min_tokens: int = Field(0, ge=0)  # extension
+    min_tokens: int = Field(0, ge=0, lt=COUNT_LIMIT)  # extension
     user: str | None = None  # a caller's tag: logged with the request id, never used
     ignore_eos: bool = False  # extension: benchmarks need fixed output lengths
     ttft_slo_ms: float | None = Field(None, gt=0)  # extension: this request's SLOs

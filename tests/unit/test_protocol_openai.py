@@ -226,3 +226,11 @@ def test_structured_output_requests_map_to_one_constraint():
         requested(parse_request({**CHAT, "structured_outputs": {"regex": "a", "choice": ["a"]}}))
     with pytest.raises(errors.InvalidRequest):
         requested(parse_request({**CHAT, "guided_json": "{not json"}))
+
+
+@pytest.mark.parametrize("name", ["top_k", "min_tokens"])
+def test_a_count_past_what_json_holds_exactly_is_refused_by_name(name):
+    # The bus carries counts below 2**53; a larger one was once a 500 (found by fuzzing).
+    assert refused({**CHAT, name: 2**82}).param == name
+    assert refused({"model": "m", "prompt": "x", name: 2**53}, parse_completion).param == name
+    assert parse_request({**CHAT, name: 2**53 - 1}).sampling(8).model_dump()[name] == 2**53 - 1
