@@ -306,8 +306,11 @@ class ChatCompletionRequest(SamplingFields):
             raise errors.InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         names = [t.function.name for t in self.tools or []]
         choice = self.tool_choice
-        if choice not in (None, "none") and not self.tools:
-            raise errors.InvalidRequest("tool_choice needs tools", param="tool_choice")
+        # "auto" with no tools is plain text (nothing to call; some clients always send it).
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise errors.InvalidRequest(
+                "tool_choice required or a named tool needs tools", param="tool_choice"
+            )
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise errors.InvalidRequest(
                 f"tool_choice names {choice.function.name!r}, which is not among the tools",

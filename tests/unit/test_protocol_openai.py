@@ -117,6 +117,12 @@ def test_refusals_name_the_parameter(extra, param):
     assert refused({**CHAT, **extra}).param == param
 
 
+def test_tool_choice_auto_without_tools_is_plain_text():
+    # As the schema says: only "required" (or a named tool) needs tools (found by fuzzing).
+    assert parse_request({**CHAT, "tool_choice": "auto"}).effective_tool_choice() == "none"
+    assert parse_request({**CHAT, "tool_choice": "auto", "tools": []}).tools == []
+
+
 def test_a_named_tool_must_be_one_of_the_tools():
     tools = [{"type": "function", "function": {"name": "f"}}]
     parse_request(
