@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shared.engine import attention_path, fused, kernels
+from shared.engine import attention_path, fused, kernels, split_attention
 from shared.engine.batch import BatchMeta, ChunkMeta
 from shared.engine.decode_step import NativeDecodeStep
 from shared.engine.hf_types import HFConfig, HFDecoderLayer, HFNorm, causal_lm
@@ -334,7 +334,9 @@ class PagedLlama:
     # -- the torch path's attention ------------------------------------------------------
     def _chunk(self, i: int, q: torch.Tensor, chunk: ChunkMeta) -> torch.Tensor:
         mask = None
-        if chunk.pos0 and chunk.num_tokens > 1:  # the same mask for every layer: build once
+        masked = chunk.pos0 and chunk.num_tokens > 1
+        if masked and not split_attention.pays(chunk.num_tokens, chunk.pos0, q.device):
+            # The same mask for every layer: build it once per forward pass.
             key = (chunk.num_tokens, chunk.pos0)
             mask = self._masks.get(key)
             if mask is None:
@@ -352,10 +354,14 @@ def sdpa_chunk(
 ) -> torch.Tensor:
     """SDPA of a chunk's queries [n, Hq, D] against its sequence's gathered KV (the torch
     path; the native one reads the blocks in place, prefill_attention.c). `mask`: the
-    chunk's causal_bias, if the caller keeps one (else it is built here)."""
+    chunk's causal_bias, if the caller keeps one (else it is built here); a chunk deep
+    in its context runs split at pos0 instead (split_attention.py), with no mask."""
     total = chunk.pos0 + chunk.num_tokens
     k, v = kv.gather(layer, chunk.block_ids, total)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    if split_attention.pays(chunk.num_tokens, chunk.pos0, q.device):
+        o = split_attention.attention(qh, k.unsqueeze(0), v.unsqueeze(0), chunk.pos0, scale)
+        return o[0].transpose(0, 1)
     causal = chunk.num_tokens > 1 and chunk.pos0 == 0
     if chunk.num_tokens == 1 or chunk.pos0 == 0:
         mask = None  # one query sees every key; a chunk at 0 is plainly causal

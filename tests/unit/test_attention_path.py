@@ -7,10 +7,12 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from shared.engine import attention_path, kernels
+from shared.engine import attention_path, kernels, split_attention
 from shared.engine.batch import build_batch
 from shared.engine.llm_engine import EngineConfig, LLMEngine
+from shared.engine.model import causal_bias
 from shared.engine.params import SamplingParams
 from shared.engine.scheduler import ScheduledSeq
 from shared.engine.sequence import Sequence
@@ -72,7 +74,8 @@ def whole(lm, prompt):
 
 # None: the paged kernel for every chunk; 1: SDPA for every chunk; 64: SDPA for the
 # chunks of 512, 500 and 76 queries and the kernel for the last 12, so one prompt
-# crosses from one path to the other over the same pool.
+# crosses from one path to the other over the same pool. Through SDPA, the chunk of 500
+# runs with a mask and those of 76 and 12 (over 768 cached tokens) split at their start.
 @pytest.mark.parametrize("least", [None, 1, 64])
 def test_either_path_gives_transformers_logits_within_1e_4(lm, prompt, whole, least):
     if not kernels.available():
@@ -88,3 +91,25 @@ def test_either_path_gives_transformers_logits_within_1e_4(lm, prompt, whole, le
         seq.num_computed_tokens += n
     assert seq.num_computed_tokens == len(prompt)
     torch.testing.assert_close(logits[0], whole, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("queries, pos0", [(2, 768), (76, 1012), (256, 1792), (300, 2000)])
+def test_split_attention_is_the_masked_attention(queries, pos0):
+    assert split_attention.pays(queries, pos0, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(queries)
+    q = torch.randn(1, 9, queries, 64, generator=gen)
+    k, v = (torch.randn(1, 3, pos0 + queries, 64, generator=gen) for _ in range(2))
+    masked = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_bias(queries, pos0, q.dtype, q.device), enable_gqa=True
+    )
+    split = split_attention.attention(q, k, v, pos0, scale=64**-0.5)
+    torch.testing.assert_close(split, masked, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "queries, pos0, split",
+    [(256, 1792, True), (512, 1536, True), (512, 1024, False), (64, 512, False), (1, 4096, False)],
+)
+def test_a_chunk_runs_split_deep_in_its_context_alone(queries, pos0, split):
+    assert split_attention.pays(queries, pos0, torch.device("cpu")) is split
+    assert not split_attention.pays(queries, pos0, torch.device("meta"))
