@@ -6,6 +6,8 @@ Or, starting a fresh local cluster per configuration and putting them side by si
     halfmoon bench replay --compare layout      # disaggregated 1P+1D vs 2 colocated
     halfmoon bench replay --compare policies    # kvcentric vs least_loaded, 2P+1D
     halfmoon bench replay --config "a=--prefill 2 --decode 1" --config "b=--colocated 3"
+    halfmoon bench replay --compare fleet       # Halfmoon 1P+1D vs 2 llama-servers + router
+    halfmoon bench replay --fleet "rr=--servers 2 --route round_robin"
 Writes report.json and report.html (plotly) to --out.
 """
 
@@ -21,6 +23,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from services.kvmanager.traces import default_trace, load_trace
+from services.tools.bench import llama_cpp
+from services.tools.bench.fleet import FleetConfig, local_fleet
+from services.tools.bench.fleet.verdict import fleet_comparison
 from services.tools.bench.replay import machine, report, sim_compare
 from services.tools.bench.replay.cluster import ClusterConfig, local_cluster
 from services.tools.bench.replay.prompts import (
@@ -48,7 +53,19 @@ POLICIES = (
     ClusterConfig.parse("kvcentric=--prefill 2 --decode 1 --policy kvcentric"),
     ClusterConfig.parse("least_loaded=--prefill 2 --decode 1 --policy least_loaded"),
 )
-PRESETS = {"layout": LAYOUT, "policies": POLICIES, "all": LAYOUT + POLICIES}
+# The same 2 engine processes' cores against two llama-servers of a core each (issue 30's
+# fleet), fp32 on both sides (the precision every CPU computes natively).
+FLEET: tuple[ClusterConfig | FleetConfig, ...] = (
+    ClusterConfig.parse("halfmoon=--prefill 1 --decode 1 --policy kvcentric --dtype float32"),
+    FleetConfig("fleet_round_robin", route="round_robin"),
+    FleetConfig("fleet_prefix", route="prefix"),
+)
+PRESETS: dict[str, tuple[ClusterConfig | FleetConfig, ...]] = {
+    "layout": LAYOUT,
+    "policies": POLICIES,
+    "all": LAYOUT + POLICIES,
+    "fleet": FLEET,
+}
 # (what, summary path, numerator, denominator, target ratio): the issue's acceptance lines.
 TARGETS = (
     ("TBT p99, disaggregated / colocated", ("tbt", "p99_ms"), "disaggregated", "colocated", 0.6),
@@ -77,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=FLAGS",
         help="a cluster to start: `halfmoon up` flags, HALFMOON_X=Y env (repeatable)",
+    )
+    p.add_argument(
+        "--fleet",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a fleet to start: llama-servers behind a router, flags --servers N, --route "
+        "round_robin|prefix, --precision fp32|int8|bf16, --parallel SLOTS (repeatable; "
+        "`halfmoon bench build-llama-cpp` first)",
     )
     p.add_argument("--model", default=DEFAULT_MODEL_NAME, help="model (tokenizer; clusters)")
     _slice_flags(p.add_argument_group("slice"))
@@ -275,6 +301,17 @@ def with_sim(
     return {**run, "sim": {**sim, "side_by_side": rows, "without": left_out}}
 
 
+async def fleet_run(
+    cfg: FleetConfig, model_dir: Path, out: Path, work: Workload, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One replay against a fleet (no simulator: it models Halfmoon clusters)."""
+    print(f"[{cfg.name}] starting a fleet: {cfg.describe()}", flush=True)
+    slot = llama_cpp.slot_tokens(args.max_input_tokens, args.max_output_tokens)
+    async with local_fleet(cfg, model_dir, out, slot) as url:
+        run = await run_one(cfg.name, url, work, args)
+    return {**run, "config": cfg.describe(), "fleet": True}
+
+
 def comparisons(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     by_name = {r["name"]: r["summary"] for r in runs}
     out = []
@@ -294,7 +331,8 @@ def comparisons(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    configs = [ClusterConfig.parse(c) for c in args.config] + list(PRESETS.get(args.compare, ()))
+    configs: list[ClusterConfig | FleetConfig] = [ClusterConfig.parse(c) for c in args.config]
+    configs += [FleetConfig.parse(f) for f in args.fleet] + list(PRESETS.get(args.compare, ()))
     model_dir = await asyncio.to_thread(ensure_model, args.model)
     plans, arr, ideal = plan(args, model_dir)
     slos = Slos(
@@ -310,6 +348,9 @@ async def main_async(args: argparse.Namespace) -> int:
         run, facts = await measured_run("live", args.url, work, args, args.sim_cores)
         runs.append(with_sim(run, facts, work, args))
     for cfg in configs:
+        if isinstance(cfg, FleetConfig):
+            runs.append(await fleet_run(cfg, model_dir, out, work, args))
+            continue
         print(f"[{cfg.name}] starting a local cluster: halfmoon up {cfg.describe()}", flush=True)
         async with local_cluster(cfg, model_dir, out) as url:
             cores = args.sim_cores or float(len(os.sched_getaffinity(0)))
@@ -327,7 +368,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "description": desc,
         "args": vars(args),
         "runs": runs,
-        "comparisons": comparisons(runs),
+        "comparisons": comparisons(runs) + fleet_comparison(runs),
     }
     print("\n" + desc + "\n" + report.table(runs))
     for c in doc["comparisons"]:
