@@ -202,16 +202,16 @@ async def test_a_server_that_is_gone_is_a_502_with_an_openai_error():
 async def test_a_real_fleet_keeps_a_conversation_on_the_server_that_cached_it(
     model_dir: Path, tmp_path: Path
 ):
-    """Two llama-servers (the smallest GGUF, a core share each) behind the prefix router:
+    """Two llama-servers (f32, a core share each) behind the prefix router:
     every answer streams through it, and a follow-up of a long prompt goes to the server
     that holds the prompt, which says so in its usage (cached tokens)."""
     root = llama_cpp.home()
-    gguf = llama_cpp.gguf_path(root, model_dir.name, "q4_1")
+    gguf = llama_cpp.gguf_path(root, model_dir.name, "f32")
     if llama_cpp.built_server(root) is None or not gguf.is_file():
         pytest.skip("llama.cpp is not built here: `halfmoon bench build-llama-cpp` builds it")
     if len(os.sched_getaffinity(0)) % 2:
         pytest.skip("two servers need an even number of cores")
-    cfg = FleetConfig("pa", servers=2, route="prefix", precision="q4_1", parallel=2)
+    cfg = FleetConfig("pa", servers=2, route="prefix", precision="fp32", parallel=2)
     body = {**chat(DOC), "max_tokens": 4, "temperature": 0}
     async with local_fleet(cfg, model_dir, tmp_path, llama_cpp.slot_tokens(600, 8)) as url:
         async with aiohttp.ClientSession() as http:
