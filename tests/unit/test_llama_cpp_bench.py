@@ -29,8 +29,9 @@ def test_the_build_fetches_nothing_and_builds_only_the_server(tmp_path: Path):
     assert flags["LLAMA_OPENSSL"] == "OFF" and flags["LLAMA_BUILD_SERVER"] == "ON"
     assert flags["LLAMA_BUILD_TESTS"] == flags["LLAMA_BUILD_EXAMPLES"] == "OFF"
     assert flags["GGML_NATIVE"] == "ON" and flags["CMAKE_BUILD_TYPE"] == "Release"
+    assert flags["CMAKE_CXX_FLAGS"] == flags["CMAKE_C_FLAGS"] == "-mno-amx-int8"
     off = llama_cpp.cmake_args(tmp_path / "src", tmp_path / "build", native=False)
-    assert "-DGGML_NATIVE=OFF" in off
+    assert "-DGGML_NATIVE=OFF" in off and not any("amx" in a for a in off)
 
 
 def test_the_cache_is_per_pinned_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -128,6 +128,12 @@ def cmake_args(source: Path, build: Path, native: bool) -> list[str]:
         "-DLLAMA_OPENSSL=OFF",  # no HTTPS: the server only listens on loopback here
         # (LLAMA_CURL is gone in this version: model downloads no longer use libcurl.)
         f"-DGGML_NATIVE={'ON' if native else 'OFF'}",
+        # Not ggml's AMX int8 kernel, which -march=native enables on a CPU with AMX: it
+        # crashes at load with this model (ggml_backend_amx_mul_mat, SIGSEGV, Q8_0 and
+        # Q4_1 alike; llama.cpp issue 20824, machine-dependent and unfixed). Its AVX-512
+        # VNNI kernels and weight repacking stay. GCC and clang let an explicit -mno-*
+        # win over -march, whatever their order.
+        *(["-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8"] if native else []),
     ]
 
 
@@ -207,9 +213,13 @@ def cpu_model() -> str:
 def build(settings: LlamaCppSettings) -> Path:
     """llama-server, built once; returns its path."""
     root = home(settings)
-    if not settings.llama_cpp_rebuild and (exe := built_server(root)):
+    wanted = cmake_args(Path("src"), Path("build"), settings.llama_cpp_native)[4:]
+    exe = built_server(root)
+    if exe and not settings.llama_cpp_rebuild and build_info(root).get("cmake_args") == wanted:
         print(f"llama-server already built: {exe} ({build_info(root).get('build_s')} s)")
         return exe
+    if exe and not settings.llama_cpp_rebuild:
+        print("llama-server was built with other settings: building it again", flush=True)
     root.mkdir(parents=True, exist_ok=True)
     build_info_path(root).unlink(missing_ok=True)
     t0 = time.monotonic()
