@@ -147,6 +147,11 @@ class LocalCluster:
             *self._context_args(),
         ]
 
+    def _decoding_args(self) -> list[str]:
+        """Flags for the instances that decode: speculation, where asked for."""
+        k = self.s.num_speculative_tokens
+        return [] if k is None else ["--num-speculative-tokens", str(k)]
+
     def _pin(self, index: int) -> list[str]:
         """`--cpus` for engine `index` in start order, with --pin-engines."""
         if not self.s.pin_engines:
@@ -176,18 +181,28 @@ class LocalCluster:
             )
         await self._spawn("kvmanager", "kvmanager", ["-m", "services.kvmanager"])
         name = "colocated" if self.s.colocated else "prefill"
+        own = self._decoding_args() if self.s.colocated else []  # colocated ones decode too
         for i in range(n_prefill):
             await self._spawn(
                 f"{name}-{i}",
                 "prefill",
-                ["-m", "services.prefill", "--instance-id", f"{name}-{i}", *engine, *self._pin(i)],
+                ["-m", "services.prefill", "--instance-id", f"{name}-{i}", *engine, *own]
+                + self._pin(i),
             )
         for i in range(n_decode):
             pin = self._pin(n_prefill + i)
             await self._spawn(
                 f"decode-{i}",
                 "decode",
-                ["-m", "services.decode", "--instance-id", f"decode-{i}", *engine, *pin],
+                [
+                    "-m",
+                    "services.decode",
+                    "--instance-id",
+                    f"decode-{i}",
+                    *engine,
+                    *self._decoding_args(),
+                    *pin,
+                ],
             )
         await self._spawn(
             "gateway",

@@ -72,6 +72,15 @@ class UpSettings(ContextSettings):
     kv_cache_gb: float | None = Field(
         None, gt=0, description="KV pool (DRAM tier) of each engine instance, in GiB (default 1)"
     )
+    # None: each decode engine's own default (0, or its HALFMOON_NUM_SPECULATIVE_TOKENS).
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=16,
+        description="prompt-lookup speculative decoding on decode (and colocated) "
+        "instances: drafts per step at most (0: off; a request's num_speculative_tokens "
+        "overrides it)",
+    )
     nats_url: str = Field("", description="external NATS (empty: embedded nats-server)")
     database_url: str = Field("", description="SQLAlchemy URL (empty: SQLite in HALFMOON_HOME)")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready by then")

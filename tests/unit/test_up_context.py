@@ -54,3 +54,20 @@ def test_unset_they_leave_each_service_its_own_default(monkeypatch):
         assert "--rope-scaling" not in args and "--max-model-len" not in args, name
         if args[1] == "services.decode":
             assert parse_settings(DecodeSettings, args[2:], "d").kv_cache_gb == 3.0
+
+
+def test_speculation_reaches_the_instances_that_decode_alone():
+    for up, decoding in (
+        (UpSettings(console=False, num_speculative_tokens=4), {"decode-0"}),
+        (
+            UpSettings(console=False, colocated=2, num_speculative_tokens=4),
+            {"colocated-0", "colocated-1"},
+        ),
+    ):
+        for name, args in spawned(up).items():
+            if args[1] not in ("services.prefill", "services.decode"):
+                continue
+            s = parse_settings(PARSERS[args[1]], args[2:], args[1])
+            assert s.num_speculative_tokens == (4 if name in decoding else 0), name
+    for args in spawned(UpSettings(console=False)).values():
+        assert "--num-speculative-tokens" not in args  # unset: each engine's own default
