@@ -369,3 +369,28 @@ def test_table_compares_only_where_it_applies(model_dir: Path):
     finally:
         for s in servers:
             s.stop()
+
+
+def test_the_colocated_row_runs_one_engine_on_every_thread_and_the_best_layout_compares(
+    model_dir: Path,
+):
+    args = args_for("--systems", "halfmoon,halfmoon-colocated,transformers-cb")
+    servers = serve_systems.servers_for(
+        ["halfmoon", "halfmoon-colocated", "transformers-cb"], model_dir, args
+    )
+    try:
+        disagg, colocated, _ = servers
+        assert colocated.name == "halfmoon-colocated" and "--colocated" in colocated.command()
+        assert "--colocated" not in disagg.command()
+        assert colocated.placement.processes == 1
+        assert colocated.placement.total_threads == disagg.placement.total_threads
+        assert colocated.placement.cpus == disagg.placement.cpus
+        report = _report(args, servers, {})
+        report["systems"]["halfmoon-colocated"]["fresh"]["4"]["output_tok_s"] = 300.0
+        text = serve_report.render(report)
+        rows = {line.split()[0]: line for line in text.splitlines() if line[:1].isalpha()}
+        # Against transformers, Halfmoon's better layout at that level: colocated, 300 / 100.
+        assert "halfmoon-colocated: 3.00x tok/s" in rows["transformers-serve-cb"]
+    finally:
+        for s in servers:
+            s.stop()

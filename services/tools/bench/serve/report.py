@@ -97,13 +97,15 @@ def _cached(r: dict[str, Any], s: dict[str, Any]) -> str:
     return f"{r['cached_tokens'] / r['prompt_tokens']:.0%}" if known and r["prompt_tokens"] else "-"
 
 
-def halfmoon_at(report: dict[str, Any], precision: str) -> str:
-    """The name of the Halfmoon run at `precision` (empty: none measured)."""
-    for name, s in report["setup"]["systems"].items():
-        if name.startswith("halfmoon") and s.get("precision") == precision:
-            if name in report["systems"]:
-                return name
-    return ""
+def halfmoon_at(report: dict[str, Any], precision: str) -> list[str]:
+    """The names of the Halfmoon runs (one per layout) at `precision`."""
+    return [
+        name
+        for name, s in report["setup"]["systems"].items()
+        if name.startswith("halfmoon")
+        and s.get("precision") == precision
+        and name in report["systems"]
+    ]
 
 
 def _vs(report: dict[str, Any], name: str, mode: str, c: str) -> str:
@@ -114,10 +116,13 @@ def _vs(report: dict[str, Any], name: str, mode: str, c: str) -> str:
     if mode == "fixed" and s.get("prefix_cache") == "none":
         return "n/a: no prefix cache, and the prompts are cache-friendly"
     precision = s.get("precision") or report["setup"]["precisions"][0]  # external: the first
-    base = halfmoon_at(report, precision)
-    if not base:
+    layouts = halfmoon_at(report, precision)
+    if not layouts:
         return f"n/a: no Halfmoon run at {precision}"
-    return _ratio(report["systems"][base][mode][c], report["systems"][name][mode][c])
+    # Halfmoon's best layout at this level (by output tokens/s), named when there are two.
+    best = max(layouts, key=lambda n: report["systems"][n][mode][c]["output_tok_s"])
+    cell = _ratio(report["systems"][best][mode][c], report["systems"][name][mode][c])
+    return f"{best}: {cell}" if len(layouts) > 1 else cell
 
 
 def _header(compare: bool) -> str:

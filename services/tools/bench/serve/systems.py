@@ -31,7 +31,10 @@ HALFMOON_PRECISION = {
 TRANSFORMERS_PRECISION = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-SYSTEMS = ("halfmoon", "llama.cpp", "transformers-cb", "transformers")
+# halfmoon: `halfmoon up`'s disaggregated layout (1 prefill + 1 decode unless --halfmoon-args
+# says otherwise); halfmoon-colocated: one instance that prefills and decodes on every
+# thread, the usual single-process layout, on the same cores.
+SYSTEMS = ("halfmoon", "halfmoon-colocated", "llama.cpp", "transformers-cb", "transformers")
 
 
 def precisions_for(args: argparse.Namespace) -> list[str]:
@@ -47,7 +50,7 @@ def precisions_for(args: argparse.Namespace) -> list[str]:
 
 def unavailable(system: str, precision: str) -> str:
     """Why `system` cannot run at `precision` (empty: it can)."""
-    if system == "halfmoon" and precision not in HALFMOON_PRECISION:
+    if system.startswith("halfmoon") and precision not in HALFMOON_PRECISION:
         return f"Halfmoon's engine has no {precision}"
     if system.startswith("transformers") and precision not in TRANSFORMERS_PRECISION:
         return f"transformers serve has no {precision} here"
@@ -81,11 +84,14 @@ def make_server(
     """One system at one precision, on its placement (llama.cpp and transformers serve
     are one process each: `single`, with Halfmoon's thread total)."""
     server: Server
-    if system == "halfmoon":
+    if system.startswith("halfmoon"):
         dtype, quantization = HALFMOON_PRECISION[precision]
-        server = HalfmoonServer(
-            model_dir, dtype, halfmoon, args.halfmoon_args.split(), quantization=quantization
-        )
+        extra, placement = args.halfmoon_args.split(), halfmoon
+        if system == "halfmoon-colocated":  # one engine with every thread of the layout
+            extra += ["--colocated", "1"]
+            placement = Placement(halfmoon.cpus, 1, halfmoon.total_threads)
+        server = HalfmoonServer(model_dir, dtype, placement, extra, quantization=quantization)
+        server.name = system
     elif system == "llama.cpp":
         exe, root = llama_cpp_build()
         kind = llama_cpp.GGUF_FOR_PRECISION[precision]
