@@ -110,11 +110,12 @@ def gguf_path(root: Path, model_name: str, kind: str) -> Path:
 
 def cmake_args(source: Path, build: Path, native: bool) -> list[str]:
     """Configure llama.cpp for llama-server alone, with nothing fetched from the network."""
+    return ["-S", str(source), "-B", str(build), *build_flags(native)]
+
+
+def build_flags(native: bool) -> list[str]:
+    """The settings a build is made with (recorded in build-info.json, compared on reuse)."""
     return [
-        "-S",
-        str(source),
-        "-B",
-        str(build),
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary in the cache
         "-DLLAMA_BUILD_SERVER=ON",
@@ -213,7 +214,7 @@ def cpu_model() -> str:
 def build(settings: LlamaCppSettings) -> Path:
     """llama-server, built once; returns its path."""
     root = home(settings)
-    wanted = cmake_args(Path("src"), Path("build"), settings.llama_cpp_native)[4:]
+    wanted = build_flags(settings.llama_cpp_native)
     exe = built_server(root)
     if exe and not settings.llama_cpp_rebuild and build_info(root).get("cmake_args") == wanted:
         print(f"llama-server already built: {exe} ({build_info(root).get('build_s')} s)")
@@ -244,7 +245,7 @@ def build(settings: LlamaCppSettings) -> Path:
         "cmake": subprocess.run(
             [str(cmake), "--version"], capture_output=True, text=True
         ).stdout.splitlines()[0],
-        "cmake_args": cmake_args(source, root / "build", settings.llama_cpp_native)[4:],
+        "cmake_args": wanted,
         "jobs": jobs,
         "cpu": cpu_model(),
         "build_s": round(time.monotonic() - t0, 1),

@@ -9,8 +9,8 @@ Two policies, the ones a fleet of ordinary servers is run with:
   the highest total wins, a tie drawn at random (seeded). The router cannot see a
   server's cache, so the index is what it sent where: "approximate".
 
-Blocks are the prompt text's 64-character pieces, hashed as a chain (a block's hash
-covers every block before it, so equal hashes mean equal prefixes).
+Blocks are the prompt text's 64-character pieces, hashed as a chain by shared.hashing
+(a block's hash covers every block before it, so equal hashes mean equal prefixes).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import random
 from collections import OrderedDict
 from typing import Protocol
 
-import xxhash
+from shared.hashing import block_hashes
 
 BLOCK_CHARS = 64
 MAX_BLOCKS = 256  # blocks of a prompt matched at most (its first 16k characters)
@@ -29,15 +29,9 @@ ROUTES = ("round_robin", "prefix")
 
 
 def prefix_blocks(text: str, block_chars: int = BLOCK_CHARS) -> list[int]:
-    """Chained hashes of the text's full blocks (a trailing partial block is left out)."""
-    out: list[int] = []
-    parent = 0
-    for start in range(0, min(len(text), MAX_BLOCKS * block_chars) - block_chars + 1, block_chars):
-        h = xxhash.xxh3_64(parent.to_bytes(8, "little"))
-        h.update(text[start : start + block_chars].encode())
-        parent = h.intdigest()
-        out.append(parent)
-    return out
+    """Chained hashes of the text's full blocks (a trailing partial block is left out): the
+    KV cache's own chained hash (shared.hashing), over the characters' code points."""
+    return list(block_hashes([ord(c) for c in text[: MAX_BLOCKS * block_chars]], block_chars))
 
 
 class Route(Protocol):
