@@ -7,6 +7,7 @@ import os
 
 from services.worker.settings import WorkerSettings
 from shared.cpus import parse_cpus
+from shared.engine import architectures
 from shared.engine.runner import LoadedModel, load_model
 from shared.lifecycle import new_instance_id, setup_logging
 from shared.model_context import for_model
@@ -29,6 +30,7 @@ async def load_for(settings: WorkerSettings, role: str) -> LoadedModel:
     model_dir = await asyncio.to_thread(ensure_model, settings.model)
     name = settings.served_model_name or model_dir.name
     try:
+        architectures.check_folder(model_dir)  # UnsupportedModel: a ValueError
         context = for_model(model_dir, settings.max_model_len, settings.rope_scaling)
     except ValueError as exc:
         raise SystemExit(f"{role}: {exc}") from None  # a setting at fault: one line, no trace

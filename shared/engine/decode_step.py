@@ -39,9 +39,13 @@ class StepLayer(Protocol):
     @property
     def linears(self) -> list[Linear]: ...
 
+    q_norm: HFNorm | None
+    k_norm: HFNorm | None
+    window: int
+
 
 class StepModel(Protocol):
-    """What the native step reads of the paged model (model.py's PagedLlama)."""
+    """What the native step reads of the paged model (model.py's PagedModel)."""
 
     @property
     def layers(self) -> Sequence[StepLayer]: ...
@@ -76,12 +80,15 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", P),
         ("post_norm", P),
+        ("q_norm", P),
+        ("k_norm", P),
         ("qkv", _Linear),
         ("o", _Linear),
         ("gate_up", _Linear),
         ("down", _Linear),
         ("k_cache", P),
         ("v_cache", P),
+        ("window", ctypes.c_int),
     ]
 
 
@@ -123,12 +130,15 @@ class NativeDecodeStep:
             layers[i] = _Layer(
                 layer.input_norm.weight.data_ptr(),
                 layer.post_norm.weight.data_ptr(),
+                layer.q_norm.weight.data_ptr() if layer.q_norm is not None else None,
+                layer.k_norm.weight.data_ptr() if layer.k_norm is not None else None,
                 _linear(layer.qkv),
                 _linear(layer.o),
                 _linear(layer.gate_up),
                 _linear(layer.down),
                 model.kv.k[i].data_ptr(),
                 model.kv.v[i].data_ptr(),
+                layer.window,
             )
         self._layers = layers
         cfg = model.config

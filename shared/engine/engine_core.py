@@ -14,7 +14,7 @@ from shared.engine.engine_types import EngineConfig, RequestState
 from shared.engine.kv_cache import KVCache
 from shared.engine.kv_slices import SliceProgress
 from shared.engine.kv_transfer import KVMeta, check_compatible
-from shared.engine.model import PagedLlama
+from shared.engine.model import PagedModel
 from shared.engine.output import OutputTracker, decode_all, make_detokenizer
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
@@ -32,10 +32,10 @@ class EngineCore:
         self.lm = lm
         self.config = config
         self.connector = connector  # None: every request decodes here (see connector.py)
-        shape = PagedLlama.kv_shape(lm.config, config.block_size, lm.dtype)
+        shape = PagedModel.kv_shape(lm.config, config.block_size, lm.dtype)
         num_blocks = shape.num_blocks_for(config.kv_cache_bytes)
         self.kv = KVCache(shape, num_blocks, lm.device)
-        self.model = PagedLlama(lm.model, self.kv, config.quantization)
+        self.model = PagedModel(lm.model, self.kv, config.quantization)
         self.blocks = BlockManager(num_blocks, config.block_size, config.hot_hits, config.pin_ttl_s)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks

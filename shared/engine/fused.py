@@ -32,6 +32,33 @@ def rms_norm(
     return out
 
 
+def head_rms_norm(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+) -> None:
+    """RMSNorm of every q head (q_weight) and k head (k_weight) of each qkv row, in place:
+    Qwen3's q_norm and k_norm, before RoPE."""
+    assert qkv.stride(1) == 1 and q_weight.dtype == k_weight.dtype == qkv.dtype
+    kernels.lib().head_rms_norm(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        qkv.shape[0],
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        q_weight.data_ptr(),
+        k_weight.data_ptr(),
+        eps,
+        kernels.is_bf16(qkv),
+        kernels.threads(),
+    )
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for rows laid out [gate | up]."""
     rows, width = gate_up.shape

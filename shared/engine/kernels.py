@@ -44,11 +44,12 @@ _status = "not built yet"
 # One letter per C type keeps the signature table below readable.
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float  # noqa: E741
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
-    "paged_decode_attention_bf16": (I, [P, L, I, P, P, P, I, P, I, I, I, I, I, F, P, I]),
-    "paged_decode_attention_f32": (I, [P, L, I, P, P, P, I, P, I, I, I, I, I, F, P, I]),
-    "paged_prefill_attention_bf16": (I, [P, L, I, P, P, P, I, I, I, I, I, I, F, P, I]),
-    "paged_prefill_attention_f32": (I, [P, L, I, P, P, P, I, I, I, I, I, I, F, P, I]),
+    "paged_decode_attention_bf16": (I, [P, L, I, P, P, P, I, P, I, I, I, I, I, F, I, P, I]),
+    "paged_decode_attention_f32": (I, [P, L, I, P, P, P, I, P, I, I, I, I, I, F, I, P, I]),
+    "paged_prefill_attention_bf16": (I, [P, L, I, P, P, P, I, I, I, I, I, I, I, F, P, I]),
+    "paged_prefill_attention_f32": (I, [P, L, I, P, P, P, I, I, I, I, I, I, I, F, P, I]),
     "rms_norm": (None, [P, P, P, P, I, I, F, I, I]),
+    "head_rms_norm": (None, [P, L, I, I, I, I, P, P, F, I, I]),
     "add_inplace": (None, [P, P, L, I, I]),
     "silu_mul": (None, [P, P, I, I, I, I]),
     "rope_kv_write": (None, [P, P, P, P, I, I, I, I, P, P, P, P, I, I, I]),
@@ -152,9 +153,11 @@ def paged_decode_attention(
     ctx_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
     """q [S, >=Hq*D] (rows may be wider: q is the head of each qkv row), fp32 or bf16;
-    k [blocks, Hkv, D, bs], v [blocks, Hkv, bs, D]; tables [S, max] int32; out [S, Hq*D]."""
+    k [blocks, Hkv, D, bs], v [blocks, Hkv, bs, D]; tables [S, max] int32; out [S, Hq*D].
+    `window` > 0: each sequence attends only its last `window` tokens (sliding window)."""
     native = lib()
     fn = {
         torch.bfloat16: native.paged_decode_attention_bf16,
@@ -182,6 +185,7 @@ def paged_decode_attention(
         d,
         bs,
         scale,
+        window,
         out.data_ptr(),
         threads(),
     )
@@ -199,10 +203,12 @@ def paged_prefill_attention(
     pos0: int,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
     """A chunk of one sequence's queries, causal, against its KV in place: q [n, >=Hq*D]
     (rows of qkv), query i at position pos0 + i; k [blocks, Hkv, D, bs], v [blocks, Hkv,
-    bs, D]; table [>= blocks covering pos0 + n] int32; out [n, Hq*D]."""
+    bs, D]; table [>= blocks covering pos0 + n] int32; out [n, Hq*D]. `window` > 0: query
+    i sees only keys after pos0 + i - window (sliding window)."""
     native = lib()
     fn = {
         torch.bfloat16: native.paged_prefill_attention_bf16,
@@ -224,6 +230,7 @@ def paged_prefill_attention(
         table.data_ptr(),
         n,
         pos0,
+        window,
         hq,
         hkv,
         d,

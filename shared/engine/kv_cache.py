@@ -20,6 +20,9 @@ class KVShape:
     block_size: int
     dtype: torch.dtype
     first_layer: int = 0  # a pipeline stage's pool starts at its first layer
+    # The model class whose KV this is (architectures.py): KV of one family is not
+    # another's even where the shapes agree.
+    architecture: str = "LlamaForCausalLM"
 
     @property
     def block_nbytes(self) -> int:

@@ -4,8 +4,8 @@ The bytes are the pool's own block layout (see kv_cache.py), so export and impor
 one gather and one scatter. An export may cover a range of a sequence's blocks, not only
 its start: a streamed handoff sends a long prompt's blocks chunk by chunk while prefill
 computes the rest, and the last export carries what is left. The metadata names
-everything a receiver must match (model, dtype, layers, heads, block size, layout) so a
-mismatch is refused, not silently computed on.
+everything a receiver must match (model, architecture, dtype, layers, heads, block size,
+layout) so a mismatch is refused, not silently computed on.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class KVMeta(BaseModel):
     model: str
+    architecture: str = "LlamaForCausalLM"  # the model's class (architectures.py)
     dtype: str
     # The weights' quantization: KV computed by int8 weights differs from bf16's, so
     # instances that differ must not reuse each other's blocks.
@@ -76,6 +77,7 @@ def _meta(
     s = kv.shape
     return KVMeta(
         model=model,
+        architecture=s.architecture,
         dtype=_dtype_name(s.dtype),
         quantization=quantization,
         num_layers=s.num_layers,
@@ -171,6 +173,7 @@ def check_compatible(
     s = kv.shape
     mine: dict[str, object] = {
         "model": model,
+        "architecture": s.architecture,
         "dtype": _dtype_name(s.dtype),
         "quantization": quantization,
         "num_kv_heads": s.num_kv_heads,

@@ -1,6 +1,8 @@
 """Llama-family forward pass over the paged KV cache (the engine's only tensor math).
 
-Weights come from a transformers model. Every scheduled token of every sequence goes
+Weights come from a transformers model of a supported family (architectures.py: Llama,
+Qwen2, Qwen3, Mistral, Phi-3; what sets each apart is a hook there: QKV biases, per-head
+q/k norms, sliding windows, fused checkpoints). Every scheduled token of every sequence goes
 through the linear layers as one flat batch; attention is per sequence against its
 blocks in the pool, read in place by the native paged kernels: one-token queries (decode,
 paged_attention.c) and multi-token chunks (prefill, prefill_attention.c). The torch path
@@ -23,15 +25,18 @@ hand on the residual stream after their last layer.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
-from shared.engine import attention_path, fused, kernels, split_attention
+from shared.engine import architectures, attention_path, fused, kernels
 from shared.engine.batch import BatchMeta, ChunkMeta
 from shared.engine.decode_step import NativeDecodeStep
 from shared.engine.hf_types import HFConfig, HFDecoderLayer, HFNorm, causal_lm
 from shared.engine.kv_cache import KVCache, KVShape
 from shared.engine.linear import Linear, make_linear
+from shared.engine.sdpa import causal_bias, needs_mask, sdpa_chunk
 
 # Rotary variants whose cos/sin depend on the position alone (a table built once holds);
 # others (dynamic NTK, longrope) are computed per step.
@@ -40,30 +45,26 @@ _MAX_NATIVE_DIM, _MAX_NATIVE_HEAD_DIM = 8192, 256
 
 
 class _Layer:
-    def __init__(self, layer: HFDecoderLayer, quantization: str) -> None:
+    def __init__(self, layer: HFDecoderLayer, quantization: str, window: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm: HFNorm = layer.input_layernorm
         self.post_norm: HFNorm = layer.post_attention_layernorm
         # Fused projections: one GEMM instead of three (and two), same math.
-        biases: list[torch.Tensor | None] = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        present = [b for b in biases if b is not None]
-        self.qkv = make_linear(
-            torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)),
-            torch.cat(present) if len(present) == len(biases) else None,
-            quantization,
-        )
+        self.qkv = make_linear(*architectures.qkv_weights(attn), quantization)
         self.o = make_linear(attn.o_proj.weight, attn.o_proj.bias, quantization)
-        self.gate_up = make_linear(
-            torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), None, quantization
-        )
+        self.gate_up = make_linear(architectures.gate_up_weight(mlp), None, quantization)
         self.down = make_linear(mlp.down_proj.weight, None, quantization)
+        norms = architectures.qk_norms(attn)
+        self.q_norm: HFNorm | None = cast(HFNorm, norms[0]) if norms else None
+        self.k_norm: HFNorm | None = cast(HFNorm, norms[1]) if norms else None
+        self.window = window  # sliding-window span in tokens; 0: the whole context
 
     @property
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
 
 
-class PagedLlama:
+class PagedModel:
     def __init__(
         self,
         hf_model: torch.nn.Module,
@@ -74,6 +75,7 @@ class PagedLlama:
         hf = causal_lm(hf_model)
         cfg = hf.config
         self.config = cfg
+        self.family = architectures.family(cfg)  # UnsupportedModel for any other
         self.first_layer, self.end_layer = layer_range(cfg, layers)
         if kv.shape.num_layers != self.end_layer - self.first_layer:
             raise ValueError(
@@ -95,7 +97,8 @@ class PagedLlama:
                 hf.lm_head.weight, None, "none" if quantization == "int8" else quantization
             )
         chosen = list(base.layers)[self.first_layer : self.end_layer]
-        self.layers = [_Layer(layer, quantization) for layer in chosen]
+        windows = architectures.layer_windows(cfg)[self.first_layer : self.end_layer]
+        self.layers = [_Layer(la, quantization, w) for la, w in zip(chosen, windows)]
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = _head_dim(cfg)
@@ -103,9 +106,6 @@ class PagedLlama:
         self.eps = float(cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self.dtype = self.embed.weight.dtype
-        mlp_act = getattr(cfg, "hidden_act", "silu")
-        if mlp_act != "silu":
-            raise ValueError(f"unsupported activation {mlp_act!r} (Llama family uses silu)")
         self.native = (
             kernels.available()
             and kv.k.device.type == "cpu"
@@ -114,8 +114,8 @@ class PagedLlama:
         )
         # Chunks of at least this many queries attend through SDPA (None: never).
         self.sdpa_min_chunk = attention_path.for_model(self.dtype)
-        # Causal masks by (queries, pos0), shared by every layer of one forward.
-        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+        # Causal masks by (queries, pos0, window), shared by every layer of one forward.
+        self._masks: dict[tuple[int, int, int], torch.Tensor] = {}
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._step: NativeDecodeStep | bool | None = None  # False: not for this model
 
@@ -125,7 +125,13 @@ class PagedLlama:
     ) -> KVShape:
         first, end = layer_range(cfg, layers)
         return KVShape(
-            end - first, cfg.num_key_value_heads, _head_dim(cfg), block_size, dtype, first
+            end - first,
+            cfg.num_key_value_heads,
+            _head_dim(cfg),
+            block_size,
+            dtype,
+            first,
+            architectures.family(cfg).architecture,
         )
 
     @property
@@ -208,6 +214,16 @@ class PagedLlama:
         for i, layer in enumerate(self.layers):
             x = fused.rms_norm(h, delta, layer.input_norm.weight, self.eps)
             qkv = layer.qkv(x)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                fused.head_rms_norm(
+                    qkv,
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    layer.q_norm.weight,
+                    layer.k_norm.weight,
+                    self.eps,
+                )
             fused.rope_kv_write(
                 qkv,
                 cos,
@@ -249,6 +265,7 @@ class PagedLlama:
 
     def _attend(self, i: int, qkv: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
         n, hq = qkv.shape[0], self.num_heads * self.head_dim
+        window = self.layers[i].window
         out = torch.empty(n, hq, dtype=qkv.dtype)
         if meta.num_single:
             kernels.paged_decode_attention(
@@ -259,6 +276,7 @@ class PagedLlama:
                 meta.single_ctx,
                 self.scale,
                 out[: meta.num_single],
+                window,
             )
         least = self.sdpa_min_chunk
         for chunk in meta.chunks:  # each chunk against its sequence's KV in place
@@ -276,6 +294,7 @@ class PagedLlama:
                 chunk.pos0,
                 self.scale,
                 out[rows],
+                window,
             )
         return out
 
@@ -310,6 +329,8 @@ class PagedLlama:
         q = qkv[:, :hq].view(n, self.num_heads, d)
         k = qkv[:, hq : hq + hk].view(n, self.num_kv_heads, d)
         v = qkv[:, hq + hk :].view(n, self.num_kv_heads, d)
+        if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3, before RoPE
+            q, k = layer.q_norm(q), layer.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         self.kv.write(i, meta.slot_blocks, meta.slot_offsets, k, v)
@@ -334,49 +355,14 @@ class PagedLlama:
     # -- the torch path's attention ------------------------------------------------------
     def _chunk(self, i: int, q: torch.Tensor, chunk: ChunkMeta) -> torch.Tensor:
         mask = None
-        masked = chunk.pos0 and chunk.num_tokens > 1
-        if masked and not split_attention.pays(chunk.num_tokens, chunk.pos0, q.device):
-            # The same mask for every layer: build it once per forward pass.
-            key = (chunk.num_tokens, chunk.pos0)
+        window = self.layers[i].window
+        if needs_mask(chunk, window, q.device):
+            # The same mask for every layer alike: build it once per forward pass.
+            key = (chunk.num_tokens, chunk.pos0, window)
             mask = self._masks.get(key)
             if mask is None:
-                mask = self._masks[key] = causal_bias(*key, q.dtype, q.device)
-        return sdpa_chunk(self.kv, i, q, chunk, self.scale, mask)
-
-
-def sdpa_chunk(
-    kv: KVCache,
-    layer: int,
-    q: torch.Tensor,
-    chunk: ChunkMeta,
-    scale: float,
-    mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """SDPA of a chunk's queries [n, Hq, D] against its sequence's gathered KV (the torch
-    path; the native one reads the blocks in place, prefill_attention.c). `mask`: the
-    chunk's causal_bias, if the caller keeps one (else it is built here); a chunk deep
-    in its context runs split at pos0 instead (split_attention.py), with no mask."""
-    total = chunk.pos0 + chunk.num_tokens
-    k, v = kv.gather(layer, chunk.block_ids, total)
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    if split_attention.pays(chunk.num_tokens, chunk.pos0, q.device):
-        o = split_attention.attention(qh, k.unsqueeze(0), v.unsqueeze(0), chunk.pos0, scale)
-        return o[0].transpose(0, 1)
-    causal = chunk.num_tokens > 1 and chunk.pos0 == 0
-    if chunk.num_tokens == 1 or chunk.pos0 == 0:
-        mask = None  # one query sees every key; a chunk at 0 is plainly causal
-    elif mask is None:
-        mask = causal_bias(chunk.num_tokens, chunk.pos0, q.dtype, q.device)
-    o = F.scaled_dot_product_attention(
-        qh,
-        k.unsqueeze(0),
-        v.unsqueeze(0),
-        attn_mask=mask,
-        is_causal=causal,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return o[0].transpose(0, 1)
+                mask = self._masks[key] = causal_bias(*key[:2], q.dtype, q.device, window)
+        return sdpa_chunk(self.kv, i, q, chunk, self.scale, mask, window)
 
 
 def layer_range(cfg: HFConfig, layers: tuple[int, int] | None) -> tuple[int, int]:
@@ -396,15 +382,3 @@ def _head_dim(cfg: HFConfig) -> int:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def causal_bias(
-    num_queries: int, pos0: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """Query j (at position pos0 + j) sees keys 0 .. pos0 + j: 0 there, -inf past it.
-    Additive in the queries' dtype, as SDPA would turn a boolean mask into on every call
-    (building and converting it was a tenth of a 256-token chunk's attention at 2k)."""
-    keys = torch.arange(pos0 + num_queries, device=device)
-    queries = torch.arange(pos0, pos0 + num_queries, device=device)
-    hidden = keys.unsqueeze(0) > queries.unsqueeze(1)
-    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -torch.inf)

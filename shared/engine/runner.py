@@ -1,4 +1,5 @@
-"""Loading a transformers causal LM (Llama family) and its tokenizer for the engine."""
+"""Loading a transformers causal LM (a family of architectures.py) and its tokenizer for the
+engine."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from shared.engine import cpu
+from shared.engine import architectures, cpu
 from shared.engine.hf_types import HFConfig, causal_lm
 from shared.model_context import ModelContext, for_model
 
@@ -77,6 +78,7 @@ def load_model(
         # Several engine processes share few cores: each gets its own thread budget.
         torch.set_num_threads(threads)
     path = Path(model_dir)
+    architectures.check_folder(path)  # before any weights: one clear line if unsupported
     hf_logging.disable_progress_bar()  # one line per load in the logs, not a progress bar
     t0 = time.perf_counter()
     context = context or for_model(path)

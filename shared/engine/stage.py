@@ -23,7 +23,7 @@ from shared.engine.engine_types import EngineConfig
 from shared.engine.hidden import HiddenChunk
 from shared.engine.kv_cache import KVCache
 from shared.engine.kv_transfer import KVExport, export_full_blocks, export_sequence
-from shared.engine.model import PagedLlama
+from shared.engine.model import PagedModel
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.engine.scheduler import ScheduledSeq
@@ -38,10 +38,10 @@ class StageRunner:
     def __init__(self, lm: LoadedModel, config: EngineConfig, layers: tuple[int, int]) -> None:
         self.lm = lm
         self.config = config
-        shape = PagedLlama.kv_shape(lm.config, config.block_size, lm.dtype, layers)
+        shape = PagedModel.kv_shape(lm.config, config.block_size, lm.dtype, layers)
         num_blocks = shape.num_blocks_for(config.kv_cache_bytes)
         self.kv = KVCache(shape, num_blocks, lm.device)
-        self.model = PagedLlama(lm.model, self.kv, config.quantization, layers)
+        self.model = PagedModel(lm.model, self.kv, config.quantization, layers)
         self.blocks = BlockManager(num_blocks, config.block_size, config.hot_hits, config.pin_ttl_s)
         self.seqs: dict[str, Sequence] = {}
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from shared.engine import attention_path, kernels, split_attention
 from shared.engine.batch import build_batch
 from shared.engine.llm_engine import EngineConfig, LLMEngine
-from shared.engine.model import causal_bias
 from shared.engine.params import SamplingParams
 from shared.engine.scheduler import ScheduledSeq
+from shared.engine.sdpa import causal_bias
 from shared.engine.sequence import Sequence
 from tests.factories import tiny_llama
 

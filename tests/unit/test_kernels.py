@@ -133,8 +133,9 @@ def test_paged_attention_matches_sdpa(dtype, seqs, ctx):
         assert torch.allclose(out[s].float(), ref, atol=tol, rtol=tol), (s, n)
 
 
-def _chunk_reference(q, k, v, table, pos0, scale):
-    """SDPA of a chunk (query i at position pos0 + i) against the sequence's gathered KV."""
+def _chunk_reference(q, k, v, table, pos0, scale, window=0):
+    """SDPA of a chunk (query i at position pos0 + i) against the sequence's gathered KV,
+    with transformers' sliding-window mask where `window` is set."""
     n, hq, d = q.shape
     total = pos0 + n
     nb = -(-total // k.shape[3])
@@ -143,6 +144,8 @@ def _chunk_reference(q, k, v, table, pos0, scale):
     vv = v.index_select(0, ids).permute(1, 0, 2, 3).reshape(k.shape[1], -1, d)[:, :total]
     keys, queries = torch.arange(total), torch.arange(pos0, total)
     mask = keys.unsqueeze(0) <= queries.unsqueeze(1)
+    if window:
+        mask &= keys.unsqueeze(0) > queries.unsqueeze(1) - window
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0).float(),
         kk.unsqueeze(0).float(),
@@ -202,3 +205,61 @@ def test_paged_prefill_attention_rescales_on_wide_scores(spread):
     kernels.paged_prefill_attention(qkv, k, v, table, pos0, d**-0.5, out)
     want = _chunk_reference(qkv[:, : hq * d].reshape(n, hq, d), k, v, table, pos0, d**-0.5)
     torch.testing.assert_close(out, want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs,n,pos0,window",
+    [
+        (4, 1, 128, 16, 100, 0, 40),  # Mistral's heads, a first chunk longer than the window
+        (4, 1, 128, 16, 50, 300, 37),  # a later chunk: blocks before every window unread
+        (4, 4, 96, 16, 70, 20, 64),  # Phi-3's heads (the plain C P.V), window mid-block
+        (4, 4, 48, 8, 33, 50, 20),  # 8-token blocks: the plain C path throughout
+        (9, 3, 64, 16, 200, 1000, 4096),  # a window wider than the context: none at all
+    ],
+)
+def test_paged_prefill_attention_slides_its_window(dtype, hq, hkv, d, bs, n, pos0, window):
+    """Query i sees only keys after pos0 + i - window, as transformers masks them."""
+    torch.manual_seed(window * 7 + n)
+    nb = -(-(pos0 + n) // bs) + 2
+    k = torch.randn(nb, hkv, d, bs).to(dtype)
+    v = torch.randn(nb, hkv, bs, d).to(dtype)
+    table = torch.randperm(nb).to(torch.int32)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d).to(dtype)
+    out = torch.empty(n, hq * d, dtype=dtype)
+    kernels.paged_prefill_attention(qkv, k, v, table, pos0, d**-0.5, out, window)
+    q = qkv[:, : hq * d].reshape(n, hq, d)
+    want = _chunk_reference(q, k, v, table, pos0, d**-0.5, window)
+    tol = 2e-6 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.float(), want, rtol=0, atol=tol)
+    if window < pos0 + n:  # and the window changed the answer
+        assert not torch.allclose(out.float(), _chunk_reference(q, k, v, table, pos0, d**-0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 1, 128), (4, 4, 96), (9, 3, 64)])
+@pytest.mark.parametrize("window", [1, 17, 40, 333])
+def test_paged_attention_slides_its_window(dtype, hq, hkv, d, window):
+    """One query per sequence sees its last `window` tokens: contexts shorter than the
+    window, ending mid-block, and long enough to split over threads."""
+    bs, nblocks, lens = 16, 120, [5, 45, 700, 333]
+    k_cache = rand(nblocks, hkv, d, bs, dtype=dtype, seed=21)
+    v_cache = rand(nblocks, hkv, bs, d, dtype=dtype, seed=22)
+    gen = torch.Generator().manual_seed(23)
+    width = -(-max(lens) // bs)
+    tables = torch.stack([torch.randperm(nblocks, generator=gen)[:width] for _ in lens]).int()
+    q = rand(len(lens), (hq + 2 * hkv) * d, dtype=dtype, seed=24)
+    out = torch.empty(len(lens), hq * d, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, d**-0.5, out, window)
+    for s, n in enumerate(lens):
+        ids = tables[s, : -(-n // bs)].long()
+        first = max(0, n - window)
+        k = k_cache[ids].permute(1, 0, 3, 2).reshape(hkv, -1, d)[:, first:n].float()
+        v = v_cache[ids].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, first:n].float()
+        qs = q[s, : hq * d].float().view(hq, 1, d)
+        ref = F.scaled_dot_product_attention(
+            qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), enable_gqa=True
+        )[0].reshape(hq * d)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert torch.allclose(out[s].float(), ref, atol=tol, rtol=tol), (s, n)

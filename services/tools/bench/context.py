@@ -26,7 +26,7 @@ import torch
 
 from services.tools.bench.engine import machine
 from shared.engine.llm_engine import EngineConfig, LLMEngine
-from shared.engine.model import PagedLlama
+from shared.engine.model import PagedModel
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel, load_model
 from shared.model_context import for_model
@@ -55,7 +55,7 @@ def perplexity(engine: LLMEngine, ids: list[int], scored: int) -> float:
 
 def engine_for(lm: LoadedModel, tokens: int, chunk: int) -> LLMEngine:
     """An engine whose pool holds `tokens` (and a little more) of this model's KV."""
-    shape = PagedLlama.kv_shape(lm.config, 16, lm.dtype)
+    shape = PagedModel.kv_shape(lm.config, 16, lm.dtype)
     pool = (tokens + 1024) * shape.block_nbytes // shape.block_size
     return LLMEngine(lm, EngineConfig(kv_cache_bytes=pool, max_num_batched_tokens=chunk))
 

@@ -31,16 +31,19 @@ int gemv_f32(const float *x, const float *w, const float *bias, float *y, int M,
              int nt);
 int gemv_i8(const void *x, int x_bf16, const int8_t *w, const float *sw, const float *bias,
             void *y, int M, int N, int K, int nt);
+void head_rms_norm(void *qkv, long stride, int rows, int num_q_heads, int num_kv_heads,
+                   int head_dim, const void *q_weight, const void *k_weight, float eps,
+                   int bf16, int num_threads);
 int paged_decode_attention_bf16(const void *q, long q_stride, int act_bf16, const void *k_cache,
                                 const void *v_cache, const int32_t *block_tables, int max_blocks,
                                 const int32_t *ctx_lens, int num_seqs, int num_q_heads,
                                 int num_kv_heads, int head_dim, int block_size, float scale,
-                                void *out, int num_threads);
+                                int window, void *out, int num_threads);
 int paged_decode_attention_f32(const void *q, long q_stride, int act_bf16, const void *k_cache,
                                const void *v_cache, const int32_t *block_tables, int max_blocks,
                                const int32_t *ctx_lens, int num_seqs, int num_q_heads,
                                int num_kv_heads, int head_dim, int block_size, float scale,
-                               void *out, int num_threads);
+                               int window, void *out, int num_threads);
 
 /* One linear layer as the native kernels see it: packed weights, int8 scales (NULL:
  * dense), bias, and whether the weights are in the bf16 GEMM's panels (else the GEMV's). */
@@ -54,8 +57,10 @@ typedef struct {
 
 typedef struct {
     const void *input_norm, *post_norm;  /* activation dtype, [hidden] */
+    const void *q_norm, *k_norm;  /* [head_dim] per-head norms before RoPE (Qwen3), or NULL */
     Linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;  /* this layer's pool: [blocks, kv_heads, dim, bs] / [.., bs, dim] */
+    int window;  /* sliding-window attention's span in tokens (0: the whole context) */
 } Layer;
 
 typedef struct {
@@ -107,13 +112,16 @@ int decode_layers(const Model *m, void *h, void *delta, int rows, const int64_t 
         rms_norm(h, i ? delta : NULL, L->input_norm, x, rows, m->hidden, m->eps, m->act_bf16,
                  num_threads);
         rc |= linear(m, &L->qkv, x, qkv, rows, num_threads);
+        if (L->q_norm)
+            head_rms_norm(qkv, width, rows, m->num_q_heads, m->num_kv_heads, m->head_dim,
+                          L->q_norm, L->k_norm, m->eps, m->act_bf16, num_threads);
         rope_kv_write(qkv, m->cos, m->sin, positions, rows, m->num_q_heads, m->num_kv_heads,
                       m->head_dim, slot_blocks, slot_offsets, L->k_cache, L->v_cache,
                       m->block_size, m->act_bf16, num_threads);
         rc |= (m->kv_bf16 ? paged_decode_attention_bf16 : paged_decode_attention_f32)(
             qkv, width, m->act_bf16, L->k_cache, L->v_cache, block_tables, max_blocks,
             ctx_lens, rows, m->num_q_heads, m->num_kv_heads, m->head_dim, m->block_size,
-            m->scale, attn, num_threads);
+            m->scale, L->window, attn, num_threads);
         rc |= linear(m, &L->o, attn, delta, rows, num_threads);
         rms_norm(h, delta, L->post_norm, x, rows, m->hidden, m->eps, m->act_bf16, num_threads);
         rc |= linear(m, &L->gate_up, x, gate_up, rows, num_threads);

@@ -81,6 +81,28 @@ void rms_norm(void *h, const void *delta, const void *weight, void *out, int row
     }
 }
 
+/* ---- RMSNorm of each q and k head in place (Qwen3's q_norm and k_norm) -------------
+ * qkv rows are [q heads | k heads | v heads], `stride` elements apart; every q head is
+ * normalized with q_weight [head_dim], every k head with k_weight, before RoPE, with
+ * the same arithmetic as the rows above (in place: each element is read before written). */
+void head_rms_norm(void *qkv, long stride, int rows, int num_q_heads, int num_kv_heads,
+                   int head_dim, const void *q_weight, const void *k_weight, float eps,
+                   int bf16, int num_threads) {
+    const int heads = num_q_heads + num_kv_heads;
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads) if (rows > 4)
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++) {
+            const long off = (long)r * stride + (long)h * head_dim;
+            const void *w = h < num_q_heads ? q_weight : k_weight;
+            if (bf16)
+                rms_row_bf16((uint16_t *)qkv + off, NULL, (const uint16_t *)w,
+                             (uint16_t *)qkv + off, head_dim, eps);
+            else
+                rms_row_f32((float *)qkv + off, NULL, (const float *)w, (float *)qkv + off,
+                            head_dim, eps);
+        }
+}
+
 /* ---- h += delta (the MLP's residual add), rounded to the dtype ----------------------- */
 void add_inplace(void *h, const void *delta, long n, int bf16, int num_threads) {
     if (bf16) {

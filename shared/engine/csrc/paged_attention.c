@@ -14,6 +14,8 @@
  *   v cache      [num_blocks, num_kv_heads, block_size, head_dim]  same dtype
  *   block_tables [num_seqs, max_blocks]                            int32
  *   ctx_lens     [num_seqs]                                        int32 (tokens to attend)
+ * With a sliding window W > 0 (Mistral, Phi-3) a sequence attends only its last W
+ * tokens, as transformers masks them: blocks wholly before them are not read.
  *   out          [num_seqs, num_q_heads * head_dim]                 same dtype as q
  * Query heads h*G .. h*G+G-1 share kv head h (grouped-query attention).
  *
@@ -59,7 +61,13 @@ typedef struct {
     int num_q_heads, num_kv_heads, head_dim, block_size, G;
     long block_stride, head_stride;
     float scale;
+    int window;
 } Args;
+
+/* The first token sequence s attends (0 without a window). */
+static inline int window_start(const Args *a, int s) {
+    return a->window > 0 && a->ctx[s] > a->window ? a->ctx[s] - a->window : 0;
+}
 
 static inline float kv_at(const void *p, long i, int bf16) {
     return bf16 ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -77,6 +85,7 @@ static void load_q(const Args *a, int s, int h, float qv[MAX_GROUP][MAX_DIM]) {
 /* ---- plain C: any shape ------------------------------------------------------------- */
 static void part_generic(const Args *a, int s, int h, int b0, int b1, const Partial *out) {
     const int G = a->G, D = a->head_dim, bs = a->block_size, len = a->ctx[s];
+    const int start = window_start(a, s);
     float qv[MAX_GROUP][MAX_DIM], sc[MAX_GROUP][MAX_BLOCK], row[MAX_DIM > MAX_BLOCK ? MAX_DIM : MAX_BLOCK];
     load_q(a, s, h, qv);
     /* `out` holds the running state: reset by the caller (reset_partial) before the first
@@ -85,6 +94,7 @@ static void part_generic(const Args *a, int s, int h, int b0, int b1, const Part
     for (int b = b0; b < b1; b++) {
         const long base = (long)table[b] * a->block_stride + (long)h * a->head_stride;
         const int rest = len - b * bs, n = rest < bs ? rest : bs;
+        const int t0 = start > b * bs ? start - b * bs : 0;  /* tokens before: out of window */
         for (int g = 0; g < G; g++) memset(sc[g], 0, sizeof(float) * bs);
         for (int d = 0; d < D; d++) {  /* each K row (one dim, all tokens) converted once */
             for (int t = 0; t < bs; t++) row[t] = kv_at(a->k, base + (long)d * bs + t, a->kv_bf16);
@@ -96,12 +106,12 @@ static void part_generic(const Args *a, int s, int h, int b0, int b1, const Part
         }
         for (int g = 0; g < G; g++) {
             float bmax = -INFINITY;
-            for (int t = 0; t < n; t++) bmax = sc[g][t] > bmax ? sc[g][t] : bmax;
+            for (int t = t0; t < n; t++) bmax = sc[g][t] > bmax ? sc[g][t] : bmax;
             const float new_m = bmax > out->m[g] ? bmax : out->m[g];
             const float corr = expf(out->m[g] - new_m);
             float psum = 0.f;
             #pragma omp simd reduction(+:psum)
-            for (int t = 0; t < n; t++) {
+            for (int t = t0; t < n; t++) {
                 sc[g][t] = exp_nonpos(sc[g][t] - new_m);
                 psum += sc[g][t];
             }
@@ -109,7 +119,7 @@ static void part_generic(const Args *a, int s, int h, int b0, int b1, const Part
             out->m[g] = new_m;
             for (int d = 0; d < D; d++) out->acc[g * D + d] *= corr;
         }
-        for (int t = 0; t < n; t++) {  /* each V row converted once for all G heads */
+        for (int t = t0; t < n; t++) {  /* each V row converted once for all G heads */
             for (int d = 0; d < D; d++) row[d] = kv_at(a->v, base + (long)t * D + d, a->kv_bf16);
             for (int g = 0; g < G; g++) {
                 const float p = sc[g][t];
@@ -139,7 +149,7 @@ static inline __m512 load16(const void *p, long i, int bf16) {
 static inline __attribute__((always_inline)) void part_avx512_g(
     const Args *a, int s, int h, int b0, int b1, const Partial *out, const int G, const int DV) {
     /* DV = head_dim / 16 zmm per head */
-    const int D = DV * 16, len = a->ctx[s], bf = a->kv_bf16;
+    const int D = DV * 16, len = a->ctx[s], bf = a->kv_bf16, start = window_start(a, s);
     float qv[MAX_GROUP][MAX_DIM];
     float p[MAX_GROUP][SB * 16];
     load_q(a, s, h, qv);
@@ -180,6 +190,8 @@ static inline __attribute__((always_inline)) void part_avx512_g(
         for (int q = 0; q < SB; q++) {
             const int rest = q < nb ? len - (b + q) * 16 : 0;
             valid[q] = rest >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rest > 0 ? rest : 0)) - 1u);
+            const int before = start - (b + q) * 16;  /* tokens out of the window */
+            if (before > 0) valid[q] &= (__mmask16)~((1u << (before < 16 ? before : 16)) - 1u);
         }
         #pragma GCC unroll 16
         for (int g = 0; g < G; g++) {
@@ -209,7 +221,8 @@ static inline __attribute__((always_inline)) void part_avx512_g(
         }
         for (int q = 0; q < nb; q++) {
             const int rest = len - (b + q) * 16, n = rest < 16 ? rest : 16;
-            for (int t = 0; t < n; t++) {
+            const int before = start - (b + q) * 16;
+            for (int t = before > 0 ? before : 0; t < n; t++) {
                 __m512 vr[MAX_DIM / 16];
                 #pragma GCC unroll 16
                 for (int j = 0; j < DV; j++) vr[j] = load16(a->v, base[q] + (long)t * D + j * 16, bf);
@@ -302,9 +315,12 @@ static int attention(const Args *a, int num_seqs, void *out, int num_threads) {
     if (a->G > MAX_GROUP || a->head_dim > MAX_DIM || a->block_size > MAX_BLOCK) return -1;
     /* Parts per sequence: enough work items for every thread, but at least a few blocks
      * each, and the same for all sequences (the longest context decides). */
-    int longest = 0;
-    for (int s = 0; s < num_seqs; s++) longest = a->ctx[s] > longest ? a->ctx[s] : longest;
-    const int max_blocks = (longest + a->block_size - 1) / a->block_size;
+    int max_blocks = 0;  /* the most blocks a sequence reads (from its window's start) */
+    for (int s = 0; s < num_seqs; s++) {
+        const int nb = (a->ctx[s] + a->block_size - 1) / a->block_size;
+        const int span = nb - window_start(a, s) / a->block_size;
+        max_blocks = span > max_blocks ? span : max_blocks;
+    }
     int parts = (4 * num_threads + num_seqs - 1) / num_seqs;
     const int by_len = max_blocks / MIN_BLOCKS_PER_PART;
     parts = parts > by_len ? by_len : parts;
@@ -318,8 +334,10 @@ static int attention(const Args *a, int num_seqs, void *out, int num_threads) {
         for (int s = 0; s < num_seqs; s++)
             for (int p = 0; p < parts; p++) {
                 const int nb = (a->ctx[s] + a->block_size - 1) / a->block_size;
-                const int per = (nb + parts - 1) / parts;
-                const int b0 = p * per < nb ? p * per : nb, b1 = b0 + per < nb ? b0 + per : nb;
+                const int lb = window_start(a, s) / a->block_size, span = nb - lb;
+                const int per = (span + parts - 1) / parts;
+                const int b0 = lb + (p * per < span ? p * per : span);
+                const int b1 = b0 + per < nb ? b0 + per : nb;
                 for (int h = 0; h < H; h++) {  /* an empty part stays the neutral state */
                     const Partial dst = partial_at(scratch, ((long)s * H + h) * parts + p, G, D);
                     reset_partial(&dst, G, D);
@@ -353,12 +371,13 @@ static int attention(const Args *a, int num_seqs, void *out, int num_threads) {
 int NAME(const void *q, long q_stride, int act_bf16, const void *k_cache,                  \
          const void *v_cache, const int32_t *block_tables, int max_blocks,                  \
          const int32_t *ctx_lens, int num_seqs, int num_q_heads, int num_kv_heads,          \
-         int head_dim, int block_size, float scale, void *out, int num_threads) {           \
+         int head_dim, int block_size, float scale, int window, void *out,                  \
+         int num_threads) {                                                                 \
     Args a = {q, q_stride, act_bf16, k_cache, v_cache, KV_BF16, block_tables, max_blocks,   \
               ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size,                    \
               num_kv_heads ? num_q_heads / num_kv_heads : 0,                                \
               (long)block_size * head_dim * num_kv_heads, (long)block_size * head_dim,      \
-              scale};                                                                       \
+              scale, window};                                                               \
     return attention(&a, num_seqs, out, num_threads);                                       \
 }
 

@@ -12,7 +12,10 @@
  *   v      [num_blocks, num_kv_heads, block_size, head_dim]          same dtype
  *   table  [blocks]  int32: the sequence's blocks in order
  *   out    [n, num_q_heads * head_dim]                               same dtype as q
- * Query i sits at position pos0 + i and attends keys 0 .. pos0 + i (itself included).
+ * Query i sits at position pos0 + i and attends keys 0 .. pos0 + i (itself included), or
+ * with a sliding window W > 0 (Mistral, Phi-3) only the last W of them: keys after
+ * pos0 + i - W, as transformers masks them. Blocks wholly before a tile's window are
+ * not read.
  *
  * Work: a tile is one kv head and up to TQ consecutive query tokens; its rows are those
  * tokens times the G query heads sharing the kv head, so every K and V block read serves
@@ -42,7 +45,7 @@
 typedef struct {
     const void *q; long q_stride; int act_bf16;
     const void *k, *v; int kv_bf16;
-    const int32_t *table; int n, pos0;
+    const int32_t *table; int n, pos0, window;
     int num_q_heads, num_kv_heads, head_dim, block_size, G, tq;
     long block_stride, head_stride;
     float scale;
@@ -73,11 +76,15 @@ static const float *widen(const PArgs *a, const void *src, long at, float *dst) 
     return dst;
 }
 
+static inline int clamp(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
 /* Keys of the block starting at `first_key` (nk of them) that row r of the tile at t0
- * may see: those at or before its query's position. */
-static inline int row_valid(const PArgs *a, int r, int first_key, int nk, int t0) {
-    const int v = a->pos0 + t0 + r / a->G - first_key + 1;
-    return v < 0 ? 0 : (v > nk ? nk : v);
+ * may see, [*lo, return value): those at or before its query's position, and within its
+ * window if there is one. */
+static inline int row_valid(const PArgs *a, int r, int first_key, int nk, int t0, int *lo) {
+    const int pos = a->pos0 + t0 + r / a->G;
+    *lo = a->window > 0 ? clamp(pos - a->window + 1 - first_key, 0, nk) : 0;
+    return clamp(pos - first_key + 1, 0, nk);
 }
 
 /* Row r's running max rises to new_m: its sum and accumulator scale down to match. */
@@ -137,10 +144,11 @@ static void scores_b16(const float *q, int R, int D, const float *K, float *sc) 
 static void softmax_b16(const PArgs *a, Scratch *s, int R, int D, int first_key, int nk, int t0) {
     for (int r = 0; r < R; r++) {
         float *sr = s->sc + r * 16;
-        const int valid = row_valid(a, r, first_key, nk, t0);
-        const __mmask16 mask = (__mmask16)((1u << valid) - 1u);
+        int lo;
+        const int valid = row_valid(a, r, first_key, nk, t0, &lo);
+        const __mmask16 mask = (__mmask16)(((1u << valid) - 1u) & ~((1u << lo) - 1u));
         const __m512 x = _mm512_mask_blend_ps(mask, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sr));
-        if (!valid) {
+        if (valid <= lo) {
             _mm512_storeu_ps(sr, _mm512_setzero_ps());
             continue;
         }
@@ -240,20 +248,29 @@ static void scores_b16(const float *q, int R, int D, const float *K, float *sc) 
 static void softmax_b16(const PArgs *a, Scratch *s, int R, int D, int first_key, int nk, int t0) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    const int whole = nk == 16 && a->pos0 + t0 >= first_key + 15;  /* row 0 sees all 16 */
+    /* row 0 sees all 16, and so does the last row (within its window) */
+    const int last = a->pos0 + t0 + (R - 1) / a->G;
+    const int whole = nk == 16 && a->pos0 + t0 >= first_key + 15 &&
+                      (a->window <= 0 || last - a->window + 1 <= first_key);
     for (int r = 0; r < R; r++) {
         float *sr = s->sc + r * 16;
         __m256 x0 = _mm256_loadu_ps(sr), x1 = _mm256_loadu_ps(sr + 8);
         __m256 m0 = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), m1 = m0;
         if (!whole) {
-            const int valid = row_valid(a, r, first_key, nk, t0);
-            if (!valid) {
+            int lo;
+            const int valid = row_valid(a, r, first_key, nk, t0, &lo);
+            if (valid <= lo) {
                 _mm256_storeu_ps(sr, _mm256_setzero_ps());
                 _mm256_storeu_ps(sr + 8, _mm256_setzero_ps());
                 continue;
             }
-            m0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane));
-            m1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8), lane));
+            /* lanes in [lo, valid): below valid and not below lo */
+            m0 = _mm256_castsi256_ps(_mm256_andnot_si256(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(lo), lane),
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane)));
+            m1 = _mm256_castsi256_ps(_mm256_andnot_si256(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(lo - 8), lane),
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8), lane)));
             x0 = _mm256_blendv_ps(ninf, x0, m0);
             x1 = _mm256_blendv_ps(ninf, x1, m1);
         }
@@ -335,20 +352,22 @@ static void softmax_generic(const PArgs *a, Scratch *s, int R, int D, int B, int
                             int t0) {
     for (int r = 0; r < R; r++) {
         float *sr = s->sc + r * B;
-        const int valid = row_valid(a, r, k0, nk, t0);
+        int lo;
+        const int valid = row_valid(a, r, k0, nk, t0, &lo);
         float bmax = -INFINITY;
-        for (int t = 0; t < valid; t++) bmax = sr[t] > bmax ? sr[t] : bmax;
-        if (valid == 0) {
+        for (int t = lo; t < valid; t++) bmax = sr[t] > bmax ? sr[t] : bmax;
+        if (valid <= lo) {
             memset(sr, 0, sizeof(float) * B);
             continue;
         }
         const float new_m = bmax > s->m[r] ? bmax : s->m[r];
         float psum = 0.f;
         #pragma omp simd reduction(+:psum)
-        for (int t = 0; t < valid; t++) {
+        for (int t = lo; t < valid; t++) {
             sr[t] = exp_approx(sr[t] - new_m);
             psum += sr[t];
         }
+        for (int t = 0; t < lo; t++) sr[t] = 0.f;
         for (int t = valid; t < B; t++) sr[t] = 0.f;
         rescale_row(s, r, D, new_m);
         s->l[r] += psum;
@@ -369,7 +388,9 @@ static void tile(const PArgs *a, int h, int t0, Scratch *s) {
     memset(s->lv, 0, sizeof(float) * R * 8);
     const int keys = a->pos0 + t0 + tq;  /* the tile's last row sees this many */
     const int fast = B == 16;
-    for (int b = 0; b * B < keys; b++) {
+    /* the tile's first row has the earliest window: blocks before it are no row's */
+    const int first = a->window > 0 ? clamp(a->pos0 + t0 - a->window + 1, 0, keys) : 0;
+    for (int b = first / B; b * B < keys; b++) {
         const int k0 = b * B, nk = keys - k0 < B ? keys - k0 : B;
         const long at = (long)a->table[b] * a->block_stride + (long)h * a->head_stride;
         const float *K = widen(a, a->k, at, s->kf);
@@ -427,11 +448,11 @@ static int prefill(const PArgs *a, int num_threads) {
 
 #define DEFINE_PREFILL(NAME, KV_BF16)                                                        \
 int NAME(const void *q, long q_stride, int act_bf16, const void *k_cache,                  \
-         const void *v_cache, const int32_t *table, int n, int pos0, int num_q_heads,       \
-         int num_kv_heads, int head_dim, int block_size, float scale, void *out,           \
-         int num_threads) {                                                                 \
+         const void *v_cache, const int32_t *table, int n, int pos0, int window,            \
+         int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,     \
+         void *out, int num_threads) {                                                      \
     const int G = num_kv_heads ? num_q_heads / num_kv_heads : 0;                            \
-    PArgs a = {q, q_stride, act_bf16, k_cache, v_cache, KV_BF16, table, n, pos0,            \
+    PArgs a = {q, q_stride, act_bf16, k_cache, v_cache, KV_BF16, table, n, pos0, window,    \
                num_q_heads, num_kv_heads, head_dim, block_size, G,                          \
                G ? PF_MAX_ROWS / G : 1,                                                     \
                (long)block_size * head_dim * num_kv_heads, (long)block_size * head_dim,     \

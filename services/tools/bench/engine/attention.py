@@ -12,7 +12,7 @@ import torch
 from shared.engine import kernels
 from shared.engine.batch import ChunkMeta
 from shared.engine.kv_cache import KVCache, KVShape
-from shared.engine.model import sdpa_chunk
+from shared.engine.sdpa import sdpa_chunk
 
 CONTEXTS = (2048, 16384)
 
