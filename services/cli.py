@@ -6,6 +6,7 @@ import argparse
 import importlib
 import logging
 import sys
+from pathlib import Path
 from typing import Sequence
 
 SERVICES = ("gateway", "conductor", "kvmanager", "prefill", "decode", "console")
@@ -36,14 +37,42 @@ def _model(argv: list[str]) -> int:
     )
     pull.add_argument("--force", action="store_true", help="convert again even if present")
     sub.add_parser("path", help="print the default model folder")
+    imp = sub.add_parser(
+        "import",
+        help="convert a GGUF file or a transformers folder into the models cache, once",
+    )
+    imp.add_argument("path", help="a .gguf file or a folder with a config.json")
+    imp.add_argument("--name", default="", help="its name in the cache (default: the file's)")
+    imp.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the dtype a GGUF's weights are stored in (dequantized)",
+    )
+    imp.add_argument("--force", action="store_true", help="convert again even if present")
     args = parser.parse_args(argv)
     from shared import model_store
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.cmd == "pull":
         print(model_store.pull_default(force=args.force))
+    elif args.cmd == "import":
+        return _import(args)
     else:
         print(model_store.default_model_dir())
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from shared.model_import import import_model
+
+    try:
+        target = import_model(Path(args.path), args.name, args.dtype, args.force)
+    except (ValueError, OSError) as exc:  # UnsupportedModel too: one line, no traceback
+        print(f"halfmoon model import: {exc}", file=sys.stderr)
+        return 1
+    print(f"serve it with: halfmoon up --model {target.name}", file=sys.stderr)
+    print(target.name)  # the --model value, alone on stdout for scripts
     return 0
 
 
@@ -168,6 +197,7 @@ commands:
   up                 start the whole local cluster (embedded NATS + SQLite by default)
   serve <service>    run one service: gateway, conductor, kvmanager, prefill, decode, console
   model pull         provision the default model offline
+  model import PATH  convert a GGUF file or transformers folder into the models cache
   db upgrade|downgrade [REV]   apply or roll back migrations
   keys create|list|revoke      API keys for the gateway (hashed in SQL; shown once)
   profile            measure the engine here and fit the conductor's cost model

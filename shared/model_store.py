@@ -112,7 +112,14 @@ def models_dir_created() -> Path:
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
-    """GGUF → plain transformers folder (fp32 weights, as dequantized)."""
+    convert_gguf(gguf_path, out, DEFAULT_MODEL_NAME)
+    (out / _MARKER).write_text(f"{WHEEL_SPEC} {GGUF_NAME}\n")
+
+
+def convert_gguf(gguf_path: Path, out: Path, name: str, dtype: str = "float32") -> str:
+    """GGUF → plain transformers folder (weights dequantized to `dtype`), with the
+    tokenizer and chat template the GGUF carries; returns the model's class name."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path.parent
@@ -122,10 +129,18 @@ def _convert(gguf_path: Path, out: Path) -> None:
     # save_pretrained refuses a GGUF-loaded model: rebuild it as a plain one.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.name_or_path = DEFAULT_MODEL_NAME
+    config.name_or_path = name
+    architecture = type(gguf_model).__name__
+    config.architectures = [architecture]  # the GGUF reader leaves it unset
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(gguf_model.state_dict())
     plain.generation_config = gguf_model.generation_config
+    plain.to(getattr(torch, dtype))
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / _MARKER).write_text(f"{WHEEL_SPEC} {GGUF_NAME}\n")
+    return architecture
+
+
+def mark_complete(folder: Path, note: str) -> None:
+    """Marks a folder in the models cache as whole (a half-written one is never used)."""
+    (folder / _MARKER).write_text(note + "\n")

@@ -6,6 +6,10 @@ longer than the window. No model download needed."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -182,10 +186,6 @@ def test_an_unsupported_model_is_refused_in_one_line(config, why):
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_an_instance_of_an_unsupported_model_stops_with_one_line(tmp_path, role):
     """At start, before any weights or NATS: one line on stderr, no traceback."""
-    import json
-    import subprocess
-    import sys
-
     config = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_size": 64}
     (tmp_path / "config.json").write_text(json.dumps(config))
     done = subprocess.run(
