@@ -119,6 +119,7 @@ def _kv(argv: list[str]) -> int:
 BENCHES = {
     "request": "services.tools.bench.request_latency",
     "engine": "services.tools.bench.engine.cli",
+    "family": "services.tools.bench.families",
     "context": "services.tools.bench.context",
     "cpp": "services.tools.bench.cpp",
     "long": "services.tools.bench.long",
@@ -208,6 +209,7 @@ commands:
   kv synth           write a synthetic trace with the paper's statistics (long documents)
   bench request      one request's latency through the stack vs in-process
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
+  bench family       each model family's one-stream decode against its bandwidth bound
   bench context      a stretched context (--rope-scaling): perplexity at 8k and 32k, decode at 32k
   bench cpp          a long prompt's TTFT on a 2-stage pipelined group vs one instance, same cores
   bench spec         prompt-lookup speculative decoding: grounded answers vs fresh chat, one stream
