@@ -86,6 +86,9 @@ class SamplingParams(BaseModel):
     constraint: Constraint | None = None
     # Speculative drafts per step (None: the deployment's; 0: none for this request).
     num_speculative_tokens: int | None = Field(None, ge=0, le=16)
+    # False: special tokens stay in the text (a tool format whose marker is one; set by the
+    # gateway, never by a client).
+    skip_special_tokens: bool = True
 
 
 class TokenLogprob(BaseModel):

@@ -41,6 +41,7 @@ async def load_prompts(settings: GatewaySettings) -> PromptBuilder:
         max_messages=settings.max_messages,
         max_prompt_tokens=settings.max_prompt_tokens,
         max_output_tokens=settings.max_output_tokens,
+        tool_format=settings.tool_format,
     )
 
 

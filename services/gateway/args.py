@@ -7,6 +7,7 @@ from typing import Sequence
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from services.gateway.keys import parse_key_specs, parse_rate_limit, read_key_file
+from services.gateway.tools import FORMATS
 from shared.settings import (
     DEFAULT_MODEL_NAME,
     BaseSettings,
@@ -76,7 +77,8 @@ class GatewaySettings(BaseSettings, DatabaseSettings, ContextSettings):
     max_prompts: int = Field(32, gt=0, description="most prompts in one text completions batch")
     tool_format: str = Field(
         "",
-        description="tool-call format of the model (empty: the one for its family; known: hermes)",
+        description="tool-call format of the model "
+        f"(empty: the one for its family; known: {', '.join(FORMATS)})",
     )
     # API keys: off unless asked for, so `halfmoon up` works as it is.
     require_api_key: bool = Field(
@@ -120,6 +122,13 @@ class GatewaySettings(BaseSettings, DatabaseSettings, ContextSettings):
     def _admin_key_file(cls, v: str) -> str:
         if v:
             read_key_file(v)  # missing, unreadable or empty: say so at start
+        return v
+
+    @field_validator("tool_format")
+    @classmethod
+    def _tool_format(cls, v: str) -> str:
+        if v and v not in FORMATS:
+            raise ValueError(f"unknown tool format {v!r}; known: {', '.join(FORMATS)}")
         return v
 
     @field_validator("default_rate_limit")

@@ -15,7 +15,8 @@ from aiohttp import web
 from services.gateway.bodies import chat_body, chat_choice, chunk_body, sse
 from services.gateway.logprobs import TokenTexts, chat_entries
 from services.gateway.runs import Fanout, usage_of
-from services.gateway.tools import HermesFormat, StreamingCalls
+from services.gateway.tool_format import ToolFormat
+from services.gateway.tools import StreamingCalls
 from shared import errors
 from shared.messages import FinishReason, TokenEvent
 
@@ -27,7 +28,7 @@ class ChatOptions:
     texts: TokenTexts
     logprobs: int | None  # None: none; k: each token's and the top k
     stop_ids: frozenset[int]  # a final stop token has no text and no logprob entry
-    tool_format: HermesFormat | None  # None: tools off (none given, or tool_choice none)
+    tool_format: ToolFormat | None  # None: tools off (none given, or tool_choice none)
     parallel_tool_calls: bool = True
     include_usage: bool = False
     continuous_usage: bool = False  # usage so far in every chunk (vLLM's extension)

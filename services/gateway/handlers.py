@@ -23,6 +23,7 @@ from services.gateway.protocol import SamplingFields, parse_request
 from services.gateway.request_ids import RequestIds
 from services.gateway.runs import Fanout, Sub
 from services.gateway.structured import one_constraint, requested
+from services.gateway.tools import skip_special_tokens
 from shared import errors
 from shared.hashing import block_hashes
 from shared.messages import Constraint, GenerateRequest, SamplingParams
@@ -58,6 +59,9 @@ class GenerationRoutes:
                 )
             tools = Constraint(kind="lark", spec=grammar)
             sampling.constraint = await self._check("tool_choice", tools)
+        tool_format = self.ctx.prompts.reply_format(chat)
+        # A format whose marker is a special token needs the engine to keep it in the text.
+        sampling.skip_special_tokens = skip_special_tokens(tool_format)
         rid = await self.ids.settle(request)
         subs = self._subs(request, rid, [prompt_ids], chat, sampling, arrival)
         opts = ChatOptions(
@@ -66,7 +70,7 @@ class GenerationRoutes:
             self.ctx.texts,
             chat.engine_logprobs(),
             self._stop_ids(sampling),
-            self.ctx.prompts.tool_format if chat.effective_tool_choice() != "none" else None,
+            tool_format,
             chat.parallel_tool_calls,
             chat.include_usage(),
             chat.continuous_usage(),

@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from services.gateway.completion_protocol import DEFAULT_MAX_TOKENS, CompletionRequest
 from services.gateway.protocol import AssistantMessage, ChatCompletionRequest, ChatMessage
-from services.gateway.tools import HermesFormat, format_for
+from services.gateway.tool_format import ToolFormat
+from services.gateway.tools import format_for
 from shared import errors
 from shared.model_context import trained_length
 
@@ -46,7 +47,9 @@ class PromptBuilder:
         self.max_messages = max_messages
         self.max_prompt_tokens = max_prompt_tokens
         self.max_output_tokens = max_output_tokens
-        self.tool_format: HermesFormat = format_for(str(config.get("model_type", "")), tool_format)
+        self.tool_format: ToolFormat = format_for(
+            str(config.get("model_type", "")), tool_format, special_tokens(self.tokenizer)
+        )
         template = self.tokenizer.chat_template
         # A template that mentions tools renders them itself; others get the fallback.
         self.template_renders_tools = isinstance(template, str) and "tools" in template
@@ -83,6 +86,11 @@ class PromptBuilder:
             len(ids), chat.requested_max_tokens(), "messages", self.default_max_tokens
         )
 
+    def reply_format(self, chat: ChatCompletionRequest) -> ToolFormat | None:
+        """The tool format the reply is parsed with; None when tools are off (none
+        given, or tool_choice none)."""
+        return self.tool_format if chat.effective_tool_choice() != "none" else None
+
     def render_messages(
         self, chat: ChatCompletionRequest
     ) -> tuple[list[dict[str, Any]], TemplateTools | None]:
@@ -98,7 +106,8 @@ class PromptBuilder:
         messages: list[dict[str, Any]] = []
         for m in chat.messages:
             if m.role == "tool":
-                text = fmt.render_reply(names.get(m.tool_call_id or "", ""), m.text())
+                call = m.tool_call_id or ""
+                text = fmt.render_reply(names.get(call, ""), m.text(), call)
                 messages.append({"role": "user", "content": text})
             elif isinstance(m, AssistantMessage) and m.tool_calls:
                 messages.append({"role": "assistant", "content": fmt.render_calls(m)})
@@ -217,6 +226,13 @@ class PromptBuilder:
                 param="max_tokens",
                 code="integer_above_max_value",
             )
+
+
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's special tokens, text -> id: the added tokens marked special, which
+    decoding drops unless told not to."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return {t.content: int(i) for i, t in added.items() if getattr(t, "special", False)}
 
 
 def _plain(m: ChatMessage) -> dict[str, Any]:

@@ -1,14 +1,17 @@
 """Tool calling: how tools reach the prompt, and how the model's calls come back out.
 
-A *tool format* is one small class per model family: it renders tools and past calls
-when the chat template cannot, parses the model's calls (whole, or as a stream of
-deltas), and gives the Lark grammar that forces a call (tool_choice required or named).
-FORMATS maps a name to its class; `format_for` picks one for a model.
+A *tool format* (tool_format.ToolFormat) is one small class per model family: it renders
+tools and past calls when the chat template cannot, parses the model's calls (whole, or
+as a stream of deltas, with StreamingCalls), and gives the Lark grammar that forces a call
+(tool_choice required or named). Two are known: HermesFormat here, and MistralFormat
+(mistral_tools.py: `[TOOL_CALLS] [...]` to the end of the reply, its marker a special
+token). FORMATS maps a name to its class; `format_for` picks one for a model, by its
+config.json's model_type, unless --tool-format names one.
 
 Where the chat template has a tool section (it mentions `tools`), the tools and the
 assistant's past calls go to the template as transformers expects them. Where it has none
 (the default model, SmolLM2), the fallback renders them into the system message, in the
-format the parser reads (documented in README.md, "Tool calling"):
+format the parser reads (documented in docs/reference.md, "Tool calling"). Hermes':
 
     # Tools
     You may call one or more functions ... within <tools></tools> XML tags:
@@ -28,40 +31,33 @@ by its tool_call_id.
 from __future__ import annotations
 
 import json
-import secrets
-import string
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
 
+from services.gateway.mistral_tools import MistralFormat
 from services.gateway.protocol import AssistantMessage, NamedToolChoice, Tool
-
-_ALPHABET = string.ascii_letters + string.digits
-
-
-def call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ALPHABET) for _ in range(24))
-
-
-@dataclass
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text
-    id: str = field(default_factory=call_id)
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
+from services.gateway.tool_format import (
+    ParsedCall,
+    ToolFormat,
+    allowed,
+    arguments,
+    call_of,
+    call_schema,
+)
 
 
-class HermesFormat:
+class HermesFormat(ToolFormat):
     """<tool_call>{"name": ..., "arguments": {...}}</tool_call>, as Hermes and Qwen models
     write them; also the fallback for templates without a tool section."""
 
     name = "hermes"
     open, close = "<tool_call>", "</tool_call>"
+
+    def parse(self, block: str) -> list[ParsedCall] | None:
+        try:
+            call = call_of(json.loads(block), self.new_id())
+        except ValueError:
+            return None
+        return None if call is None else [call]
 
     def system_text(self, tools: list[Tool]) -> str:
         lines = "\n".join(
@@ -79,13 +75,13 @@ class HermesFormat:
     def render_calls(self, message: AssistantMessage) -> str:
         blocks = [
             f"{self.open}\n"
-            + json.dumps({"name": c.function.name, "arguments": _arguments(c.function.arguments)})
+            + json.dumps({"name": c.function.name, "arguments": arguments(c.function.arguments)})
             + f"\n{self.close}"
             for c in message.tool_calls or []
         ]
         return "\n".join(([message.text()] if message.text() else []) + blocks)
 
-    def render_reply(self, name: str, content: str) -> str:
+    def render_reply(self, name: str, content: str, tool_call_id: str) -> str:
         return (
             "<tool_response>\n"
             + json.dumps({"name": name, "content": content})
@@ -95,62 +91,23 @@ class HermesFormat:
     def grammar(self, tools: list[Tool], choice: str | NamedToolChoice, parallel: bool) -> str:
         """Lark (llguidance's dialect): one call, or one or more, of the allowed tools, each
         function's arguments held to its parameters schema by %json."""
-        if isinstance(choice, NamedToolChoice):
-            tools = [t for t in tools if t.function.name == choice.function.name]
-        rules = []
-        for i, t in enumerate(tools):
-            schema = {
-                "type": "object",
-                "properties": {
-                    "name": {"const": t.function.name},
-                    "arguments": t.function.parameters or {"type": "object"},
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-                # Compact, one-line JSON as the format shows it: a small model given free
-                # whitespace wanders in it until max_tokens.
-                "x-guidance": {
-                    "whitespace_flexible": False,
-                    "item_separator": ", ",
-                    "key_separator": ": ",
-                },
-            }
-            rules.append(f'call_{i}: "{self.open}\\n" %json {json.dumps(schema)} "\\n{self.close}"')
+        tools = allowed(tools, choice)
+        rules = [
+            f'call_{i}: "{self.open}\\n" %json {json.dumps(call_schema(t))} "\\n{self.close}"'
+            for i, t in enumerate(tools)
+        ]
         alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return "\n".join([start, f"call: {alternatives}", *rules])
 
 
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _call(block: str) -> ParsedCall | None:
-    try:
-        obj = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedCall(obj["name"], json.dumps(args))
-
-
 class StreamingCalls:
     """Splits a stream of text into content deltas and completed calls: text that might be
-    the start of a call is held until it is one, or cannot be."""
+    the start of a call is held until it is one, or cannot be. A format without a close
+    marker holds everything from its open marker to the end, and parses it at finish().
+    A block that does not parse comes back as content."""
 
-    def __init__(self, fmt: HermesFormat, parallel: bool = True) -> None:
+    def __init__(self, fmt: ToolFormat, parallel: bool = True) -> None:
         self.fmt = fmt
         self.parallel = parallel
         self.buffer = ""
@@ -175,17 +132,21 @@ class StreamingCalls:
                 self.buffer = self.buffer[len(self.buffer) - keep :]
                 break
             content.append(self.buffer[:start])
-            end = self.buffer.find(close, start)
+            end = -1 if close is None else self.buffer.find(close, start)
             if end < 0 and not final:
                 self.buffer = self.buffer[start:]
                 break
-            block_end = len(self.buffer) if end < 0 else end + len(close)
-            call = _call(self.buffer[start + len(open_) : end if end >= 0 else None].strip())
-            if call is None or (self.calls and not self.parallel):
-                content.append(self.buffer[start:block_end] if call is None else "")
+            if end < 0:  # to the end of the reply
+                block, block_end = self.buffer[start + len(open_) :], len(self.buffer)
             else:
-                self.calls.append(call)
-                new.append(call)
+                block, block_end = self.buffer[start + len(open_) : end], end + len(close or "")
+            calls = self.fmt.parse(block.strip())
+            if calls is None:
+                content.append(self.buffer[start:block_end])
+            else:
+                calls = calls if self.parallel else calls[: 0 if self.calls else 1]
+                self.calls += calls
+                new += calls
             self.buffer = self.buffer[block_end:]
         text = "".join(content)
         if self.calls:  # around calls, whitespace is layout, not content
@@ -201,13 +162,30 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-FORMATS: dict[str, type[HermesFormat]] = {"hermes": HermesFormat}
-# Model families (config.json's model_type) and the format their models write.
-BY_MODEL_TYPE = {"llama": "hermes", "qwen2": "hermes", "qwen3": "hermes", "mistral": "hermes"}
+FORMATS: dict[str, type[ToolFormat]] = {"hermes": HermesFormat, "mistral": MistralFormat}
+# Model families (config.json's model_type) and the format their models write. Phi-3 has
+# no tool format of its own: Hermes', which the fallback teaches it.
+BY_MODEL_TYPE = {
+    "llama": "hermes",
+    "qwen2": "hermes",
+    "qwen3": "hermes",
+    "phi3": "hermes",
+    "mistral": "mistral",
+}
 
 
-def format_for(model_type: str, override: str = "") -> HermesFormat:
+def skip_special_tokens(fmt: ToolFormat | None) -> bool:
+    """Whether the engine may drop special tokens from a reply that `fmt` parses (None:
+    tools off): not when the format's marker is one."""
+    return fmt is None or not fmt.needs_special_tokens
+
+
+def format_for(
+    model_type: str, override: str = "", special_tokens: Mapping[str, int] | None = None
+) -> ToolFormat:
+    """The format for a model family, or the one `override` names (ValueError if unknown);
+    `special_tokens` (text -> id) are the tokenizer's, for the grammar's markers."""
     name = override or BY_MODEL_TYPE.get(model_type, "hermes")
     if name not in FORMATS:
         raise ValueError(f"unknown tool format {name!r}; known: {', '.join(FORMATS)}")
-    return FORMATS[name]()
+    return FORMATS[name](special_tokens)

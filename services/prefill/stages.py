@@ -352,7 +352,7 @@ class Stages:
         params = SamplingParams.of(req.sampling)
         tracker = OutputTracker(
             params,
-            make_detokenizer(lm.tokenizer, prompt),
+            make_detokenizer(lm.tokenizer, prompt, params.skip_special_tokens),
             lm.eos_token_ids,
             len(prompt),
             lm.max_model_len,

@@ -90,15 +90,15 @@ class EngineCore:
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id}")
         done = list(output_token_ids or [])
-        tok = self.lm.tokenizer
+        tok, skip = self.lm.tokenizer, seq.params.skip_special_tokens
         tracker = OutputTracker(
             seq.params,
-            make_detokenizer(tok, done),
+            make_detokenizer(tok, done, skip),
             self.lm.eos_token_ids,
             seq.num_prompt_tokens,
             self.lm.max_model_len,
             token_ids=done,
-            text=decode_all(tok, done),
+            text=decode_all(tok, done, skip),
             emitted_text=emitted_text,
         )
         constraint = seq.params.constraint

@@ -26,11 +26,13 @@ class Detokenizer(Protocol):
 class StreamDetokenizer:
     """`tokenizers`' DecodeStream over a fast tokenizer, primed with the tokens so far."""
 
-    def __init__(self, backend: Any, prefix_ids: list[int]) -> None:
+    def __init__(
+        self, backend: Any, prefix_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._backend = backend
-        self._stream = DecodeStream(list(prefix_ids), skip_special_tokens=True)
+        self._stream = DecodeStream(list(prefix_ids), skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._backend, token_id) or ""
@@ -54,19 +56,26 @@ class FullDecodeDetokenizer:
         return delta
 
 
-def make_detokenizer(tokenizer: Any, prefix_ids: list[int]) -> Detokenizer:
+def make_detokenizer(
+    tokenizer: Any, prefix_ids: list[int], skip_special_tokens: bool = True
+) -> Detokenizer:
+    """A detokenizer primed with `prefix_ids`; special tokens come out as text unless
+    skipped (SamplingParams.skip_special_tokens)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        return StreamDetokenizer(backend, prefix_ids)
+        return StreamDetokenizer(backend, prefix_ids, skip_special_tokens)
     if tokenizer is None:
         return FullDecodeDetokenizer(lambda ids: "", prefix_ids)
     return FullDecodeDetokenizer(
-        lambda ids: tokenizer.decode(ids, skip_special_tokens=True), prefix_ids
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), prefix_ids
     )
 
 
-def decode_all(tokenizer: Any, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None and ids else ""
+def decode_all(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
+    if tokenizer is None or not ids:
+        return ""
+    text: str = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return text
 
 
 @dataclass

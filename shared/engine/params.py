@@ -46,6 +46,8 @@ class SamplingParams:
     constraint: Constraint | None = None
     # Speculative drafts per step (None: the engine's setting; 0: none for this request).
     num_speculative_tokens: int | None = None
+    # False: special tokens stay in the output text (a tool-call marker that is one).
+    skip_special_tokens: bool = True
 
     @property
     def penalized(self) -> bool:
