@@ -237,7 +237,7 @@ def test_paged_prefill_attention_slides_its_window(dtype, hq, hkv, d, bs, n, pos
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(4, 1, 128), (4, 4, 96), (9, 3, 64)])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 1, 128), (4, 4, 96), (4, 2, 96), (9, 3, 64)])
 @pytest.mark.parametrize("window", [1, 17, 40, 333])
 def test_paged_attention_slides_its_window(dtype, hq, hkv, d, window):
     """One query per sequence sees its last `window` tokens: contexts shorter than the

@@ -251,6 +251,7 @@ static inline __attribute__((always_inline)) void part_avx512_g(
         part_avx512_g(a, s, h, b0, b1, out, G_, DV_);                                       \
     }
 SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(1, 8) SHAPE(2, 8)
+SHAPE(1, 6) SHAPE(2, 6)  /* head_dim 96: Phi-3 */
 
 static int part_avx512(const Args *a, int s, int h, int b0, int b1, const Partial *out) {
     if (a->block_size != 16) return 0;
@@ -262,6 +263,8 @@ static int part_avx512(const Args *a, int s, int h, int b0, int b1, const Partia
     else if (dv == 4 && a->G == 1) part_g1_dv4(a, s, h, b0, b1, out);
     else if (dv == 8 && a->G == 2) part_g2_dv8(a, s, h, b0, b1, out);
     else if (dv == 8 && a->G == 1) part_g1_dv8(a, s, h, b0, b1, out);
+    else if (dv == 6 && a->G == 1) part_g1_dv6(a, s, h, b0, b1, out);
+    else if (dv == 6 && a->G == 2) part_g2_dv6(a, s, h, b0, b1, out);
     else return 0;
     return 1;
 }
