@@ -204,11 +204,9 @@ class LocalCluster:
                     *pin,
                 ],
             )
-        await self._spawn(
-            "gateway",
-            "gateway",
-            ["-m", "services.gateway", "--host", self.s.host, "--port", str(self.s.port), *common],
-        )
+        tools = ["--tool-format", self.s.tool_format] if self.s.tool_format else []
+        gateway = ["--host", self.s.host, "--port", str(self.s.port), *common, *tools]
+        await self._spawn("gateway", "gateway", ["-m", "services.gateway", *gateway])
         if self.s.console:
             await self._start_console()
 

@@ -81,6 +81,9 @@ class UpSettings(ContextSettings):
         "instances: drafts per step at most (0: off; a request's num_speculative_tokens "
         "overrides it)",
     )
+    tool_format: str = Field(
+        "", description="the gateway's tool-call format (empty: the one for the model's family)"
+    )
     nats_url: str = Field("", description="external NATS (empty: embedded nats-server)")
     database_url: str = Field("", description="SQLAlchemy URL (empty: SQLite in HALFMOON_HOME)")
     ready_timeout_s: float = Field(300.0, gt=0, description="give up if not ready by then")

@@ -71,3 +71,11 @@ def test_speculation_reaches_the_instances_that_decode_alone():
             assert s.num_speculative_tokens == (4 if name in decoding else 0), name
     for args in spawned(UpSettings(console=False)).values():
         assert "--num-speculative-tokens" not in args  # unset: each engine's own default
+
+
+def test_a_tool_format_reaches_the_gateway_alone():
+    for name, args in spawned(UpSettings(console=False, tool_format="mistral")).items():
+        if args[1] == "services.gateway":
+            assert parse_settings(PARSERS[args[1]], args[2:], args[1]).tool_format == "mistral"
+        else:
+            assert "--tool-format" not in args, name
