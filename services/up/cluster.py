@@ -144,6 +144,7 @@ class LocalCluster:
             "--nice",
             str(self.s.engine_nice),
             *(["--kv-cache-gb", str(self.s.kv_cache_gb)] if self.s.kv_cache_gb else []),
+            *(["--lean-weights"] if self.s.lean_weights else []),
             *self._context_args(),
         ]
 

@@ -51,6 +51,11 @@ class UpSettings(ContextSettings):
         "none",
         description="engine weights: none, or int8 (weight-only, per output channel)",
     )
+    lean_weights: bool = Field(
+        False,
+        description="engines keep each weight once and release transformers' copies "
+        "(a third of the memory; some prefill speed on CPUs with AMX)",
+    )
     threads: int = Field(
         0, ge=0, description="torch threads per engine instance (0: cores / instances)"
     )

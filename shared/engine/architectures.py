@@ -138,3 +138,12 @@ def qk_norms(attn: Any) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """Qwen3's per-head RMSNorms of q and k (applied before RoPE), or None."""
     q, k = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return (q, k) if q is not None and k is not None else None
+
+
+def release_projections(layer: torch.nn.Module) -> None:
+    """Drops a decoder layer's projection weights (the engine holds its own copies): what
+    `--lean-weights` saves. Norms and biases stay; the layer cannot run after."""
+    for module in layer.modules():
+        if isinstance(module, torch.nn.Linear):
+            empty = module.weight.new_empty(0)
+            module.weight = torch.nn.Parameter(empty, requires_grad=False)

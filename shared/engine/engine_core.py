@@ -35,7 +35,7 @@ class EngineCore:
         shape = PagedModel.kv_shape(lm.config, config.block_size, lm.dtype)
         num_blocks = shape.num_blocks_for(config.kv_cache_bytes)
         self.kv = KVCache(shape, num_blocks, lm.device)
-        self.model = PagedModel(lm.model, self.kv, config.quantization)
+        self.model = PagedModel(lm.model, self.kv, config.quantization, lean=config.lean_weights)
         self.blocks = BlockManager(num_blocks, config.block_size, config.hot_hits, config.pin_ttl_s)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks

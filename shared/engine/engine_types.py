@@ -30,6 +30,9 @@ class EngineConfig:
     high_watermark: float = 0.90
     evict_ratio: float = 0.05
     quantization: Literal["none", "int8"] = "none"  # the linears' weights (int8: weight-only)
+    # One copy of each weight where the native kernels take every row count, and
+    # transformers' own copies released (its model cannot run after): see model.py.
+    lean_weights: bool = False
     speculative: SpeculativeConfig = SpeculativeConfig()  # prompt-lookup drafts (off: 0)
 
 

@@ -63,6 +63,12 @@ def pack_rows(w: torch.Tensor) -> torch.Tensor:
     )
 
 
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """pack_rows' inverse: the [N, K] row-major weights back."""
+    blocks, chunks, rows, chunk = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(blocks * rows, chunks * chunk)
+
+
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 → the GEMM's layout: panels of 32 output columns, K in pairs."""
     n, k = w.shape
@@ -92,22 +98,32 @@ def gemv_fits(w: torch.Tensor) -> bool:
 
 class DenseLinear:
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: bool = True
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        gemv: bool = True,
+        lean: bool = False,
     ) -> None:
-        self.weight = weight.detach()
+        # Detached: a packed copy of a parameter that requires grad would keep the
+        # parameter alive through its autograd graph, released or not.
+        weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.bias_f32 = None if self.bias is None else self.bias.float().contiguous()
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         self.nbytes = weight.numel() * weight.element_size()
         # `gemv`: the weights packed for the native kernel, which takes up to `gemv_rows`
         # rows: the GEMM's panels (`gemm`) where the CPU has them, else the GEMV's blocks.
-        self.gemm = gemv and gemm_fits(self.weight)
+        self.gemm = gemv and gemm_fits(weight)
         self.gemv: torch.Tensor | None = None
         self.gemv_rows = 0
         if self.gemm:
-            self.gemv, self.gemv_rows = pack_panels(self.weight), gemm_max_rows()
-        elif gemv and gemv_fits(self.weight):
-            self.gemv = pack_rows(self.weight)
+            # `lean`: the GEMM takes every row count, so its panels are the one copy (on
+            # a CPU with AMX, long prefill chunks then skip oneDNN's faster tiles).
+            self.gemv = pack_panels(weight)
+            self.gemv_rows = _UNBOUNDED if lean else gemm_max_rows()
+        elif gemv and gemv_fits(weight):
+            self.gemv = pack_rows(weight)
             self.gemv_rows = gemv_max_rows("dense", weight.dtype)
         if self.gemv is not None:
             native = kernels.lib()
@@ -119,15 +135,18 @@ class DenseLinear:
                 else native.gemv_f32
             )
             self._gemv_args = (self.gemv.data_ptr(), _ptr(self.bias_f32))
+        whole = self.gemv_rows >= _UNBOUNDED  # the native kernel takes every row count
         # oneDNN's copy only where the native kernel leaves rows to it (a third copy of
-        # the weights otherwise).
-        self.packed = _onednn_pack(self.weight) if self.gemv_rows < _UNBOUNDED else None
+        # the weights otherwise); the row-major weights only where a library reads them.
+        self.packed = None if whole else _onednn_pack(weight)
+        self.weight: torch.Tensor | None = None if whole else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         # 0 < rows: a step whose chunks all leave their prompts unfinished asks no logits,
         # and a weight the native kernel does not fit has no kernel to call with none.
-        if 0 < rows <= self.gemv_rows and x.dtype == self.weight.dtype and x.is_contiguous():
+        if 0 < rows <= self.gemv_rows and x.dtype == self.dtype:
+            x = x.contiguous()
             y = torch.empty(rows, self.out_features, dtype=x.dtype)
             if (
                 self._gemv_fn(
@@ -144,6 +163,10 @@ class DenseLinear:
                 return y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.weight is None:  # the native kernel alone holds the weights
+            raise RuntimeError(
+                f"native GEMM refused {rows} rows of {x.dtype} for a {self.dtype} linear"
+            )
         return F.linear(x, self.weight, self.bias)
 
 
@@ -188,21 +211,32 @@ class Int8Linear:
     perplexity on this model, more than the 2% the quality gate allows; weights alone
     moved it by under 0.5%."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, lean: bool = False
+    ) -> None:
         qweight, self.scales = quantize_weight(weight)
         self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = weight.shape
         self.gemv = pack_rows(qweight) if gemv_fits(qweight) else None
+        self._qweight = qweight if self.gemv is None else None  # else the GEMV's blocks hold it
         self.gemv_rows = gemv_max_rows("int8", weight.dtype) if self.gemv is not None else 0
         self.nbytes = qweight.numel() + self.scales.numel() * 4
-        self.dequantized = (qweight.float() * self.scales[:, None]).to(weight.dtype)
+        dequantized = (qweight.float() * self.scales[:, None]).to(weight.dtype)
         # More rows: the dequantized weights through the dense path (the bf16 GEMM where
         # there is one; never its GEMV, which this class's own replaces).
         self.dense = DenseLinear(
-            self.dequantized,
+            dequantized,
             None if bias is None else bias.to(weight.dtype),
-            gemv=gemm_fits(self.dequantized),
+            gemv=gemm_fits(dequantized),
+            lean=lean,
         )
+
+    @property
+    def dequantized(self) -> torch.Tensor:
+        """The int8 grid's values in the activation dtype: what both paths multiply by."""
+        q = unpack_rows(self.gemv) if self.gemv is not None else self._qweight
+        assert q is not None
+        return (q.float() * self.scales[:, None]).to(self.dense.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, gemv = x.shape[0], self.gemv
@@ -228,14 +262,18 @@ class Int8Linear:
 Linear = DenseLinear | Int8Linear
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str) -> Linear:
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, lean: bool = False
+) -> Linear:
+    """`lean`: one copy of the weights where the native kernel takes every row count
+    (DenseLinear), at some prefill speed on CPUs with AMX."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r} (expected one of {QUANTIZATIONS})")
     if quantization == "int8":
         if weight.device.type != "cpu":
             raise ValueError("int8 quantization runs on CPU devices only")
-        return Int8Linear(weight, bias)
-    return DenseLinear(weight, bias)
+        return Int8Linear(weight, bias, lean)
+    return DenseLinear(weight, bias, lean=lean)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -45,15 +45,17 @@ _MAX_NATIVE_DIM, _MAX_NATIVE_HEAD_DIM = 8192, 256
 
 
 class _Layer:
-    def __init__(self, layer: HFDecoderLayer, quantization: str, window: int) -> None:
+    def __init__(self, layer: HFDecoderLayer, quantization: str, window: int, lean: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm: HFNorm = layer.input_layernorm
         self.post_norm: HFNorm = layer.post_attention_layernorm
         # Fused projections: one GEMM instead of three (and two), same math.
-        self.qkv = make_linear(*architectures.qkv_weights(attn), quantization)
-        self.o = make_linear(attn.o_proj.weight, attn.o_proj.bias, quantization)
-        self.gate_up = make_linear(architectures.gate_up_weight(mlp), None, quantization)
-        self.down = make_linear(mlp.down_proj.weight, None, quantization)
+        self.qkv = make_linear(*architectures.qkv_weights(attn), quantization, lean)
+        self.o = make_linear(attn.o_proj.weight, attn.o_proj.bias, quantization, lean)
+        self.gate_up = make_linear(architectures.gate_up_weight(mlp), None, quantization, lean)
+        self.down = make_linear(mlp.down_proj.weight, None, quantization, lean)
+        if lean:  # what the engine needs of them it holds now
+            architectures.release_projections(cast(torch.nn.Module, layer))
         norms = architectures.qk_norms(attn)
         self.q_norm: HFNorm | None = cast(HFNorm, norms[0]) if norms else None
         self.k_norm: HFNorm | None = cast(HFNorm, norms[1]) if norms else None
@@ -71,7 +73,13 @@ class PagedModel:
         kv: KVCache,
         quantization: str = "none",
         layers: tuple[int, int] | None = None,
+        lean: bool = False,
     ) -> None:
+        """`lean`: each projection's weights kept once where the native kernels take every
+        row count (the bf16 GEMM), and transformers' copies released layer by layer as
+        they are packed, so that loading peaks near one copy of the model. The transformers
+        model cannot run after. Without it the engine holds transformers' weights, its
+        fused copies and two packings (the GEMV's or GEMM's, and oneDNN's)."""
         hf = causal_lm(hf_model)
         cfg = hf.config
         self.config = cfg
@@ -94,11 +102,11 @@ class PagedModel:
         self.lm_head: Linear | None = None  # a stage before the last has no head
         if self.end_layer == cfg.num_hidden_layers:
             self.lm_head = make_linear(
-                hf.lm_head.weight, None, "none" if quantization == "int8" else quantization
+                hf.lm_head.weight, None, "none" if quantization == "int8" else quantization, lean
             )
         chosen = list(base.layers)[self.first_layer : self.end_layer]
         windows = architectures.layer_windows(cfg)[self.first_layer : self.end_layer]
-        self.layers = [_Layer(la, quantization, w) for la, w in zip(chosen, windows)]
+        self.layers = [_Layer(la, quantization, w, lean) for la, w in zip(chosen, windows)]
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = _head_dim(cfg)

@@ -41,7 +41,9 @@ class StageRunner:
         shape = PagedModel.kv_shape(lm.config, config.block_size, lm.dtype, layers)
         num_blocks = shape.num_blocks_for(config.kv_cache_bytes)
         self.kv = KVCache(shape, num_blocks, lm.device)
-        self.model = PagedModel(lm.model, self.kv, config.quantization, layers)
+        self.model = PagedModel(
+            lm.model, self.kv, config.quantization, layers, lean=config.lean_weights
+        )
         self.blocks = BlockManager(num_blocks, config.block_size, config.hot_hits, config.pin_ttl_s)
         self.seqs: dict[str, Sequence] = {}
 

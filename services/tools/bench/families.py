@@ -6,10 +6,11 @@ A decode step reads every weight whatever their values, so random weights decode
 fast as trained ones and no download is needed. Per family, in one run and on the same
 threads: the machine's read bandwidth (again right before the family, as `bench engine`
 does), then a few prompts one at a time; the step's bound is its weights and KV at that
-bandwidth (or its FLOPs at the measured matmul peak, where larger). The engine packs
-weights for its kernels and keeps transformers' copy, so a model takes a few times its
-weights in RAM: past `--max-weights-gb` a family runs the first layers of its geometry
-only, and the report names how many (a step's layers are alike, so the ratio holds).
+bandwidth (or its FLOPs at the measured matmul peak, where larger). The engines run
+with `--lean-weights` (one copy of each weight, transformers' released as they are
+packed), so a 7B model in bf16 fits a machine of 24 GiB; past `--max-weights-gb`
+(default: 60% of this machine's RAM) a family runs the first layers of its geometry only,
+and the report names how many (a step's layers are alike, so the ratio holds).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -115,6 +117,7 @@ def random_model(pub: Published, layers: int, dtype: torch.dtype) -> torch.nn.Mo
                 p.copy_(torch.randn(p.shape, generator=gen).mul_(0.02))
         base: Any = model.model
         base.rotary_emb = type(base.rotary_emb)(config=cfg)  # its buffers were left empty
+    model.tie_weights()  # to_empty gave a tied head a storage of its own
     return model.eval()
 
 
@@ -125,9 +128,10 @@ def measure(family: str, args: argparse.Namespace, peak: dict[str, float]) -> di
     layers = layers_within(pub, dtype, args.max_weights_gb * 2**30)
     model = random_model(pub, layers, dtype)
     lm = LoadedModel(family, model, None, dtype, "cpu", 4096, frozenset())
-    engine = LLMEngine(
-        lm, EngineConfig(kv_cache_bytes=int(0.5 * 2**30), quantization=args.quantization)
+    cfg = EngineConfig(
+        kv_cache_bytes=int(0.5 * 2**30), quantization=args.quantization, lean_weights=True
     )
+    engine = LLMEngine(lm, cfg)
     vocab = min(pub.fields["vocab_size"], 30_000)
     workloads.run(engine, workloads.prompts(1, 64, 64, 99, vocab), 8, f"{family}-warm")
     weights = engine.model.weight_nbytes
@@ -187,8 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quantization", default="none", choices=("none", "int8"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--max-weights-gb", type=float, default=3.0)
+    p.add_argument(
+        "--max-weights-gb", type=float, default=0.0, help="0: 60%% of this machine's RAM"
+    )
     args = p.parse_args(argv)
+    if not args.max_weights_gb:
+        args.max_weights_gb = 0.6 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in families if f not in PUBLISHED]
     if unknown:
