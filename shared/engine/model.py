@@ -25,45 +25,21 @@ hand on the residual stream after their last layer.
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 import torch.nn.functional as F
 
-from shared.engine import architectures, attention_path, fused, kernels
+from shared.engine import architectures, attention_path, fused, kernels, packed
 from shared.engine.batch import BatchMeta, ChunkMeta
 from shared.engine.decode_step import NativeDecodeStep
-from shared.engine.hf_types import HFConfig, HFDecoderLayer, HFNorm, causal_lm
+from shared.engine.hf_types import HFConfig, causal_lm
 from shared.engine.kv_cache import KVCache, KVShape
-from shared.engine.linear import Linear, make_linear
+from shared.engine.linear import Linear
 from shared.engine.sdpa import causal_bias, needs_mask, sdpa_chunk
 
 # Rotary variants whose cos/sin depend on the position alone (a table built once holds);
 # others (dynamic NTK, longrope) are computed per step.
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 _MAX_NATIVE_DIM, _MAX_NATIVE_HEAD_DIM = 8192, 256
-
-
-class _Layer:
-    def __init__(self, layer: HFDecoderLayer, quantization: str, window: int, lean: bool) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm: HFNorm = layer.input_layernorm
-        self.post_norm: HFNorm = layer.post_attention_layernorm
-        # Fused projections: one GEMM instead of three (and two), same math.
-        self.qkv = make_linear(*architectures.qkv_weights(attn), quantization, lean)
-        self.o = make_linear(attn.o_proj.weight, attn.o_proj.bias, quantization, lean)
-        self.gate_up = make_linear(architectures.gate_up_weight(mlp), None, quantization, lean)
-        self.down = make_linear(mlp.down_proj.weight, None, quantization, lean)
-        if lean:  # what the engine needs of them it holds now
-            architectures.release_projections(cast(torch.nn.Module, layer))
-        norms = architectures.qk_norms(attn)
-        self.q_norm: HFNorm | None = cast(HFNorm, norms[0]) if norms else None
-        self.k_norm: HFNorm | None = cast(HFNorm, norms[1]) if norms else None
-        self.window = window  # sliding-window span in tokens; 0: the whole context
-
-    @property
-    def linears(self) -> list[Linear]:
-        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class PagedModel:
@@ -96,17 +72,10 @@ class PagedModel:
         self.embed = base.embed_tokens
         self.norm = base.norm
         self.rotary = base.rotary_emb
-        # The head stays in the activation dtype under int8: quantizing the final hidden
-        # state per token cost about 1.2% perplexity on its own (the layers' int8, under
-        # 0.1%), more than the 2% budget leaves once bf16 is added.
         self.lm_head: Linear | None = None  # a stage before the last has no head
         if self.end_layer == cfg.num_hidden_layers:
-            self.lm_head = make_linear(
-                hf.lm_head.weight, None, "none" if quantization == "int8" else quantization, lean
-            )
-        chosen = list(base.layers)[self.first_layer : self.end_layer]
-        windows = architectures.layer_windows(cfg)[self.first_layer : self.end_layer]
-        self.layers = [_Layer(la, quantization, w, lean) for la, w in zip(chosen, windows)]
+            self.lm_head = packed.head(hf_model, quantization, lean)
+        self.layers = packed.layers(hf_model, self.first_layer, self.end_layer, quantization, lean)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = _head_dim(cfg)
@@ -325,7 +294,7 @@ class PagedModel:
     def _attention_torch(
         self,
         i: int,
-        layer: _Layer,
+        layer: packed.PackedLayer,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,

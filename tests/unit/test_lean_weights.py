@@ -70,3 +70,29 @@ def test_with_the_bf16_gemm_each_weight_is_held_once(quantization):
     engine.add_request("r", PROMPTS[0], params)  # a 32-token chunk and decode steps run
     while engine.has_work():
         engine.step()
+
+
+def test_engines_over_one_model_share_its_packed_layers_lean_or_not():
+    """A prefill instance's engine and the pipeline stages it runs load one model: the
+    stages reuse the engine's packed layers (after --lean-weights released transformers'
+    copies, there is nothing else to pack from), and their output is unchanged."""
+    from shared.engine.stage import StageRunner
+
+    for lean in (False, True):
+        lm = tiny_family("qwen3", layers=3)
+        want = generate_ids(lm, PROMPTS[0])
+        cfg = EngineConfig(kv_cache_bytes=8 << 20, lean_weights=lean)
+        engine = LLMEngine(lm, cfg)
+        first, last = StageRunner(lm, cfg, (0, 1)), StageRunner(lm, cfg, (1, 3))
+        assert first.model.layers[0] is engine.model.layers[0]
+        assert last.model.layers[1] is engine.model.layers[2]
+        assert last.model.lm_head is engine.model.lm_head
+        first.open("p", PROMPTS[0])
+        last.open("p", PROMPTS[0])
+        logits = last.run("p", len(PROMPTS[0]), first.run("p", len(PROMPTS[0])))
+        assert int(logits[-1].argmax()) == want
+
+
+def generate_ids(lm, prompt: list[int]) -> int:
+    with torch.inference_mode():
+        return int(lm.model(torch.tensor([prompt])).logits[0, -1].argmax())

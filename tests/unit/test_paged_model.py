@@ -77,11 +77,12 @@ def test_bf16_decode_batch_is_as_close_to_transformers_as_torch_is(tiny):
     """bf16 rounds differently per kernel, so no exact match: a decode step of 20 rows
     through the native linears (the bf16 GEMM where the CPU has it) must be about as close
     to transformers' bf16 forward as with torch's own matmuls."""
-    model = copy.deepcopy(tiny.model).to(torch.bfloat16)
-    lm = LoadedModel("tiny", model, None, torch.bfloat16, "cpu", 512, frozenset())
     prompts = [list(range(1 + i, 8 + 7 * i)) for i in range(20)]
     errors = {}
     for native in (False, True):
+        # A model of its own each time: engines over one model share its packed linears.
+        model = copy.deepcopy(tiny.model).to(torch.bfloat16)
+        lm = LoadedModel("tiny", model, None, torch.bfloat16, "cpu", 512, frozenset())
         logits, seqs = _bf16_decode_logits(lm, native, prompts)
         with torch.inference_mode():
             ref = torch.stack([model(torch.tensor([s])).logits[0, -1].float() for s in seqs])

@@ -79,3 +79,12 @@ def test_a_tool_format_reaches_the_gateway_alone():
             assert parse_settings(PARSERS[args[1]], args[2:], args[1]).tool_format == "mistral"
         else:
             assert "--tool-format" not in args, name
+
+
+def test_lean_weights_reach_every_engine():
+    for name, args in spawned(UpSettings(console=False, lean_weights=True)).items():
+        if args[1] in ("services.prefill", "services.decode"):
+            s = parse_settings(PARSERS[args[1]], args[2:], args[1])
+            assert s.lean_weights and s.engine_config().lean_weights, name
+    for args in spawned(UpSettings(console=False)).values():
+        assert "--lean-weights" not in args
