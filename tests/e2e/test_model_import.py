@@ -1,7 +1,8 @@
 """A user's GGUF through `halfmoon model import` and served by `halfmoon up --model NAME`:
 a quantized Qwen2 GGUF written by the tests (tests/gguf_files.py), converted into the
 models cache, and the stack answers chat from it with the model's own chat template and
-tokenizer, the engine's own greedy answer token for token."""
+tokenizer, the engine's own greedy answer token for token (the stack's engines with
+`--lean-weights`, the reference without)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def imported(tmp_path_factory, model_dir):
 def gguf_stack(imported):
     tmp, name = imported
     database_url, pg_name = make_database("sqlite", tmp)
-    s = start_stack(tmp, name, database_url, ["--dtype", "float32"])
+    # --lean-weights: the engines hold each weight once; the answer must not change.
+    s = start_stack(tmp, name, database_url, ["--dtype", "float32", "--lean-weights"])
     yield s
     rc = stop_stack(s)
     drop_database(pg_name)
