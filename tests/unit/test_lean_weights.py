@@ -56,20 +56,31 @@ def test_lean_output_is_the_full_engine_s_and_transformers_copies_go(family, qua
 )
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_with_the_bf16_gemm_each_weight_is_held_once(quantization):
-    lm = tiny_llama(hidden=128, heads=8)
+    lm = tiny_llama(hidden=128, heads=8, vocab=320)  # the head in panels too
     lm.model.to(torch.bfloat16)
     lm.dtype = torch.bfloat16
-    cfg = EngineConfig(kv_cache_bytes=8 << 20, lean_weights=True, quantization=quantization)
+    cfg = EngineConfig(
+        kv_cache_bytes=8 << 20,
+        lean_weights=True,
+        quantization=quantization,
+        max_num_batched_tokens=64,
+    )
     engine = LLMEngine(lm, cfg)
-    for layer in engine.model.layers:
-        for lin in layer.linears:
-            dense = lin.dense if isinstance(lin, Int8Linear) else lin
-            assert isinstance(dense, DenseLinear) and dense.gemm
-            assert dense.weight is None and dense.packed is None  # the GEMM's panels alone
+    linears = [lin for layer in engine.model.layers for lin in layer.linears]
+    for lin in [*linears, engine.model.lm_head]:
+        dense = lin.dense if isinstance(lin, Int8Linear) else lin
+        assert isinstance(dense, DenseLinear) and dense.gemm
+        assert dense.weight is None and dense.packed is None  # the GEMM's panels alone
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    engine.add_request("r", PROMPTS[0], params)  # a 32-token chunk and decode steps run
-    while engine.has_work():
-        engine.step()
+    out: dict[str, list[int]] = {}
+    # Alone, a prompt of five chunks: four steps that ask no logits (the head gets no
+    # rows), then one; then a prompt of one chunk, and decode steps.
+    for rid, prompt in (("long", [(3 * i + 2) % 300 for i in range(300)]), ("r", PROMPTS[0])):
+        engine.add_request(rid, prompt, params)
+        while engine.has_work():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert len(out["r"]) == len(out["long"]) == 4
 
 
 def test_engines_over_one_model_share_its_packed_layers_lean_or_not():
