@@ -38,8 +38,8 @@ def import_model(path: Path, name: str = "", dtype: str = "float32", force: bool
         raise ValueError(f"{path}: neither a .gguf file nor a folder with a config.json")
     if dtype not in STORE_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose from {', '.join(STORE_DTYPES)}")
-    if not gguf:
-        architectures.check_folder(path)  # before anything is copied
+    # A folder's family before anything is copied (a GGUF's is known once converted).
+    family = None if gguf else architectures.check_folder(path)
     name = name or (path.stem if gguf else path.name)
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"model name {name!r}: a plain folder name, please (--name)")
@@ -53,7 +53,8 @@ def import_model(path: Path, name: str = "", dtype: str = "float32", force: bool
             arch = model_store.convert_gguf(path, staging, name, dtype)
             architectures.check_folder(staging)  # the GGUF's family: refused if unsupported
         else:
-            arch = architectures.check_folder(path).architecture
+            assert family is not None
+            arch = family.architecture
             _copy_folder(path, staging)
         model_store.mark_complete(staging, f"imported {arch} from {path}")
         if target.exists():
