@@ -172,6 +172,12 @@ def _soak(argv: list[str]) -> int:
     return run.main(argv)
 
 
+def _instances(argv: list[str]) -> int:
+    from services.tools import instances
+
+    return instances.main(argv)
+
+
 def _up(argv: list[str]) -> int:
     from services import up
 
@@ -190,6 +196,7 @@ COMMANDS = {
     "keys": _keys,
     "chaos": _chaos,
     "soak": _soak,
+    "instances": _instances,
 }
 
 USAGE = """usage: halfmoon <command> [args]
@@ -201,6 +208,7 @@ commands:
   model import PATH  convert a GGUF file or transformers folder into the models cache
   db upgrade|downgrade [REV]   apply or roll back migrations
   keys create|list|revoke      API keys for the gateway (hashed in SQL; shown once)
+  instances list|set-role      engine instances of a running stack; switch one's role in place
   profile            measure the engine here and fit the conductor's cost model
   chaos              kill services and NATS under load: 0 hung requests, 0 lost records
   soak               mixed traffic, cancels and faults for --minutes: no unbounded growth

@@ -86,6 +86,15 @@ class UpstreamFailed(HalfmoonError):
     code = "upstream_failed"
 
 
+class Conflict(HalfmoonError):
+    """The request is well formed, but the cluster's state forbids it now (a role switch
+    that would leave a role empty, of an instance switching already)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
 class Timeout(HalfmoonError):
     status = 504
     type = "server_error"
@@ -101,6 +110,7 @@ _BY_CODE: dict[str, type[HalfmoonError]] = {
         Rejected,
         Unavailable,
         UpstreamFailed,
+        Conflict,
         Timeout,
     )
 }
@@ -108,7 +118,15 @@ _BY_CODE: dict[str, type[HalfmoonError]] = {
 
 _BY_STATUS: dict[int, type[HalfmoonError]] = {
     cls.status: cls
-    for cls in (InvalidRequest, ModelNotFound, PayloadTooLarge, Rejected, Unavailable, Timeout)
+    for cls in (
+        InvalidRequest,
+        ModelNotFound,
+        PayloadTooLarge,
+        Rejected,
+        Unavailable,
+        Conflict,
+        Timeout,
+    )
 }
 
 

@@ -154,7 +154,10 @@ class InstanceInfo(Message):
     pid: Count = 0
     started_at: Seconds = 0.0
     sent_at: Seconds = 0.0
-    status: Literal["ready", "draining"] = "ready"
+    # "switching": an engine draining towards another role (see services/worker/roles.py);
+    # no new work lands on it, and it comes back as `switching_to` once drained.
+    status: Literal["ready", "draining", "switching"] = "ready"
+    switching_to: Role | None = None
     kv_host: str = ""
     kv_port: Port = 0
     queue_depth: Count = 0  # requests waiting
@@ -412,3 +415,51 @@ class KVMatchReply(Message):
 class CancelRequest(Message):
     request_id: RequestId
     reason: str = "client disconnected"
+
+
+EngineRole = Literal["prefill", "decode"]
+
+
+class RoleChange(Message):
+    """Anyone → conductor, request/reply: move an engine instance to another role, in
+    place (the admin API, `halfmoon instances set-role`, or the planner). The conductor
+    checks it (it must not leave a role empty) and answers with a RoleChangeReply at once;
+    the drain and the switch go on in the background."""
+
+    instance_id: InstanceId
+    role: EngineRole
+    source: Literal["admin", "planner"] = "admin"
+
+
+class RoleChangeReply(Message):
+    switch_id: str = Field(max_length=64)
+    instance_id: InstanceId
+    from_role: EngineRole
+    to_role: EngineRole
+    status: Literal["draining"] = "draining"
+
+
+class SwitchRole(Message):
+    """Conductor → engine instance, request/reply: stop intake, finish what you hold, and
+    come back as `role` (answered with SwitchDone when that is done, or an error)."""
+
+    switch_id: str = Field(max_length=64)
+    role: EngineRole
+    drain_timeout_s: Seconds = 300.0
+
+
+class SwitchDone(Message):
+    switch_id: str = Field(max_length=64)
+    instance_id: InstanceId
+    role: EngineRole  # the role it serves now
+    drain_s: Seconds
+    detail: str = Field("", max_length=1000)  # what the drain waited for
+
+
+class Redecode(Message):
+    """Prefill → conductor, request/reply: the decode instance named for this request
+    refused its handoff (it is switching role, full, or gone); name another. The reply is
+    a Placement whose decode_id is the new one."""
+
+    request: GenerateRequest
+    exclude: list[InstanceId] = Field(default_factory=list, max_length=64)

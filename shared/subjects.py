@@ -15,6 +15,10 @@ CONDUCTOR_QUEUE = "conductor"
 # Heartbeats: every service publishes its InstanceInfo here (role and id in the subject).
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.>"
 
+# Role switches: anyone asks the conductor (RoleChange); it tells the instance (SwitchRole).
+CONDUCTOR_ROLE = f"{PREFIX}.conductor.role"
+# A prefill whose decode refused a handoff asks for another decode instance (Redecode).
+CONDUCTOR_REDECODE = f"{PREFIX}.conductor.redecode"
 # KV events (block stored / removed / cleared) from prefill and decode instances.
 KV_EVENTS = f"{PREFIX}.kv.events"
 KV_MATCH = f"{PREFIX}.kv.match"
@@ -64,3 +68,8 @@ def kv_export(instance_id: str) -> str:
 def tokens(request_id: str) -> str:
     """Per-request token stream: prefill publishes the first token, decode the rest."""
     return f"{PREFIX}.tokens.{request_id}"
+
+
+def instance_role(instance_id: str) -> str:
+    """Request/reply: switch this engine instance's role in place (SwitchRole)."""
+    return f"{PREFIX}.instance.{instance_id}.role"

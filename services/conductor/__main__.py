@@ -30,25 +30,29 @@ async def _sweep(conductor: Conductor, stop: asyncio.Event, interval_s: float) -
 
 
 class Intake:
-    """The CONDUCTOR_SCHEDULE subscription, held only while this conductor may place."""
+    """The subscriptions only a conductor that may place holds: placement, role switches
+    and new decode instances for refused handoffs."""
 
     def __init__(self, nc: NATS, conductor: Conductor) -> None:
         self.nc = nc
         self.conductor = conductor
-        self._sub: Subscription | None = None
+        self._subs: list[Subscription] = []
 
     async def open(self) -> None:
-        if self._sub is None:
-            self._sub = await self.nc.subscribe(
-                subjects.CONDUCTOR_SCHEDULE,
-                queue=subjects.CONDUCTOR_QUEUE,
-                cb=self.conductor.on_schedule,
-            )
-            await self.nc.flush()  # the server routes requests here from now on
+        if self._subs:
+            return
+        c, queue = self.conductor, subjects.CONDUCTOR_QUEUE
+        for subject, cb in (
+            (subjects.CONDUCTOR_SCHEDULE, c.on_schedule),
+            (subjects.CONDUCTOR_ROLE, c.roles.on_role),
+            (subjects.CONDUCTOR_REDECODE, c.roles.on_redecode),
+        ):
+            self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=cb))
+        await self.nc.flush()  # the server routes requests here from now on
 
     async def close(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None:
+        subs, self._subs = self._subs, []
+        for sub in subs:
             with contextlib.suppress(Exception):  # a closed connection unsubscribed already
                 await sub.unsubscribe()
 

@@ -55,6 +55,12 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
         description="prompts of at least this many tokens are weighed for a group "
         "(0: only those no single instance prefills within the TTFT SLO)",
     )
+    switch_drain_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="a role switch gives up (the instance stays in its role) if what it "
+        "holds has not finished in this long",
+    )
     heartbeat_expiry_s: float = Field(3.0, gt=0, description="an instance silent this long is dead")
     dispatch_timeout_s: float = Field(
         5.0, gt=0, description="wait for a prefill instance to take a job"

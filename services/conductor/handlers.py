@@ -18,6 +18,7 @@ from services.conductor.costmodel import CostModel, load_cost_model, prior_for
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.policy import follow, make_policy
 from services.conductor.registry import InstanceState, Registry
+from services.conductor.roles import RoleSwitches
 from services.conductor.views import Candidate, Decision, Snapshot
 from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
@@ -56,6 +57,7 @@ class Conductor:
         self._tasks: set[asyncio.Task[None]] = set()
         # Active/standby: whether this conductor still holds the leader lease (see leader.py).
         self.leading: Callable[[], bool] = lambda: True
+        self.roles = RoleSwitches(self)
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:

@@ -54,6 +54,16 @@ class Registry:
         # role -> (live instances in first-seen order, when that was worked out, the
         # oldest heartbeat among them then)
         self._alive: dict[Role, tuple[list[InstanceState], float, float]] = {}
+        # Instances this conductor told to switch role, until they answer: placed on no
+        # more, even while a heartbeat sent before they heard still says "ready".
+        self.switching: set[str] = set()
+
+    def mark_switching(self, instance_id: str, on: bool) -> None:
+        if on:
+            self.switching.add(instance_id)
+        else:
+            self.switching.discard(instance_id)
+        self._alive.clear()
 
     def seen(self, info: InstanceInfo, now: float) -> bool:
         """Record a heartbeat; True if the instance is new (or back from the dead)."""
@@ -104,6 +114,7 @@ class Registry:
             if s.info.role == role
             and s.info.status == "ready"
             and now - s.last_seen <= self.expiry_s
+            and s.info.instance_id not in self.switching
         ]
         oldest = min((s.last_seen for s in live), default=now)
         self._alive[role] = (live, now, oldest)

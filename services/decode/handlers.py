@@ -45,15 +45,21 @@ from shared.transfer import KVReceiver, TransferFailed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+SWITCHING = errors.Unavailable("this instance is switching role", code="switching")
 
 
 class DecodeInstance(EngineInstance):
     role = Role.DECODE
 
     def __init__(
-        self, settings: DecodeSettings, nc: NATS, lm: LoadedModel, receiver: KVReceiver
+        self,
+        settings: DecodeSettings,
+        nc: NATS,
+        lm: LoadedModel,
+        receiver: KVReceiver,
+        before: EngineInstance | None = None,
     ) -> None:
-        super().__init__(settings, nc, lm)
+        super().__init__(settings, nc, lm, before)
         self.settings: DecodeSettings = settings
         self.receiver = receiver
         self.queue: deque[DecodeJob] = deque()  # waiting for pool room: nothing fetched yet
@@ -68,15 +74,31 @@ class DecodeInstance(EngineInstance):
         """Reservations and imports: beside the step in flight, never behind it."""
         return await asyncio.get_running_loop().run_in_executor(self._importer, fn, *args)
 
-    def close_engine(self) -> None:
+    def close_role(self) -> None:
         self._importer.shutdown(wait=True, cancel_futures=True)
-        super().close_engine()
+
+    def holds(self) -> str:
+        held = [
+            f"{n} {what}"
+            for n, what in (
+                (len(self.queue), "handoffs queued"),
+                (len(self.incoming), "KV streams open"),
+                (len(self._fetches), "transfers"),
+            )
+            if n
+        ]
+        return ", ".join([h for h in [super().holds(), *held] if h])
 
     async def on_submit(self, msg: Msg) -> None:
         try:
             job = DecodeJob.model_validate_json(msg.data)
         except ValueError as exc:
             await bus.respond(msg, errors.InvalidRequest(f"bad decode job: {exc}"))
+            return
+        rid = job.request.request_id
+        if not self.intake_open and not self.known(rid) and rid not in self.incoming:
+            # Switching role: the prefill asks the conductor for another decode instance.
+            await bus.respond(msg, SWITCHING)
             return
         if len(self.queue) >= self.settings.max_queued_handoffs and not self.known(
             job.request.request_id
@@ -147,6 +169,8 @@ class DecodeInstance(EngineInstance):
         rid = req.request_id
         if self.known(rid) or rid in self.incoming:
             return "request already here"
+        if not self.intake_open:
+            return "switching role"
         if self.queue:  # handoffs wait for room: a stream does not jump them
             return "handoffs are waiting for KV pool room"
         n = len(req.prompt_token_ids)

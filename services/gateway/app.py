@@ -58,6 +58,7 @@ def make_app(ctx: GatewayContext, max_body_bytes: int, auth: Auth | None = None)
             web.get("/admin/state", extra.admin_state),
             web.get("/admin/requests/{request_id}", extra.admin_request),
             web.get("/admin/kv", extra.admin_kv),
+            web.post("/admin/instances/{instance_id}/role", extra.admin_set_role),
             web.get("/openapi.json", openapi_handler(ctx)),
         ]
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from importlib import metadata
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import Field, model_validator
@@ -15,10 +15,11 @@ from services.gateway.context import GatewayContext
 from services.gateway.httputil import read_json
 from services.gateway.protocol import ChatCompletionRequest, ChatMessage, Tool, parse_body
 from services.gateway.validation import Integral, Strict
-from shared import errors
+from shared import bus, errors, subjects
 from shared.db.schema import DecisionRecord, RequestRecord
 from shared.db.session import sessionmaker
 from shared.db.stats import kv_hit_rates
+from shared.messages import RoleChange, RoleChangeReply
 
 
 class TokenizeRequest(Strict):
@@ -37,6 +38,12 @@ class TokenizeRequest(Strict):
         if (self.prompt is None) == (self.messages is None):
             raise errors.InvalidRequest("give either prompt or messages", param="prompt")
         return self
+
+
+class RoleBody(Strict):
+    """POST /admin/instances/{id}/role: the role an engine instance should serve as."""
+
+    role: Literal["prefill", "decode"]
 
 
 class DetokenizeRequest(Strict):
@@ -152,3 +159,18 @@ class ExtraRoutes:
     async def admin_kv(self, request: web.Request) -> web.Response:
         """Token-weighted KV hit rates per prefill instance and for the cluster, by window."""
         return web.json_response(await kv_hit_rates(self.ctx.records.engine))
+
+    async def admin_set_role(self, request: web.Request) -> web.Response:
+        """Switch an engine instance's role in place: 202 once the conductor accepted it
+        (the drain goes on; /admin/state shows the instance "switching", then in its new
+        role), 409 with the reason when it refuses."""
+        body: RoleBody = parse_body(RoleBody, await read_json(request))
+        instance_id = request.match_info["instance_id"]
+        try:
+            change = RoleChange(instance_id=instance_id, role=body.role, source="admin")
+        except ValueError:
+            raise errors.InvalidRequest("not an instance id", param="instance_id") from None
+        reply = await bus.request(
+            self.ctx.nc, subjects.CONDUCTOR_ROLE, change, RoleChangeReply, timeout_s=5.0
+        )
+        return web.json_response(reply.model_dump(mode="json", exclude={"v"}), status=202)

@@ -37,7 +37,9 @@ from shared.messages import (
     KVChunk,
     KVExportReply,
     KVExportRequest,
+    Placement,
     PrefillJob,
+    Redecode,
     Role,
     TokenLogprob,
 )
@@ -57,8 +59,9 @@ class PrefillInstance(EngineInstance):
         lm: LoadedModel,
         sender: KVSender,
         receiver: KVReceiver,
+        before: EngineInstance | None = None,
     ) -> None:
-        super().__init__(settings, nc, lm)
+        super().__init__(settings, nc, lm, before)
         self.settings: PrefillSettings = settings
         self.sender = sender
         self.receiver = receiver
@@ -103,6 +106,11 @@ class PrefillInstance(EngineInstance):
         rid = req.request_id
         if self.known(rid):  # nothing (more) to do
             await bus.respond(msg, Ack())
+            return
+        if not self.intake_open:  # switching role: the conductor places it elsewhere
+            await bus.respond(
+                msg, errors.Unavailable("this instance is switching role", code="switching")
+            )
             return
         if self._stats.waiting + len(self.intake) >= self.settings.max_queue:
             await bus.respond(msg, errors.Rejected("prefill queue is full", retry_after_s=1.0))
@@ -373,16 +381,54 @@ class PrefillInstance(EngineInstance):
             first_token_time=produced,
             streamed_blocks=out.handoff.meta.first_block,
         )
-        try:
-            await bus.request(self.nc, subjects.decode_submit(decode_id), job, Ack, timeout_s=5.0)
-        except errors.HalfmoonError as exc:
+        refused = await self._submit_decode(job, decode_id)
+        if refused is not None:
             await self.sender.withdraw(tid)  # nobody will fetch it
-            await self.finish_with_error(
-                req.request_id,
-                exc.code,
-                f"decode {decode_id} did not take the request: {exc.message}",
-                stream,
+            await self.finish_with_error(req.request_id, refused.code, refused.message, stream)
+
+    async def _submit_decode(self, job: DecodeJob, decode_id: str) -> errors.HalfmoonError | None:
+        """Give decode the job; if the instance named refuses it (switching role, full, or
+        gone), ask the conductor for another and try that one, a few times. None once one
+        took it, else why not."""
+        tried: list[str] = []
+        while True:
+            try:
+                await bus.request(
+                    self.nc, subjects.decode_submit(decode_id), job, Ack, timeout_s=5.0
+                )
+                return None
+            except errors.Timeout as exc:  # it may have taken it: a second copy would run
+                return _refused(decode_id, exc)
+            except errors.HalfmoonError as exc:
+                tried.append(decode_id)
+                log.info(
+                    "request %s: decode %s refused the handoff (%s)",
+                    job.request.request_id,
+                    decode_id,
+                    exc.message,
+                )
+                if len(tried) >= 3:
+                    return _refused(decode_id, exc)
+                decode_id = await self._another_decode(job, tried)
+                if not decode_id:
+                    return _refused(tried[-1], exc)
+                # A job with streamed_blocks names KV the new one does not hold: it will
+                # recompute the prompt (slower, never wrong).
+
+    async def _another_decode(self, job: DecodeJob, tried: list[str]) -> str:
+        """The conductor's choice of a decode instance not in `tried` ("" if none)."""
+        try:
+            placed = await bus.request(
+                self.nc,
+                subjects.CONDUCTOR_REDECODE,
+                Redecode(request=job.request, exclude=tried),
+                Placement,
+                timeout_s=5.0,
             )
+        except errors.HalfmoonError as exc:
+            log.warning("request %s: no other decode instance (%s)", job.request.request_id, exc)
+            return ""
+        return placed.decode_id
 
     async def fail_waiting(self, why: str) -> None:
         """On shutdown, handoffs under way finish; requests not handed off end with a
@@ -395,6 +441,23 @@ class PrefillInstance(EngineInstance):
     def intake_prompts(self) -> list[int]:
         return list(self.intake.values())
 
+    def holds(self) -> str:
+        held = [
+            f"{n} {what}"
+            for n, what in (
+                (len(self.intake), "jobs not in the engine yet"),
+                (len(self._transfers), "prefix pulls or KV chunks"),
+                (len(self._handing_off), "handoffs"),
+                (len(self.stages.runs), "pipeline stages"),
+                (self.sender.pending, "KV offers not fetched"),
+            )
+            if n
+        ]
+        return ", ".join([h for h in [super().holds(), *held] if h])
+
+    def close_role(self) -> None:
+        self._exporter.shutdown(wait=True, cancel_futures=True)
+
     async def release(self, request_id: str) -> bool:
         await self.stages.release(request_id)
         self.intake.pop(request_id, None)
@@ -404,3 +467,9 @@ class PrefillInstance(EngineInstance):
 
     def leased_blocks(self) -> int:
         return self.offers.leased_blocks()
+
+
+def _refused(decode_id: str, exc: errors.HalfmoonError) -> errors.HalfmoonError:
+    return errors.HalfmoonError(
+        f"decode {decode_id} did not take the request: {exc.message}", code=exc.code
+    )

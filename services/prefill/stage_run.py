@@ -35,6 +35,7 @@ class Host(Protocol):
     offers: KVOffers
     streams: dict[str, Stream]
     finished: CancelSet
+    intake_open: bool
 
     async def run_engine(self, fn: Callable[..., T], *args: Any) -> T: ...
     async def publish_output(self, out: RequestOutput) -> None: ...

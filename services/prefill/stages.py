@@ -151,6 +151,8 @@ class Stages:
 
     def _refusal(self, job: StageJob) -> errors.HalfmoonError | None:
         rid = job.request.request_id
+        if not self.inst.intake_open:
+            return errors.Unavailable("this instance is switching role", code="switching")
         if self.kv_cache_bytes <= 0:
             return errors.Rejected("this instance runs no pipeline stages (stage_kv_gb 0)")
         if job.me.instance_id != self.inst.instance_id:

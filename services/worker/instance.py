@@ -77,23 +77,50 @@ class Stream:
 
 class EngineInstance:
     role: Role
+    started_at: float
+    cancelled: CancelSet
+    finished: CancelSet  # ended here (finished, failed or handed on): a job again is a duplicate
+    engine: LLMEngine
+    kv_activity: KVActivity  # cumulative, sent with every heartbeat
+    _engine_thread: ThreadPoolExecutor
 
-    def __init__(self, settings: WorkerSettings, nc: NATS, lm: LoadedModel) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        nc: NATS,
+        lm: LoadedModel,
+        before: EngineInstance | None = None,
+    ) -> None:
+        """`before`: the instance this one takes over from in a role switch (roles.py). Its
+        engine (weights, KV pool, prefix cache), engine thread and bookkeeping carry over;
+        only what the role does with them is new."""
         self.settings = settings
         self.nc = nc
         self.lm = lm
         self.instance_id = settings.instance_id
-        self.started_at = time.time()
-        self.cancelled = CancelSet()
-        # Ended here (finished, failed or handed on): a job for one again is a duplicate.
-        self.finished = CancelSet()
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.engine = LLMEngine(lm, settings.engine_config(), connector=self.connector())
         self.streams: dict[str, Stream] = {}
         self.kv_port = 0
         self._wake = asyncio.Event()
+        # False once a role switch began: new work is refused (the conductor or the prefill
+        # that sent it places it elsewhere), what is here finishes.
+        self.intake_open = True
+        if before is not None:
+            self.started_at, self.cancelled, self.finished = (
+                before.started_at,
+                before.cancelled,
+                before.finished,
+            )
+            self._engine_thread, self.engine = before._engine_thread, before.engine
+            self.engine.connector = self.connector()
+            self.kv_activity = before.kv_activity
+        else:
+            self.started_at = time.time()
+            self.cancelled = CancelSet()
+            self.finished = CancelSet()
+            self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+            self.engine = LLMEngine(lm, settings.engine_config(), connector=self.connector())
+            self.kv_activity = KVActivity()
         self._stats = self.engine.stats()
-        self.kv_activity = KVActivity()  # cumulative, sent with every heartbeat
         # What the conductor's cost-model prior must match (see calibration.py).
         self._engine_key = cpu.engine_key(
             lm.name,
@@ -109,7 +136,12 @@ class EngineInstance:
     async def run_engine(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
 
+    def close_role(self) -> None:
+        """What this role alone holds (threads of its own), at a switch or at shutdown; the
+        engine and its thread stay for the next role."""
+
     def close_engine(self) -> None:
+        self.close_role()
         self._engine_thread.shutdown(wait=True, cancel_futures=True)
 
     def wake(self) -> None:
@@ -156,6 +188,18 @@ class EngineInstance:
         while self.engine.cost_samples and len(samples) < 64:
             samples.append(self.engine.cost_samples.popleft())
         return self.info().model_copy(update={"cost_samples": samples})
+
+    def holds(self) -> str:
+        """What this instance still has to finish before its role can change ("" when
+        nothing): what the engine runs here; subclasses add their own (transfers, queues)."""
+        s = self._stats
+        if self.streams or self.engine.has_work():
+            return f"{len(self.streams)} requests ({s.running} running, {s.waiting} waiting)"
+        return ""
+
+    def refuse_intake(self) -> None:
+        """A role switch began: refuse new work from here on (see intake_open)."""
+        self.intake_open = False
 
     def leased_blocks(self) -> int:
         """Blocks' worth of KV held outside the pool for requests (subclasses that hold any)."""
