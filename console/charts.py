@@ -216,3 +216,84 @@ def report_bars(rows: list[dict[str, Any]], label_key: str, value_key: str) -> g
         )
     )
     return _layout(fig, value_key, label_key, value_key)
+
+
+SWITCH_SYMBOLS = {  # role switch marks by status; "advised": the planner would, but did not
+    "draining": ("triangle-down", "#1f77b4"),
+    "done": ("triangle-down", "#2ca02c"),
+    "failed": ("x", DEAD_COLOR),
+    "refused": ("x", "#ff7f0e"),
+    "advised": ("triangle-down-open", "#7f7f7f"),
+}
+
+
+def split_over_time(
+    steps: dict[str, list[Any]],
+    marks: list[dict[str, Any]],
+    x_range: tuple[float, float] | None = None,
+) -> go.Figure:
+    """Prefill and decode instances the planner counted (solid steps) and the split it
+    predicted best (dotted), with a mark above the lines where a switch was asked for."""
+    x = _times(steps["t"])
+    traces = []
+    for i, role in enumerate(("prefill", "decode")):
+        for key, label, dash in (
+            (f"current_{role}", role, "solid"),
+            (f"best_{role}", f"best {role}", "dot"),
+        ):
+            traces.append(
+                go.Scatter(
+                    name=label,
+                    x=x,
+                    y=list(steps[key]),
+                    mode="lines",
+                    line={"shape": "hv", "color": PALETTE[i], "dash": dash},
+                )
+            )
+    top = max((v for k in steps if k != "t" for v in steps[k]), default=0) + 0.5  # marks above
+    for kind, (symbol, color) in SWITCH_SYMBOLS.items():
+        mine = [m for m in marks if m["kind"] == kind]
+        if mine:
+            traces.append(
+                go.Scatter(
+                    name=f"switch {kind}",
+                    x=_times([m["t"] for m in mine]),
+                    y=[top] * len(mine),
+                    mode="markers",
+                    marker={"symbol": symbol, "color": color, "size": 11},
+                    hovertext=[m["text"] for m in mine],
+                    hoverinfo="text+x",
+                )
+            )
+    fig = go.Figure(traces)
+    fig.update_yaxes(rangemode="tozero", dtick=_count_tick(top))
+    return _layout(fig, "Prefill/decode split over time", "time", "instances", x_range)
+
+
+def roles_over_time(
+    series: dict[str, list[Any]], bucket_s: float, x_range: tuple[float, float] | None = None
+) -> go.Figure:
+    """Instances per role in each bucket of the load samples (no planner decisions)."""
+    fig = go.Figure(
+        [
+            go.Scatter(
+                name=role,
+                x=_times(series["t"]),
+                y=list(series[role]),
+                mode="lines+markers",
+                line={"shape": "hv", "color": PALETTE[i]},
+            )
+            for i, role in enumerate(("prefill", "decode"))
+        ]
+    )
+    fig.update_yaxes(
+        rangemode="tozero", dtick=_count_tick(max([*series["prefill"], *series["decode"], 0]))
+    )
+    title = f"Instances per role, from the load samples ({bucket_s:g} s buckets)"
+    return _layout(fig, title, "time", "instances", x_range)
+
+
+def _count_tick(top: float) -> int | None:
+    """Whole instances on the y axis: a tick per instance while they are few (plotly would
+    put some at halves), plotly's own above that."""
+    return 1 if top <= 12 else None

@@ -21,7 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from console import history
+from console import history, planner
 from shared.db.schema import InstanceRecord, RequestRecord, RequestStatus
 from shared.db.session import make_engine, resolve_url
 
@@ -153,6 +153,13 @@ def load_snapshot(url: str, window_s: float | None, now: float | None = None) ->
 def load_decision(url: str, request_id: str) -> dict[str, Any] | None:
     """The conductor's recorded reasons for one request (None: nothing recorded)."""
     return _guarded(url, lambda conn: history.read_decision(conn, request_id))
+
+
+def load_planner(url: str, window_s: float | None, now: float | None = None) -> planner.PlannerData:
+    """The planner's decisions and the role switches of the window (console.planner)."""
+    now = time.time() if now is None else now
+    since = None if window_s is None else now - window_s
+    return _guarded(url, lambda conn: planner.read_planner(conn, since, now))
 
 
 # -- derived metrics --------------------------------------------------------------------

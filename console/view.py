@@ -12,6 +12,7 @@ from typing import Any
 import streamlit as st
 
 from console import history, live, queries
+from console.planner import PlannerData
 from console.settings import ConsoleSettings
 
 # Load samples bucketed per instance: (series, bucket seconds, x range).
@@ -49,6 +50,18 @@ class View:
             queries.time_range(self.window_s, samples, now, key="t"),
         )
 
+    @cached_property
+    def planner(self) -> PlannerData | None:
+        """The planner's record, read apart from the snapshot: a database from before its
+        migration (0006) fails the Planner page alone, with the reason."""
+        if self.snap is None:
+            return None
+        try:
+            return _planner(self.settings.database_url, self.window_s)
+        except queries.DatabaseUnavailable as exc:
+            st.error(f"Cannot read the planner's record: {exc}")
+            return None
+
     def decision(self, request_id: str) -> dict[str, Any] | None:
         """The conductor's recorded placement of one request (raises DatabaseUnavailable)."""
         return _decision(self.settings.database_url, request_id)
@@ -71,6 +84,11 @@ def _load_snapshot(settings: ConsoleSettings, window_s: float | None) -> queries
 @st.cache_data(ttl=1, show_spinner=False)
 def _decision(url: str, request_id: str) -> dict[str, Any] | None:
     return queries.load_decision(url, request_id)
+
+
+@st.cache_data(ttl=1, show_spinner=False)
+def _planner(url: str, window_s: float | None) -> PlannerData:
+    return queries.load_planner(url, window_s)
 
 
 def _load_cluster(settings: ConsoleSettings) -> dict[str, Any] | None:

@@ -1,5 +1,5 @@
-"""Write paths: request records, instance rows and load samples, batched and off the
-request path.
+"""Write paths: request records, instance rows, load samples, and the P/D planner's
+decisions and role switches, batched and off the request path.
 
 Callers enqueue plain dict updates; one task writes them in small transactions. A
 request row is inserted once and then only updated, and a terminal status is written
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -27,7 +28,9 @@ from shared.db.schema import (
     DecisionRecord,
     InstanceRecord,
     LoadSample,
+    PlanDecisionRecord,
     RequestRecord,
+    RoleSwitchRecord,
 )
 from shared.db.session import sessionmaker
 from shared.messages import InstanceInfo
@@ -38,7 +41,7 @@ PRUNE_EVERY_S = 60.0  # old load samples are deleted at most this often
 
 @dataclass
 class _Op:
-    kind: str  # insert | update | terminal | instance | decision | load | prune
+    kind: str  # insert | update | terminal | instance | decision | load | prune | plan | switch
     values: dict[str, Any]
     done: asyncio.Future | None = field(default=None)
 
@@ -92,6 +95,17 @@ class RecordWriter:
     def instance_seen(self, **values: Any) -> None:
         self._queue.put_nowait(_Op("instance", values))
 
+    # -- the P/D planner ----------------------------------------------------------------
+    def plan_decision(self, **values: Any) -> None:
+        """One PlanDecisionRecord row (planner.decision_record's dict), inserted."""
+        self._queue.put_nowait(_Op("plan", values))
+
+    def role_switch(self, **values: Any) -> None:
+        """A RoleSwitchRecord by its id: the first write carries every column (status
+        "draining", or "refused"); later ones may carry only what changed (status,
+        finished_at, drain_s, detail)."""
+        self._queue.put_nowait(_Op("switch", values))
+
     # -- load samples ---------------------------------------------------------------
     def load_sample(
         self,
@@ -103,8 +117,8 @@ class RecordWriter:
     ) -> None:
         """Call on every heartbeat: one row per instance per interval is kept, and rows
         older than retention_s are deleted now and then so the table stays bounded; so
-        are finished requests, their decisions and dead instances' rows older than
-        request_retention_s (0: kept for ever)."""
+        are finished requests, their decisions, dead instances' rows, plan decisions and
+        finished role switches older than request_retention_s (0: kept for ever)."""
         row = self._sampler.sample(info, now, interval_s)
         if row is None:
             return
@@ -191,6 +205,10 @@ class RecordWriter:
             await session.execute(
                 _insert(session, LoadSample).values(**op.values).on_conflict_do_nothing()
             )
+        elif op.kind == "plan":
+            await session.execute(insert(PlanDecisionRecord).values(**_finite_json(op.values)))
+        elif op.kind == "switch":
+            await _upsert_switch(session, op.values)
         elif op.kind == "prune":
             await session.execute(delete(LoadSample).where(LoadSample.t < op.values["before"]))
             before = op.values.get("requests_before")
@@ -199,14 +217,18 @@ class RecordWriter:
 
 
 async def _prune_records(session: AsyncSession, before: float) -> None:
-    """Finished requests that arrived before `before`, decisions made before it, and rows
-    of instances dead since before it. A request still running is kept however old."""
+    """Finished requests that arrived before `before`, decisions made before it, rows of
+    instances dead since before it, plan decisions and finished role switches. A request
+    still running, or a switch still draining, is kept however old."""
     r, d, i = RequestRecord, DecisionRecord, InstanceRecord
+    p, s = PlanDecisionRecord, RoleSwitchRecord
     await session.execute(
         delete(r).where(r.arrival_time < before, r.status.in_(list(TERMINAL_STATUSES)))
     )
     await session.execute(delete(d).where(d.created < before))
     await session.execute(delete(i).where(i.status == "dead", i.last_heartbeat < before))
+    await session.execute(delete(p).where(p.created < before))
+    await session.execute(delete(s).where(s.requested_at < before, s.status != "draining"))
 
 
 def _insert(session: AsyncSession, table: Any) -> Any:
@@ -233,3 +255,34 @@ async def _upsert_instance(session: AsyncSession, values: dict[str, Any]) -> Non
     else:
         for key, value in values.items():
             setattr(existing, key, value)
+
+
+async def _upsert_switch(session: AsyncSession, values: dict[str, Any]) -> None:
+    # Portable upsert, as for instances: a switch's row is written two or three times. A
+    # late "draining" (a retried first write) must not undo how the switch ended.
+    existing = await session.get(RoleSwitchRecord, values["id"])
+    if existing is None:
+        session.add(RoleSwitchRecord(**values))
+    elif existing.status == "draining" or values.get("status") != "draining":
+        for key, value in values.items():
+            setattr(existing, key, value)
+
+
+_JSON_COLUMNS = ("forecast", "instances", "estimates")
+
+
+def _finite_json(values: dict[str, Any]) -> dict[str, Any]:
+    """The JSON columns with every non-finite float as None: PostgreSQL's JSON refuses
+    Infinity and NaN (SQLite keeps them, as text that is not JSON). decision_record already
+    does this; a caller that forgets must not lose the row on PostgreSQL alone."""
+    return {k: _finite(v) if k in _JSON_COLUMNS else v for k, v in values.items()}
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

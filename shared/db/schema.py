@@ -149,4 +149,50 @@ class ApiKeyRecord(Base):
     revoked: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
+class PlanDecisionRecord(Base):
+    """One decision of the P/D planner (services/conductor/planner.py, decision_record):
+    the split it saw, the split it predicts best, the switch it made (active mode) or would
+    make (advisory), and what it weighed. `estimates` hold None where a prediction is inf."""
+
+    __tablename__ = "plan_decisions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created: Mapped[float] = mapped_column(Float, index=True)  # unix seconds
+    mode: Mapped[str] = mapped_column(String(16))  # off | advisory | active
+    current_prefill: Mapped[int] = mapped_column(Integer)
+    current_decode: Mapped[int] = mapped_column(Integer)
+    best_prefill: Mapped[int] = mapped_column(Integer)
+    best_decode: Mapped[int] = mapped_column(Integer)
+    switch_instance: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    switch_from: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    switch_to: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    drain_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # predicted
+    acted: Mapped[bool] = mapped_column(default=False)  # the switch was sent
+    reason: Mapped[str] = mapped_column(Text, default="")
+    attainment: Mapped[float | None] = mapped_column(Float, nullable=True)
+    forecast: Mapped[dict] = mapped_column(JSON, default=dict)
+    instances: Mapped[list] = mapped_column(JSON, default=list)
+    estimates: Mapped[list] = mapped_column(JSON, default=list)
+
+
+class RoleSwitchRecord(Base):
+    """One engine instance moved to another role in place, asked by an admin or the planner:
+    written when it starts draining, then updated once it is done (or failed); a request
+    refused up front is written once, as refused."""
+
+    __tablename__ = "role_switches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # the switch id
+    instance_id: Mapped[str] = mapped_column(String(128), index=True)
+    from_role: Mapped[str] = mapped_column(String(16))
+    to_role: Mapped[str] = mapped_column(String(16))
+    source: Mapped[str] = mapped_column(String(16))  # admin | planner
+    status: Mapped[str] = mapped_column(String(16))  # draining | done | refused | failed
+    requested_at: Mapped[float] = mapped_column(Float, index=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    drain_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # measured
+    # Why it was refused or failed, or what the drain waited for ("3 sequences finished").
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
 Index("ix_requests_status_arrival", RequestRecord.status, RequestRecord.arrival_time)

@@ -638,7 +638,14 @@ def test_charts_carry_the_data():
 
 def test_app_overview_from_sql(app_env):
     at = _run_app()
-    assert [t.label for t in at.tabs] == ["Overview", "Pools", "KV cache", "Requests", "Benchmarks"]
+    assert [t.label for t in at.tabs] == [
+        "Overview",
+        "Pools",
+        "Planner",
+        "KV cache",
+        "Requests",
+        "Benchmarks",
+    ]
     assert not at.error
     assert any(
         w.value.startswith(f"Cluster unreachable at {UNREACHABLE_GATEWAY}/admin/state")
@@ -848,6 +855,9 @@ def test_app_database_unreachable(monkeypatch):
     assert any(i.value == "No load history without the database." for i in _tab(at, "Pools").info)
     assert any("No KV statistics" in i.value for i in _tab(at, "KV cache").info)
     assert not _tab(at, "Overview").metric
+    assert [i.value for i in _tab(at, "Planner").info] == [
+        "No planner record without the database."
+    ]
     assert not at.get("plotly_chart")
 
 
