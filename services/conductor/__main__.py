@@ -150,6 +150,8 @@ async def serve(settings: ConductorSettings) -> None:
         conductor.leading = lambda: election is None or election.is_leader
         rt.heartbeat(info)
         rt.spawn(_sweep(conductor, rt.stop, settings.heartbeat_expiry_s / 3))
+        if settings.planner != "off":
+            rt.spawn(conductor.planning.run(rt.stop))
         if election is None:
             await intake.open()
         else:

@@ -6,6 +6,7 @@ from typing import Literal, Sequence
 
 from pydantic import Field, model_validator
 
+from services.conductor.planner import PlannerSettings
 from shared.settings import BaseSettings, DatabaseSettings, parse_settings
 
 
@@ -54,6 +55,24 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
         ge=0,
         description="prompts of at least this many tokens are weighed for a group "
         "(0: only those no single instance prefills within the TTFT SLO)",
+    )
+    planner: Literal["off", "advisory", "active"] = Field(
+        "off",
+        description="the P/D planner: off; advisory (decides and records, switches "
+        "nothing); active (switches engine instances between prefill and decode)",
+    )
+    planner_interval_s: float = Field(5.0, gt=0, description="how often the planner decides")
+    planner_window_s: float = Field(
+        30.0, gt=0, description="the arrivals and finished requests the planner looks at"
+    )
+    planner_min_gain: float = Field(
+        0.10, ge=0, description="relative goodput gain a switch must bring"
+    )
+    planner_cooldown_s: float = Field(
+        15.0, ge=0, description="after a switch the planner decides, before the next may be"
+    )
+    planner_horizon_s: float = Field(
+        60.0, gt=0, description="how long a switch's gain is weighed against its drain"
     )
     switch_drain_timeout_s: float = Field(
         300.0,
@@ -124,4 +143,15 @@ def parse_args(argv: Sequence[str] | None = None) -> ConductorSettings:
         argv,
         "halfmoon serve conductor",
         "Conductor: instance registry and request placement.",
+    )
+
+
+def planner_settings(s: ConductorSettings) -> PlannerSettings:
+    return PlannerSettings(
+        mode=s.planner,
+        interval_s=s.planner_interval_s,
+        window_s=s.planner_window_s,
+        min_gain=s.planner_min_gain,
+        cooldown_s=s.planner_cooldown_s,
+        horizon_s=s.planner_horizon_s,
     )

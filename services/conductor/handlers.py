@@ -12,10 +12,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.conductor import snapshot
-from services.conductor.args import ConductorSettings
+from services.conductor.args import ConductorSettings, planner_settings
 from services.conductor.calibration import Calibrator
 from services.conductor.costmodel import CostModel, load_cost_model, prior_for
 from services.conductor.metrics import ConductorMetrics
+from services.conductor.planning import PlannerLoop
 from services.conductor.policy import follow, make_policy
 from services.conductor.registry import InstanceState, Registry
 from services.conductor.roles import RoleSwitches
@@ -58,6 +59,7 @@ class Conductor:
         # Active/standby: whether this conductor still holds the leader lease (see leader.py).
         self.leading: Callable[[], bool] = lambda: True
         self.roles = RoleSwitches(self)
+        self.planning = PlannerLoop(self, planner_settings(settings))
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -68,6 +70,7 @@ class Conductor:
         now = time.time()
         if self.registry.seen(info, now):
             log.info("instance %s (%s) is up", info.instance_id, info.role)
+        self.roles.on_beat(info)
         self._calibrate(info)
         self._record_instance(info, now, info.status)
 
@@ -114,6 +117,7 @@ class Conductor:
         """Mark instances dead in SQL once their heartbeats stop."""
         now = time.time()
         for state in self.registry.expire(now):
+            self.roles.on_dead(state.info.instance_id)
             if self._recorded_at.pop(state.info.instance_id, None) is not None:
                 log.warning("instance %s missed heartbeats: dead", state.info.instance_id)
                 if self.records is not None:
@@ -162,6 +166,7 @@ class Conductor:
         view = snapshot.request_view(
             req, matches, self.settings.ttft_slo_ms / 1e3, self.settings.tbt_slo_ms / 1e3
         )
+        self.planning.note(req, matches, now)
         while True:
             snap = self._snapshot(prefills, decodes, colocated)
             t_decide = time.perf_counter()

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
@@ -20,6 +21,7 @@ from services.conductor import snapshot
 from services.conductor.policy import select_decode
 from shared import bus, errors, subjects
 from shared.messages import (
+    InstanceInfo,
     Placement,
     Redecode,
     Role,
@@ -63,10 +65,37 @@ def refusal(
     return ""
 
 
+@dataclass
+class Pending:
+    """A switch this conductor runs: the instance's incarnation (its started_at) when it
+    began, and the task waiting for its answer."""
+
+    switch_id: str
+    started_at: float
+    task: asyncio.Task[None]
+    gone: str = ""  # why the instance can no longer answer (it died or restarted)
+
+
 class RoleSwitches:
     def __init__(self, conductor: Conductor) -> None:
         self.c = conductor
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.pending: dict[str, Pending] = {}
+
+    def on_beat(self, info: InstanceInfo) -> None:
+        """A heartbeat: an instance with a switch under way that restarted (killed while
+        it drained, and started again in its old role) will never answer it."""
+        p = self.pending.get(info.instance_id)
+        if p is not None and info.started_at != p.started_at and not p.gone:
+            self._give_up(p, "the instance restarted while it drained")
+
+    def on_dead(self, instance_id: str) -> None:
+        p = self.pending.get(instance_id)
+        if p is not None and not p.gone:
+            self._give_up(p, "the instance stopped heartbeating while it drained")
+
+    def _give_up(self, p: Pending, why: str) -> None:
+        p.gone = why
+        p.task.cancel()
 
     def live(self, now: float) -> dict[Role, list[InstanceState]]:
         reg = self.c.registry
@@ -83,6 +112,10 @@ class RoleSwitches:
             reply = self.begin(change)
         except errors.HalfmoonError as exc:
             await bus.respond(msg, exc)
+            return
+        except Exception:  # a fault here still answers: never leave the asker waiting
+            log.exception("role switch of %s: starting it failed", change.instance_id)
+            await bus.respond(msg, errors.HalfmoonError("the conductor failed to start it"))
             return
         await bus.respond(msg, reply)
 
@@ -106,11 +139,13 @@ class RoleSwitches:
             raise errors.Conflict(f"role switch refused: {why}")
         from_role = Role.DECODE if role == Role.PREFILL else Role.PREFILL
         switch_id = uuid.uuid4().hex
+        state = next(
+            s for s in self.live(now)[from_role] if s.info.instance_id == change.instance_id
+        )
         self.c.registry.mark_switching(change.instance_id, True)
         self._record(switch_id, change, from_role, now, status="draining")
         task = asyncio.create_task(self._run(switch_id, change, from_role, now))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.pending[change.instance_id] = Pending(switch_id, state.info.started_at, task)
         log.info(
             "role switch %s: %s %s -> %s (%s)",
             switch_id,
@@ -139,6 +174,12 @@ class RoleSwitches:
         except errors.HalfmoonError as exc:
             log.warning("role switch %s of %s failed: %s", switch_id, change.instance_id, exc)
             self._record(switch_id, change, from_role, at, status="failed", detail=exc.message)
+        except asyncio.CancelledError:
+            p = self.pending.get(change.instance_id)
+            if p is None or not p.gone:
+                raise  # the conductor is stopping
+            log.warning("role switch %s of %s failed: %s", switch_id, change.instance_id, p.gone)
+            self._record(switch_id, change, from_role, at, status="failed", detail=p.gone)
         else:
             self._record(
                 switch_id,
@@ -151,6 +192,7 @@ class RoleSwitches:
             )
         finally:
             self.c.registry.mark_switching(change.instance_id, False)
+            self.pending.pop(change.instance_id, None)
 
     def _record(
         self,

@@ -172,7 +172,7 @@ class LocalCluster:
         common = ["--model", str(model_dir), *self._context_args()]
         engine = self._engine_args(model_dir)
         layout = "colocated" if self.s.colocated else "disaggregated"
-        conductor = ["--policy", self.s.policy, "--layout", layout]
+        conductor = ["--policy", self.s.policy, "--layout", layout, "--planner", self.s.planner]
         for i in range(self.s.conductors):
             named = ["--instance-id", f"conductor-{i}"] if self.s.conductors > 1 else []
             await self._spawn(

@@ -31,6 +31,11 @@ class UpSettings(ContextSettings):
         "--prefill/--decode are ignored",
     )
     policy: str = Field("kvcentric", description="the conductor's placement policy")
+    planner: Literal["off", "advisory", "active"] = Field(
+        "off",
+        description="the P/D planner: advisory records the prefill/decode split it would "
+        "pick; active switches engine instances between the roles as the load shifts",
+    )
 
     @field_validator("policy")
     @classmethod

@@ -9,6 +9,9 @@ from pydantic import BaseModel, Field, field_validator
 from shared.settings import DEFAULT_MODEL_NAME, parse_settings
 
 TARGETS = ("prefill", "decode", "conductor", "kvmanager", "nats")
+# Not in the default round: a role switch begun under load, then a kill while it drains
+# (of the switching instance, or of the conductor). chaos/switches.py.
+SWITCH_TARGETS = ("switching", "switch-conductor")
 
 
 class ChaosSettings(BaseModel):
@@ -21,7 +24,8 @@ class ChaosSettings(BaseModel):
     )
     seed: int = Field(0, description="seeds prompts, arrivals and the kill order")
     targets: str = Field(
-        ",".join(TARGETS), description="what to kill, comma separated: " + ", ".join(TARGETS)
+        ",".join(TARGETS),
+        description="what to kill, comma separated: " + ", ".join((*TARGETS, *SWITCH_TARGETS)),
     )
     max_tokens: int = Field(
         24,
@@ -81,9 +85,10 @@ class ChaosSettings(BaseModel):
     @field_validator("targets")
     @classmethod
     def _known(cls, v: str) -> str:
-        bad = [t for t in v.split(",") if t.strip() not in TARGETS]
+        known = (*TARGETS, *SWITCH_TARGETS)
+        bad = [t for t in v.split(",") if t.strip() not in known]
         if bad or not v.strip():
-            raise ValueError(f"unknown targets {bad}; choose from {', '.join(TARGETS)}")
+            raise ValueError(f"unknown targets {bad}; choose from {', '.join(known)}")
         return v
 
     def target_list(self) -> list[str]:

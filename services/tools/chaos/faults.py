@@ -10,10 +10,15 @@ import random
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from services.tools.chaos.args import SWITCH_TARGETS
 from shared import aio
 from shared.messages import InstanceInfo
+
+if TYPE_CHECKING:
+    from services.tools.chaos.switches import Switcher
+
 
 log = logging.getLogger("halfmoon.chaos")
 # target -> [(name, pid)] of the processes that can be killed for it right now
@@ -35,6 +40,7 @@ class Faults:
         self.victims = victims
         self.kills: list[Kill] = []
         self.skipped: list[str] = []
+        self.switcher: Switcher | None = None  # for the switch targets (switches.py)
 
     async def run(self, t0: float, until: float, every_s: float, stop: asyncio.Event) -> None:
         """Kill from t0 + every_s/2 on, about every `every_s`, until `until` (monotonic)."""
@@ -46,11 +52,34 @@ class Faults:
                 return
             if not order:  # every target once per round, each round in a new order
                 order = self.rng.sample(self.targets, len(self.targets))
-            self.kill(order.pop(0), time.monotonic() - t0)
+            target = order.pop(0)
+            if target in SWITCH_TARGETS:
+                await self.kill_mid_switch(target, t0)
+            else:
+                self.kill(target, time.monotonic() - t0)
             next_at += every_s * self.rng.uniform(0.8, 1.2)
 
-    def kill(self, target: str, at_s: float) -> None:
-        victims = self.victims(target)
+    async def kill_mid_switch(self, target: str, t0: float) -> None:
+        """Begin a role switch, then kill the switching instance ("switching") or the
+        conductor running it ("switch-conductor") while it drains."""
+        begun = await self.switcher.begin() if self.switcher is not None else None
+        if begun is None:
+            log.warning("chaos: no role switch could start for %s", target)
+            self.skipped.append(target)
+            return
+        if target == "switch-conductor":
+            self.kill("conductor", time.monotonic() - t0, as_target=target)
+            return
+        self.kill(target, time.monotonic() - t0, victims=[begun])
+
+    def kill(
+        self,
+        target: str,
+        at_s: float,
+        victims: list[tuple[str, int]] | None = None,
+        as_target: str = "",
+    ) -> None:
+        victims = self.victims(target) if victims is None else victims
         if not victims:
             log.warning("chaos: no live %s to kill at %.1fs", target, at_s)
             self.skipped.append(target)
@@ -61,7 +90,7 @@ class Faults:
         except ProcessLookupError:
             self.skipped.append(target)
             return
-        self.kills.append(Kill(round(at_s, 1), target, name, pid))
+        self.kills.append(Kill(round(at_s, 1), as_target or target, name, pid))
         log.warning("chaos: killed %s (%s, pid %d) at %.1fs", target, name, pid, at_s)
 
 
@@ -104,6 +133,11 @@ class HeartbeatVictims:
             and info.pid
             and info.host in ("127.0.0.1", "localhost", os.uname().nodename)
         ]
+
+    def infos(self) -> list[InstanceInfo]:
+        """The fresh heartbeats' reports (local instances only)."""
+        now = time.monotonic()
+        return [info for at, info in self._seen.values() if now - at <= self.fresh_s]
 
     def roles(self) -> set[str]:
         now = time.monotonic()

@@ -22,6 +22,7 @@ from services.tools.chaos.args import ChaosSettings, parse_args
 from services.tools.chaos.audit import Audit, audit
 from services.tools.chaos.faults import Faults, HeartbeatVictims, cluster_victims
 from services.tools.chaos.load import Load, make_body
+from services.tools.chaos.switches import Switcher
 from services.up import LocalCluster, UpSettings
 from shared import bus, subjects
 from shared.db import session as db
@@ -122,6 +123,7 @@ async def chaos(
         s.long_words,
     )
     faults = Faults(s.target_list(), rng, victims or beats)
+    faults.switcher = Switcher(nc, beats, random.Random(s.seed + 1))
     since = time.time()
     t0 = time.monotonic()
     until = t0 + s.duration_s

@@ -1,0 +1,52 @@
+"""Role switches as chaos: a switch begun under load, then a SIGKILL while it drains,
+of the switching instance itself or of the conductor that runs it. Nothing may hang or
+be lost: the instance's requests are placed again (the gateway's fault handling), and an
+instance left switching without its conductor finishes the switch on its own."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from nats.aio.client import Client as NATS
+
+from services.tools.chaos.faults import HeartbeatVictims
+from shared import bus, errors, subjects
+from shared.messages import EngineRole, Role, RoleChange, RoleChangeReply
+
+log = logging.getLogger("halfmoon.chaos")
+
+
+class Switcher:
+    def __init__(self, nc: NATS, beats: HeartbeatVictims, rng: random.Random) -> None:
+        self.nc, self.beats, self.rng = nc, beats, rng
+        self.begun: list[str] = []
+
+    async def begin(self) -> tuple[str, int] | None:
+        """Start a switch of an engine instance whose role keeps another member; its (id,
+        pid), or None when no switch could start. Busy ones first: their drain takes a
+        while, so a kill right after lands inside it."""
+        infos = [i for i in self.beats.infos() if i.role in (Role.PREFILL, Role.DECODE)]
+        ready = [i for i in infos if i.status == "ready"]
+        count = {r: sum(i.role == r for i in ready) for r in (Role.PREFILL, Role.DECODE)}
+        eligible = [i for i in ready if count[i.role] >= 2 and i.pid]
+        busy = [i for i in eligible if i.running or i.queue_depth]
+        pool = busy or eligible
+        if not pool:
+            return None
+        pick = self.rng.choice(sorted(pool, key=lambda i: i.instance_id))
+        to: EngineRole = "decode" if pick.role == Role.PREFILL else "prefill"
+        try:
+            await bus.request(
+                self.nc,
+                subjects.CONDUCTOR_ROLE,
+                RoleChange(instance_id=pick.instance_id, role=to),
+                RoleChangeReply,
+                timeout_s=5.0,
+            )
+        except errors.HalfmoonError as exc:
+            log.warning("chaos: switch of %s not started: %s", pick.instance_id, exc.message)
+            return None
+        self.begun.append(pick.instance_id)
+        log.warning("chaos: switching %s to %s", pick.instance_id, to)
+        return pick.instance_id, pick.pid
