@@ -59,7 +59,7 @@ class Conductor:
         # Active/standby: whether this conductor still holds the leader lease (see leader.py).
         self.leading: Callable[[], bool] = lambda: True
         self.roles = RoleSwitches(self)
-        self.planning = PlannerLoop(self, planner_settings(settings))
+        self.planning = PlannerLoop(self, self.roles, planner_settings(settings))
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:

@@ -39,7 +39,8 @@ from shared.db.session import sessionmaker
 from shared.messages import GenerateRequest, Role, RoleChange
 
 if TYPE_CHECKING:
-    from services.conductor.handlers import Conductor
+    from services.conductor.parts import ConductorParts
+    from services.conductor.roles import RoleSwitches
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,11 @@ def met_slo(rec: RequestRecord, ttft_slo_s: float, tbt_slo_s: float) -> bool:
 
 
 class PlannerLoop:
-    def __init__(self, conductor: Conductor, settings: PlannerSettings) -> None:
+    def __init__(
+        self, conductor: ConductorParts, roles: RoleSwitches, settings: PlannerSettings
+    ) -> None:
         self.c = conductor
+        self.roles = roles
         self.settings = settings
         self.planner = Planner(settings)
         self.arrivals: deque[Arrival] = deque()
@@ -150,7 +154,7 @@ class PlannerLoop:
             instance_id=d.switch.instance_id, role=d.switch.to_role, source="planner"
         )
         try:
-            self.c.roles.begin(change)
+            self.roles.begin(change)
         except errors.HalfmoonError as exc:  # the registry moved since the inputs were read
             return replace(d, reason=f"{d.reason}; not sent: {exc.message}")
         return replace(d, acted=True)

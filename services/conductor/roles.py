@@ -32,7 +32,7 @@ from shared.messages import (
 )
 
 if TYPE_CHECKING:
-    from services.conductor.handlers import Conductor
+    from services.conductor.parts import ConductorParts
     from services.conductor.registry import InstanceState
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class Pending:
 
 
 class RoleSwitches:
-    def __init__(self, conductor: Conductor) -> None:
+    def __init__(self, conductor: ConductorParts) -> None:
         self.c = conductor
         self.pending: dict[str, Pending] = {}
 

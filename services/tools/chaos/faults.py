@@ -10,15 +10,11 @@ import random
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Awaitable, Callable
 
 from services.tools.chaos.args import SWITCH_TARGETS
 from shared import aio
 from shared.messages import InstanceInfo
-
-if TYPE_CHECKING:
-    from services.tools.chaos.switches import Switcher
-
 
 log = logging.getLogger("halfmoon.chaos")
 # target -> [(name, pid)] of the processes that can be killed for it right now
@@ -40,7 +36,9 @@ class Faults:
         self.victims = victims
         self.kills: list[Kill] = []
         self.skipped: list[str] = []
-        self.switcher: Switcher | None = None  # for the switch targets (switches.py)
+        # The switch targets: starts a role switch, (instance id, pid) of the instance
+        # switching, or None (switches.py).
+        self.begin_switch: Callable[[], Awaitable[tuple[str, int] | None]] | None = None
 
     async def run(self, t0: float, until: float, every_s: float, stop: asyncio.Event) -> None:
         """Kill from t0 + every_s/2 on, about every `every_s`, until `until` (monotonic)."""
@@ -62,7 +60,7 @@ class Faults:
     async def kill_mid_switch(self, target: str, t0: float) -> None:
         """Begin a role switch, then kill the switching instance ("switching") or the
         conductor running it ("switch-conductor") while it drains."""
-        begun = await self.switcher.begin() if self.switcher is not None else None
+        begun = await self.begin_switch() if self.begin_switch is not None else None
         if begun is None:
             log.warning("chaos: no role switch could start for %s", target)
             self.skipped.append(target)

@@ -123,7 +123,7 @@ async def chaos(
         s.long_words,
     )
     faults = Faults(s.target_list(), rng, victims or beats)
-    faults.switcher = Switcher(nc, beats, random.Random(s.seed + 1))
+    faults.begin_switch = Switcher(nc, beats, random.Random(s.seed + 1)).begin
     since = time.time()
     t0 = time.monotonic()
     until = t0 + s.duration_s
