@@ -36,7 +36,8 @@ from services.conductor.planner_types import (
 from shared import aio, errors
 from shared.db.schema import RequestRecord, RequestStatus
 from shared.db.session import sessionmaker
-from shared.messages import GenerateRequest, Role, RoleChange
+from shared.messages import GenerateRequest, Role
+from shared.role_messages import RoleChange
 
 if TYPE_CHECKING:
     from services.conductor.parts import ConductorParts

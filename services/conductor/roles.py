@@ -20,16 +20,8 @@ from nats.aio.msg import Msg
 from services.conductor import snapshot
 from services.conductor.policy import select_decode
 from shared import bus, errors, subjects
-from shared.messages import (
-    InstanceInfo,
-    Placement,
-    Redecode,
-    Role,
-    RoleChange,
-    RoleChangeReply,
-    SwitchDone,
-    SwitchRole,
-)
+from shared.messages import InstanceInfo, Placement, Role
+from shared.role_messages import Redecode, RoleChange, RoleChangeReply, SwitchDone, SwitchRole
 
 if TYPE_CHECKING:
     from services.conductor.parts import ConductorParts

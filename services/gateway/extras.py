@@ -19,7 +19,7 @@ from shared import bus, errors, subjects
 from shared.db.schema import DecisionRecord, RequestRecord
 from shared.db.session import sessionmaker
 from shared.db.stats import kv_hit_rates
-from shared.messages import RoleChange, RoleChangeReply
+from shared.role_messages import RoleChange, RoleChangeReply
 
 
 class TokenizeRequest(Strict):

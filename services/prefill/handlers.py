@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.prefill.args import PrefillSettings
+from services.prefill.decode_submit import submit_decode
 from services.prefill.offers import KVOffers
 from services.prefill.stages import Stages
 from services.prefill.streaming import Outgoing, worth_streaming
@@ -37,9 +38,7 @@ from shared.messages import (
     KVChunk,
     KVExportReply,
     KVExportRequest,
-    Placement,
     PrefillJob,
-    Redecode,
     Role,
     TokenLogprob,
 )
@@ -381,54 +380,10 @@ class PrefillInstance(EngineInstance):
             first_token_time=produced,
             streamed_blocks=out.handoff.meta.first_block,
         )
-        refused = await self._submit_decode(job, decode_id)
+        refused = await submit_decode(self.nc, job, decode_id)
         if refused is not None:
             await self.sender.withdraw(tid)  # nobody will fetch it
             await self.finish_with_error(req.request_id, refused.code, refused.message, stream)
-
-    async def _submit_decode(self, job: DecodeJob, decode_id: str) -> errors.HalfmoonError | None:
-        """Give decode the job; if the instance named refuses it (switching role, full, or
-        gone), ask the conductor for another and try that one, a few times. None once one
-        took it, else why not."""
-        tried: list[str] = []
-        while True:
-            try:
-                await bus.request(
-                    self.nc, subjects.decode_submit(decode_id), job, Ack, timeout_s=5.0
-                )
-                return None
-            except errors.Timeout as exc:  # it may have taken it: a second copy would run
-                return _refused(decode_id, exc)
-            except errors.HalfmoonError as exc:
-                tried.append(decode_id)
-                log.info(
-                    "request %s: decode %s refused the handoff (%s)",
-                    job.request.request_id,
-                    decode_id,
-                    exc.message,
-                )
-                if len(tried) >= 3:
-                    return _refused(decode_id, exc)
-                decode_id = await self._another_decode(job, tried)
-                if not decode_id:
-                    return _refused(tried[-1], exc)
-                # A job with streamed_blocks names KV the new one does not hold: it will
-                # recompute the prompt (slower, never wrong).
-
-    async def _another_decode(self, job: DecodeJob, tried: list[str]) -> str:
-        """The conductor's choice of a decode instance not in `tried` ("" if none)."""
-        try:
-            placed = await bus.request(
-                self.nc,
-                subjects.CONDUCTOR_REDECODE,
-                Redecode(request=job.request, exclude=tried),
-                Placement,
-                timeout_s=5.0,
-            )
-        except errors.HalfmoonError as exc:
-            log.warning("request %s: no other decode instance (%s)", job.request.request_id, exc)
-            return ""
-        return placed.decode_id
 
     async def fail_waiting(self, why: str) -> None:
         """On shutdown, handoffs under way finish; requests not handed off end with a
@@ -467,9 +422,3 @@ class PrefillInstance(EngineInstance):
 
     def leased_blocks(self) -> int:
         return self.offers.leased_blocks()
-
-
-def _refused(decode_id: str, exc: errors.HalfmoonError) -> errors.HalfmoonError:
-    return errors.HalfmoonError(
-        f"decode {decode_id} did not take the request: {exc.message}", code=exc.code
-    )

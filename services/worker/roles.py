@@ -24,7 +24,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -40,12 +39,11 @@ from services.worker.metrics import EngineMetrics
 from shared import aio, bus, errors, subjects
 from shared.engine.runner import LoadedModel
 from shared.lifecycle import ServiceRuntime, publish_heartbeat
-from shared.messages import InstanceInfo, Role, SwitchDone, SwitchRole
+from shared.messages import InstanceInfo, Role
+from shared.role_messages import EngineRole, SwitchDone, SwitchRole
 from shared.transfer import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
-
-EngineRole = Literal["prefill", "decode"]
 
 
 class EngineSettings(PrefillSettings, DecodeSettings):

@@ -12,7 +12,8 @@ from nats.aio.client import Client as NATS
 
 from services.tools.chaos.faults import HeartbeatVictims
 from shared import bus, errors, subjects
-from shared.messages import EngineRole, Role, RoleChange, RoleChangeReply
+from shared.messages import Role
+from shared.role_messages import EngineRole, RoleChange, RoleChangeReply
 
 log = logging.getLogger("halfmoon.chaos")
 
