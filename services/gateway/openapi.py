@@ -20,7 +20,7 @@ from pydantic.json_schema import models_json_schema
 from services.gateway.args import GatewaySettings
 from services.gateway.auth import Area, area_of
 from services.gateway.completion_protocol import CompletionRequest
-from services.gateway.extras import DetokenizeRequest, TokenizeRequest
+from services.gateway.extras import DetokenizeRequest, RoleBody, TokenizeRequest
 from services.gateway.openapi_models import RESPONSE_MODELS
 from services.gateway.openapi_schemas import refine
 from services.gateway.protocol import ChatCompletionRequest
@@ -35,6 +35,7 @@ ERRORS = {
     403: "The key is valid but not for this route (admin vs tenant)",
     404: "No such model or record",
     413: "The request body is too large",
+    409: "The cluster's state forbids it now (a role switch that would leave a role empty)",
     429: "Rate limit of the key reached, or the cluster is full: retry after Retry-After",
     500: "Internal error (never a traceback)",
     503: "No instance can take the request, or a dependency is down",
@@ -55,6 +56,7 @@ class Operation:
     request: str | None = None  # a schema name
     parameters: list[dict[str, Any]] = field(default_factory=list)
     description: str = ""
+    ok_status: int = 200
 
 
 # Before OpenAPI 3.2 a text/event-stream schema describes one event: here a chunk, an
@@ -147,13 +149,33 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/admin/kv"): Operation(
         "KV-cache hit rates per instance and window", _json({"type": "object"}), (503,)
     ),
+    ("POST", "/admin/instances/{instance_id}/role"): Operation(
+        "Switch an engine instance between prefill and decode, in place",
+        _json("RoleSwitchAccepted"),
+        (400, 404, 409, 503, 504),
+        request="RoleBody",
+        parameters=[
+            {"name": "instance_id", "in": "path", "required": True, "schema": {"type": "string"}}
+        ],
+        description="202 once the conductor accepted it: the instance stops intake, finishes "
+        "what it holds and comes back in the new role (GET /admin/state shows it switching). "
+        "409 with the reason when the switch would leave a role empty, or the instance is "
+        "switching already.",
+        ok_status=202,
+    ),
     ("GET", "/metrics"): Operation(
         "Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}
     ),
 }
 
 
-REQUESTS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+REQUESTS = [
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+    RoleBody,
+]
 
 
 def _schemas(model_name: str, settings: GatewaySettings, vocab_size: int) -> dict[str, Any]:
@@ -171,7 +193,8 @@ def _responses(op: Operation, area: Area, keys: bool) -> dict[str, Any]:
         codes |= {401, 403, 503}  # 503: the key store (SQL) did not answer
         if area == "api":
             codes.add(429)
-    out: dict[str, Any] = {"200": {"description": "OK", "content": op.ok}}
+    ok = "OK" if op.ok_status == 200 else "Accepted"
+    out: dict[str, Any] = {str(op.ok_status): {"description": ok, "content": op.ok}}
     for code in sorted(codes):
         body = (
             _json("Health") if op.ok == _json("Health") and code == 503 else _json("ErrorResponse")

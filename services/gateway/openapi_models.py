@@ -183,6 +183,14 @@ class AdminRequest(BaseModel):
     decision: dict[str, Any] | None
 
 
+class RoleSwitchAccepted(BaseModel):
+    switch_id: str
+    instance_id: str
+    from_role: Literal["prefill", "decode"]
+    to_role: Literal["prefill", "decode"]
+    status: Literal["draining"]
+
+
 RESPONSE_MODELS: list[type[BaseModel]] = [
     ErrorResponse,
     ChatCompletion,
@@ -196,4 +204,5 @@ RESPONSE_MODELS: list[type[BaseModel]] = [
     Health,
     AdminState,
     AdminRequest,
+    RoleSwitchAccepted,
 ]
