@@ -103,7 +103,7 @@ def _kv(argv: list[str]) -> int:
     if not argv or argv[0] not in ("replay", "synth"):
         print(
             "usage: halfmoon kv replay --trace FILE --capacity-blocks C [C ...]\n"
-            "       halfmoon kv synth --out FILE [--seed S]",
+            "       halfmoon kv synth --out FILE [--seed S] [--shift]",
             file=sys.stderr,
         )
         return 2
@@ -154,6 +154,12 @@ def _sim(argv: list[str]) -> int:
     return int(cli.main(argv) or 0)
 
 
+def _plan(argv: list[str]) -> int:
+    from services.tools import plan
+
+    return plan.main(argv)
+
+
 def _keys(argv: list[str]) -> int:
     from services.gateway import keys_cli
 
@@ -193,6 +199,7 @@ COMMANDS = {
     "bench": _bench,
     "profile": _profile,
     "sim": _sim,
+    "plan": _plan,
     "keys": _keys,
     "chaos": _chaos,
     "soak": _soak,
@@ -213,8 +220,10 @@ commands:
   chaos              kill services and NATS under load: 0 hung requests, 0 lost records
   soak               mixed traffic, cancels and faults for --minutes: no unbounded growth
   sim                simulate a cluster of any size on a Mooncake trace (same policy code)
+  plan               simulate every prefill:decode split of N instances on a trace; --planner
   kv replay          replay a Mooncake trace through the KV index and eviction code
-  kv synth           write a synthetic trace with the paper's statistics (long documents)
+  kv synth           write a synthetic trace with the paper's statistics (long documents;
+                     --shift: prompt-heavy, then output-heavy, for `halfmoon plan`)
   bench request      one request's latency through the stack vs in-process
   bench engine       the engine against transformers: throughput, TBT, prefix reuse, memory
   bench family       each model family's one-stream decode against its bandwidth bound

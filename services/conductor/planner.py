@@ -8,8 +8,10 @@ The rule (DistServe's goodput, decided online as Dynamo's planner does):
 2. predict, with the cost model, the goodput of every split p + d = the instances not
    switching (estimate): requests/s that would meet both SLOs;
 3. move at most one instance per decision towards the best split, and only when it pays:
-   no switch under way, the cooldown over, a clear gain (min_gain), and a gain over the
-   horizon larger than what is lost while the instance drains (Planner.decide).
+   no switch under way, the cooldown over, a clear gain (min_gain; or the current split
+   serves less than the forecast and the best more: with goodputs capped at the forecast
+   that is the case that occurs), and a gain over the horizon larger than what is lost
+   while the instance drains (Planner.decide).
 The mode does not change the rule: "advisory" records the very decision "active" acts
 on (the caller acts, and sets `acted`), so an advisory log says what active would do.
 """
@@ -17,7 +19,7 @@ on (the caller acts, and sets `acted`), so an advisory log says what active woul
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 from services.conductor.costmodel import CostModel
@@ -31,14 +33,14 @@ from services.conductor.planner_types import (
     PlannerMode,
     SplitEstimate,
     Switch,
-    SwitchRole,
 )
+from shared.role_messages import EngineRole
 
 INF = math.inf
 _TIE = 1e-9  # goodputs this close (relatively) are equal: the tie-breaks decide
-# z of a one-sided 90%: for a request's slowest 10% of gaps (_tail_batch), and for the
-# demand the planner sizes the pools for (demand).
-TAIL_Z = 1.2816
+# TBT is the mean of a request's slowest 10% of gaps: for a normal spread, the mean of its
+# top 10% lies phi(1.2816) / 0.1 = 1.755 standard deviations above its mean (_tail_batch).
+TAIL_Z = 1.755
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,10 @@ def forecast(
 
     Rate: the window's mean, or, when its two halves' counts differ by more than twice
     the Poisson noise of that difference, the linear trend through the halves' rates
-    (r1, r2 at their middles) extrapolated to `ahead_s` after now, never below 0. A trend
-    from 30 s of Poisson arrivals is mostly noise (it doubles the rate's spread), so it
-    counts only when it is clearly there: a ramp, a burst. Callers project little
-    (0: now), since the split is weighed again every interval; and they shorten window_s
-    while less than a window has passed since the start, or the rate reads low.
+    (r1, r2 at their middles) extrapolated to `ahead_s` after now, never below 0: a trend
+    from 30 s of Poisson arrivals is mostly noise, so it counts only when clearly there.
+    Callers project little (0: now; the split is weighed again every interval), and
+    shorten window_s while less than a window has passed since the start.
 
     Means: prompt and cached tokens from the arrivals; output tokens from the requests
     that ended in the window with an output (a rejected one is Finished with 0 tokens: it
@@ -95,18 +96,6 @@ def forecast(
     )
 
 
-def demand(fc: Forecast, window_s: float) -> Forecast:
-    """The rate the pools are sized for: the forecast's plus its one-sided 90% Poisson
-    margin. n arrivals in a window give the rate to about 1/sqrt(n) relatively, so a
-    split sized for the rate itself falls short about half the time, and a pool past
-    its capacity loses more than the excess (decode's batch then sits at the SLO's
-    edge, and the tail of every request's gaps over it)."""
-    n = fc.rate_per_s * window_s
-    if n <= 0:
-        return fc
-    return replace(fc, rate_per_s=fc.rate_per_s * (1 + TAIL_Z / math.sqrt(n)))
-
-
 def attainment(finished: Sequence[Finished]) -> float | None:
     """Share of the finished requests that met their SLOs (None: none finished)."""
     return sum(f.met_slo for f in finished) / len(finished) if finished else None
@@ -120,10 +109,9 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _prefill_wait_s(rate: float, service_s: float, servers: int) -> float:
-    """Mean queueing delay at `servers` prefill instances: M/D/c, as Allen–Cunneen
-    approximates it (half the M/M/c wait: Poisson arrivals, a fixed service time), with
-    Sakasegawa's closed form for the M/M/c wait (within a few % of Erlang C where it
-    matters, and no loop: it runs for every split at every decision)."""
+    """Mean queueing delay at `servers` prefill instances: M/D/c as Allen–Cunneen has it
+    (half the M/M/c wait), with Sakasegawa's closed form for M/M/c (no loop: it runs for
+    every split at every decision)."""
     rho = rate * service_s / servers
     if rho >= 1.0:
         return INF
@@ -158,9 +146,11 @@ def _decode_terms(cost: CostModel, fc: Forecast) -> tuple[float, float, float]:
 
 def _tail_batch(batch: float) -> float:
     """The batch a request's slowest gaps see. TBT is the mean of a request's slowest 10%
-    of gaps (Mooncake's), so it is the step at the batch's 90th percentile over the
+    of gaps (Mooncake's), so it is the step at the mean batch of the busiest tenth of the
     request's life: an instance's batch is about Poisson (sequences join and leave at
-    random), so its mean plus 1.28 standard deviations."""
+    random), so its mean plus TAIL_Z standard deviations. Sized at the mean batch, a pool
+    sits at its cliff: over the SLO, admission holds every batch at the SLO's edge and
+    most requests' slowest gaps cross it."""
     return batch + TAIL_Z * math.sqrt(batch)
 
 
@@ -258,6 +248,15 @@ def _label(split: tuple[int, int]) -> str:
     return f"{split[0]}P+{split[1]}D"
 
 
+def _phrases(fc: Forecast, cur: SplitEstimate, best: SplitEstimate) -> tuple[str, str]:
+    """What the current split serves, and what the best would: a reason's parts."""
+    return (
+        f"{_label((cur.prefill, cur.decode))} serves {cur.goodput_rps:.2f} of "
+        f"{fc.rate_per_s:.2f} req/s",
+        f"{_label((best.prefill, best.decode))} would serve {best.goodput_rps:.2f}",
+    )
+
+
 class Planner:
     """Decides every settings.interval_s; remembers only when it last switched (so that
     replaying the same inputs through a fresh Planner gives the same decisions)."""
@@ -277,7 +276,7 @@ class Planner:
             return PlanDecision(
                 inputs.now_s, "off", current, current, (), None, "planner off", inputs
             )
-        fc = demand(inputs.forecast, s.window_s)
+        fc = inputs.forecast
         kv = min(
             (i.kv_blocks_total for i in ready if i.role == "decode" and i.kv_blocks_total > 0),
             default=None,
@@ -296,9 +295,8 @@ class Planner:
             self.last_switch_s = inputs.now_s
         best_split = (best.prefill, best.decode)
         return PlanDecision(
-            inputs.now_s, s.mode, current, best_split, weighed, switch, reason, inputs,
-            extra={"demand_rps": fc.rate_per_s},
-        )  # fmt: skip
+            inputs.now_s, s.mode, current, best_split, weighed, switch, reason, inputs
+        )
 
     @staticmethod
     def _best(
@@ -319,6 +317,26 @@ class Planner:
             ),
         )
 
+    def _held(
+        self, inputs: PlannerInputs, fc: Forecast, cur: SplitEstimate, best: SplitEstimate
+    ) -> str:
+        """Why no switch may be made now ("" when one may): the current split is the best,
+        a switch is under way, the cooldown runs, or the gain is too small."""
+        s, now, would = self.settings, inputs.now_s, _phrases(fc, cur, best)[1]
+        if (cur.prefill, cur.decode) == (best.prefill, best.decode):
+            return ", the best split"
+        moving = [i.instance_id for i in inputs.instances if i.switching]
+        if moving:
+            return f", {would}; {moving[0]} is switching"
+        if self.last_switch_s is not None and now - self.last_switch_s < s.cooldown_s:
+            return f", {would}; cooldown, {s.cooldown_s - (now - self.last_switch_s):.0f} s left"
+        short = cur.goodput_rps < fc.rate_per_s * (1 - _TIE)
+        if best.goodput_rps >= cur.goodput_rps * (1 + s.min_gain) or (
+            short and best.goodput_rps > cur.goodput_rps * (1 + _TIE)
+        ):
+            return ""
+        return f", {would}: under the {s.min_gain:.0%} a switch needs"
+
     def _switch(
         self,
         inputs: PlannerInputs,
@@ -330,26 +348,13 @@ class Planner:
         est: Callable[[int, int], SplitEstimate],
     ) -> tuple[Switch | None, str]:
         """The one switch towards `best` that pays, or None and why not."""
-        s, now = self.settings, inputs.now_s
+        s, serves, would = self.settings, *_phrases(fc, cur, best)
+        held = self._held(inputs, fc, cur, best)
+        if held:
+            return None, f"holding: {serves}{held}"
         here, there = (cur.prefill, cur.decode), (best.prefill, best.decode)
-        serves = f"{_label(here)} serves {cur.goodput_rps:.2f} of {fc.rate_per_s:.2f} req/s"
-        if here == there:
-            return None, f"holding: {serves}, the best split"
-        would = f"{_label(there)} would serve {best.goodput_rps:.2f}"
-        moving = [i.instance_id for i in inputs.instances if i.switching]
-        if moving:
-            return None, f"holding: {serves}, {would}; {moving[0]} is switching"
-        if self.last_switch_s is not None and now - self.last_switch_s < s.cooldown_s:
-            left = s.cooldown_s - (now - self.last_switch_s)
-            return None, f"holding: {serves}, {would}; cooldown, {left:.0f} s left"
-        short = cur.goodput_rps < fc.rate_per_s * (1 - _TIE)
-        if not (
-            best.goodput_rps >= cur.goodput_rps * (1 + s.min_gain)
-            or (short and best.goodput_rps > cur.goodput_rps * (1 + _TIE))
-        ):
-            return None, f"holding: {serves}, {would}: under the {s.min_gain:.0%} a switch needs"
-        grow: SwitchRole = "prefill" if there[0] > here[0] else "decode"
-        shrink: SwitchRole = "decode" if grow == "prefill" else "prefill"
+        grow: EngineRole = "prefill" if there[0] > here[0] else "decode"
+        shrink: EngineRole = "decode" if grow == "prefill" else "prefill"
         step = (1, -1) if grow == "prefill" else (-1, 1)
         without = (here[0] - (shrink == "prefill"), here[1] - (shrink == "decode"))
         if min(without) < s.min_per_role:
@@ -359,18 +364,19 @@ class Planner:
             key=lambda i: (drain_s(cost, fc, i), i.instance_id),
         )
         drain = drain_s(cost, fc, inst)
-        # One step's gain over the horizon against what the shrinking pool loses while
-        # the instance drains (nothing, when that pool has capacity to spare).
+        # One step's gain, from the end of the drain to the horizon, against what the
+        # shrinking pool loses while the instance drains (nothing when it has capacity to
+        # spare): a drain as long as the horizon never pays.
         nxt = est(here[0] + step[0], here[1] + step[1])
-        gain = (nxt.goodput_rps - cur.goodput_rps) * s.horizon_s
+        gain = (nxt.goodput_rps - cur.goodput_rps) * max(0.0, s.horizon_s - drain)
         lost = (cur.goodput_rps - est(*without).goodput_rps) * drain
         if gain <= lost:
             return None, (
-                f"holding: {serves}, {would}; {gain:.1f} more requests over "
-                f"{s.horizon_s:.0f} s do not pay for {lost:.1f} lost in {inst.instance_id}'s "
-                f"{drain:.1f} s drain"
+                f"holding: {serves}, {would}; {gain:.1f} more requests within "
+                f"{s.horizon_s:.0f} s do not pay for {inst.instance_id}'s {drain:.1f} s "
+                f"drain ({lost:.1f} lost)"
             )
-        why = f"{grow} short" if short else "rebalancing"
+        why = f"{grow} short" if cur.goodput_rps < fc.rate_per_s * (1 - _TIE) else "rebalancing"
         return Switch(inst.instance_id, shrink, grow, drain), (
             f"{why}: {serves}, {would}; {inst.instance_id} {shrink} -> {grow} "
             f"(drain ~{drain:.1f} s)"

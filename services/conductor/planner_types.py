@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shared.role_messages import EngineRole
+
 PlannerMode = Literal["off", "advisory", "active"]
-SwitchRole = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class InstanceLoad:
     """One engine instance as the registry (or the simulator) sees it now."""
 
     instance_id: str
-    role: SwitchRole
+    role: EngineRole
     switching: bool = False  # draining towards the other role: no new work lands on it
     queue_s: float = 0.0  # prefill: predicted seconds of queued work
     running: int = 0  # decode: sequences in its batch
@@ -81,8 +82,8 @@ class SplitEstimate:
 @dataclass(frozen=True)
 class Switch:
     instance_id: str
-    from_role: SwitchRole
-    to_role: SwitchRole
+    from_role: EngineRole
+    to_role: EngineRole
     drain_s: float  # predicted time to finish what it holds before it can switch
 
 

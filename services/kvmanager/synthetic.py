@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="mooncake: the paper's synthetic mix; long-documents: 8k-32k-token documents "
         "asked about several times each, no chats (%(default)s)",
     )
+    p.add_argument(
+        "--shift",
+        action="store_true",
+        help="instead: the phase-shifting workload (phase_shift.py): a prompt-heavy first "
+        "half (documents, short answers), an output-heavy second half (chats, long "
+        "answers), Poisson at one rate, every request fresh (for `halfmoon plan`)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (%(default)s)")
     p.add_argument("--requests", type=int, help="requests (default: the shape's)")
     p.add_argument("--rate", type=float, help="arrivals per second (default: the shape's)")
@@ -139,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from services.kvmanager.replay import replay_requests
 
     args = build_parser().parse_args(argv)
+    if args.shift:
+        return _shift(args)
     base = SHAPES[args.shape]
     shape = replace(
         base,
@@ -163,4 +172,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{statistics.mean(r.output_length for r in trace):.0f}{vs(str(PAPER_MEAN_OUTPUT))}, "
         f"ideal prefix hit ratio {hit:.1%}{vs(f'~{PAPER_CACHE_RATIO:.0%}')}"
     )
+    return 0
+
+
+def _shift(args: argparse.Namespace) -> int:
+    from services.kvmanager.phase_shift import PhaseShape, phase_shift_trace
+
+    base = PhaseShape()
+    shape = replace(
+        base,
+        requests=base.requests if args.requests is None else args.requests,
+        rate_per_s=base.rate_per_s if args.rate is None else args.rate,
+    )
+    if shape.requests < 2 or not shape.rate_per_s > 0:
+        print("halfmoon kv synth: --shift needs --requests >= 2 and --rate > 0")
+        return 2
+    trace = phase_shift_trace(shape, args.seed)
+    write_trace(args.out, trace)
+    half = len(trace) // 2
+    for name, part in (("documents", trace[:half]), ("chats", trace[half:])):
+        span = (part[-1].timestamp_ms - part[0].timestamp_ms) / 1e3
+        print(
+            f"{args.out} {name}: {len(part)} requests over {span:.0f} s, mean input "
+            f"{statistics.mean(r.input_length for r in part):,.0f} tokens, output "
+            f"{statistics.mean(r.output_length for r in part):,.0f}"
+        )
     return 0

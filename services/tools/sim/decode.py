@@ -55,6 +55,12 @@ class DecodeInstance:
             )
         return self._view
 
+    @property
+    def idle(self) -> bool:
+        """No sequence running, waiting to join or headed here (still in prefill or its
+        handoff). Its last step ended at step_end_s."""
+        return not self.busy and not self.waiting and not self.assigned
+
     def assign(self, context: int) -> None:
         self.assigned += 1
         self.assigned_context += context

@@ -62,6 +62,11 @@ class PrefillInstance:
         self.queued_s += job.predicted_s
         self._idle_view = None
 
+    @property
+    def idle(self) -> bool:
+        """Nothing running or queued (an elastic cluster's drain waits for it)."""
+        return self.running is None and not self.queue
+
     def start_next(self, now: float, cost: CostModel, block_tokens: int, pools: PoolLookup) -> bool:
         """Start the next queued job if idle; True if one started (its end is
         `running_end_s`). `pools` gives the pool of a job's pull_from instance."""
@@ -171,6 +176,11 @@ class ChunkedPrefillInstance:
     def enqueue(self, job: PrefillJob) -> None:
         self.queue.append(job)
         self.queued_s += job.predicted_s
+
+    @property
+    def idle(self) -> bool:
+        """No step running, no prompt started or queued."""
+        return self.running is None and not self._active and not self.queue
 
     def start_next(self, now: float, cost: CostModel, block_tokens: int, pools: PoolLookup) -> bool:
         """Start a step if idle and there is work; True if one started."""

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from services.conductor.planner_types import PlanDecision
+from services.tools.sim.elastic import ElasticCluster, SwitchRecord
 from services.tools.sim.model import Outcome, SimRequest
 from services.tools.sim.run import LOCAL, SimConfig, simulate
 from shared.stats import percentile
@@ -30,6 +32,9 @@ class SimResult:
     pipelined: int  # requests prefilled by a group of instances
     makespan_s: float  # first arrival to last token
     wall_s: float
+    # With SimConfig.planner: every decision, and the switches carried out (active mode).
+    plan: tuple[PlanDecision, ...] = ()
+    switches: tuple[SwitchRecord, ...] = ()
 
 
 def summarize(
@@ -71,4 +76,7 @@ def run_policy(requests: Sequence[SimRequest], cfg: SimConfig, policy: str) -> S
     if policy == LOCAL:
         cfg = replace(cfg, balancing_threshold=math.inf)
     outcomes, wall_s, cluster = simulate(requests, cfg, "kvcentric" if policy == LOCAL else policy)
-    return summarize(policy, outcomes, wall_s, cfg.block_tokens, cluster.num_placed_over_slo)
+    result = summarize(policy, outcomes, wall_s, cfg.block_tokens, cluster.num_placed_over_slo)
+    if isinstance(cluster, ElasticCluster):
+        result = replace(result, plan=tuple(cluster.plan), switches=tuple(cluster.switches))
+    return result
