@@ -149,3 +149,16 @@ def test_32_instances_planner_beats_the_best_fixed_split():
     got = elastic.run.goodput_rps
     assert got >= best.goodput_rps, (got, best)
     assert got >= 1.3 * runs[16].goodput_rps, (got, runs[16])
+
+
+def test_on_shared_cores_with_chunked_prefill_every_request_ends():
+    """The one-machine stack's model (bench replay --sim): 3 slots sharing 2 cores, the
+    engine's chunked prefill steps. A slot's prefill and decode objects share its id on the
+    cores, so a decode step's end must reach the decode object (it once reached the
+    prefill one and failed with 'completion with no running step')."""
+    requests = workload(0.8, 3)
+    cfg = config(3, cores=2.0, work_cost=COST, prefill_chunk_tokens=512)
+    outcomes, _, cluster = simulate(requests, cfg, "kvcentric")
+    assert isinstance(cluster, ElasticCluster) and cluster.switches
+    assert all(o.rejected or not math.isnan(o.finish_s) for o in outcomes)
+    assert sum(not o.rejected for o in outcomes) > len(outcomes) // 2

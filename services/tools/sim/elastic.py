@@ -37,6 +37,7 @@ from services.conductor.policy import Policy, make_policy
 from services.kvmanager.pool import HashPool
 from services.tools.sim.cluster import Cluster, common_prefix
 from services.tools.sim.config import SimConfig
+from services.tools.sim.cores import BACKGROUND
 from services.tools.sim.decode import DecodeInstance
 from services.tools.sim.model import Outcome, SimRequest
 from services.tools.sim.outcomes import as_record
@@ -137,6 +138,14 @@ class ElasticCluster(Cluster):
         else:
             self.pending.append(out)
         self._check_drains(now)
+
+    def _shared_done(self, now: float, instance_id: str) -> None:
+        """A slot's prefill and decode objects share its id on the shared cores; only the
+        one serving the slot's role has work there (a drain ends before the role flips)."""
+        if instance_id != BACKGROUND and self.role.get(instance_id) == "decode":
+            self.decodes[instance_id].end_shared_step(now)
+            return
+        super()._shared_done(now, instance_id)
 
     def _prefill_done(self, inst: _Prefill, now: float) -> None:
         super()._prefill_done(inst, now)
