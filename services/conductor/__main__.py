@@ -105,6 +105,13 @@ def _info(
         "slo_margin",
         "balancing_threshold",
         "layout",
+        # the P/D planner's: a simulator replaying this run runs the same planner
+        "planner",
+        "planner_interval_s",
+        "planner_window_s",
+        "planner_min_gain",
+        "planner_cooldown_s",
+        "planner_horizon_s",
     }
 
     def info() -> InstanceInfo:

@@ -8,6 +8,8 @@ Or, starting a fresh local cluster per configuration and putting them side by si
     halfmoon bench replay --config "a=--prefill 2 --decode 1" --config "b=--colocated 3"
     halfmoon bench replay --compare fleet       # Halfmoon 1P+1D vs 2 llama-servers + router
     halfmoon bench replay --fleet "rr=--servers 2 --route round_robin"
+    halfmoon bench replay --compare elastic --trace SHIFT.jsonl ...  # the P/D planner
+                                                # vs fixed 2P+1D and 1P+2D (elastic.py)
 Writes report.json and report.html (plotly) to --out.
 """
 
@@ -26,7 +28,7 @@ from services.kvmanager.traces import default_trace, load_trace
 from services.tools.bench import llama_cpp
 from services.tools.bench.fleet import FleetConfig, local_fleet
 from services.tools.bench.fleet.verdict import fleet_comparison
-from services.tools.bench.replay import machine, report, sim_compare
+from services.tools.bench.replay import elastic, machine, report, sim_compare
 from services.tools.bench.replay.cluster import ClusterConfig, local_cluster
 from services.tools.bench.replay.prompts import (
     PromptMaker,
@@ -87,7 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample-conversations keeps whole)",
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway (single-run mode)")
-    p.add_argument("--compare", choices=sorted(PRESETS), help="start a cluster per preset config")
+    p.add_argument(
+        "--compare",
+        choices=sorted([*PRESETS, "elastic"]),
+        help="start a cluster per preset config",
+    )
     p.add_argument(
         "--config",
         action="append",
@@ -226,13 +232,30 @@ async def run_one(name: str, url: str, work: Workload, args: argparse.Namespace)
 
 
 async def measured_run(
-    name: str, url: str, work: Workload, args: argparse.Namespace, cores: float | None
+    name: str,
+    url: str,
+    work: Workload,
+    args: argparse.Namespace,
+    cores: float | None,
+    sample_splits: bool = False,
 ) -> tuple[dict[str, Any], sim_compare.ClusterFacts | None]:
     """One live run and, with --sim, what the simulator needs of it. With shared cores
     (the stack on this machine), that includes what the rest of the machine took of
-    them during the run (machine.py)."""
+    them during the run (machine.py). `sample_splits`: the P:D split over the run."""
+    start = sim_compare.split_of(await machine.admin_state(url)) if args.sim else None
     before = await machine.mark(url) if args.sim and cores else None
-    run = await run_one(name, url, work, args)
+    splits: list[dict[str, Any]] = []
+    sampler = (
+        asyncio.create_task(elastic.sample_splits(url, 1.0, splits)) if sample_splits else None
+    )
+    try:
+        run = await run_one(name, url, work, args)
+    finally:
+        if sampler is not None:
+            sampler.cancel()
+    if sampler is not None:
+        run["splits"] = splits
+        print(elastic.describe(run, work.arrivals[len(work.arrivals) // 2]), flush=True)
     if not args.sim:
         return run, None
     per_request, weight = 0.0, 1.0
@@ -259,7 +282,7 @@ async def measured_run(
             "an engine)",
             flush=True,
         )
-    return run, sim_compare.cluster_facts(state, cores, per_request, weight)
+    return run, sim_compare.cluster_facts(state, cores, per_request, weight, start)
 
 
 def with_sim(
@@ -285,6 +308,13 @@ def with_sim(
     sim = run_sim(facts)
     rows = sim_compare.side_by_side(run["summary"], sim)
     print(sim_compare.table(run["name"], rows, sim["draws"]), flush=True)
+    if sim["switches"]:
+        shape = sim["shape"]
+        print(
+            f"  (the planner in the loop from {shape['prefill']}P+{shape['decode']}D: "
+            f"{min(sim['switches'])}-{max(sim['switches'])} switches per draw)",
+            flush=True,
+        )
     left_out = sim_compare.ablations(facts, run_sim, run["summary"])
     print(sim_compare.ablation_table(rows, left_out), flush=True)
     c, w = sim["cost_params"], sim["work_params"]
@@ -333,6 +363,8 @@ def comparisons(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 async def main_async(args: argparse.Namespace) -> int:
     configs: list[ClusterConfig | FleetConfig] = [ClusterConfig.parse(c) for c in args.config]
     configs += [FleetConfig.parse(f) for f in args.fleet] + list(PRESETS.get(args.compare, ()))
+    if args.compare == "elastic":
+        configs += elastic.preset(args.ttft_slo_ms, args.tbt_slo_ms)
     model_dir = await asyncio.to_thread(ensure_model, args.model)
     plans, arr, ideal = plan(args, model_dir)
     slos = Slos(
@@ -354,7 +386,8 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"[{cfg.name}] starting a local cluster: halfmoon up {cfg.describe()}", flush=True)
         async with local_cluster(cfg, model_dir, out) as url:
             cores = args.sim_cores or float(len(os.sched_getaffinity(0)))
-            run, facts = await measured_run(cfg.name, url, work, args, cores)
+            planner = "--planner" in cfg.flags or args.compare == "elastic"
+            run, facts = await measured_run(cfg.name, url, work, args, cores, planner)
         run = with_sim(run, facts, work, args)
         runs.append({**run, "config": cfg.describe()})
     desc = (
@@ -368,7 +401,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "description": desc,
         "args": vars(args),
         "runs": runs,
-        "comparisons": comparisons(runs) + fleet_comparison(runs),
+        "comparisons": comparisons(runs) + fleet_comparison(runs) + elastic.comparison(runs),
     }
     print("\n" + desc + "\n" + report.table(runs))
     for c in doc["comparisons"]:

@@ -26,8 +26,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from services.conductor.costmodel import CostModel
+from services.conductor.planner import PlannerSettings
 from services.tools.bench.replay import report
 from services.tools.bench.replay.prompts import PromptPlan
+from services.tools.sim.elastic import ElasticCluster
 from services.tools.sim.model import SimRequest, with_block_tokens
 from services.tools.sim.outcomes import summarize_outcomes
 from services.tools.sim.run import SimConfig, simulate
@@ -62,6 +64,31 @@ class ClusterFacts:
     # (machine.py): the simulator's background on the shared cores.
     background_s_per_request: float = 0.0
     background_weight: float = 1.0
+    # The split the run started from, where the planner may have moved it since (None:
+    # the split at the end, num_prefill:num_decode, is the one it ran).
+    start_split: tuple[int, int] | None = None
+
+
+def split_of(state: dict[str, Any]) -> tuple[int, int]:
+    """(prefill, decode) engine instances in a GET /admin/state, by the role each serves
+    (one switching counts in the role it leaves: it reports that until it is done)."""
+    roles = [i["role"] for i in state["instances"]]
+    return roles.count("prefill"), roles.count("decode")
+
+
+def planner_of(placement: dict[str, Any]) -> PlannerSettings | None:
+    """The live conductor's planner settings, as its heartbeat reports them (None: off)."""
+    mode = placement.get("planner", "off")
+    if mode == "off":
+        return None
+    return PlannerSettings(
+        mode=mode,
+        interval_s=float(placement["planner_interval_s"]),
+        window_s=float(placement["planner_window_s"]),
+        min_gain=float(placement["planner_min_gain"]),
+        cooldown_s=float(placement["planner_cooldown_s"]),
+        horizon_s=float(placement["planner_horizon_s"]),
+    )
 
 
 def cluster_facts(
@@ -69,6 +96,7 @@ def cluster_facts(
     cores: float | None = None,
     background_s_per_request: float = 0.0,
     background_weight: float = 1.0,
+    start_split: tuple[int, int] | None = None,
 ) -> ClusterFacts:
     """What the live cluster knew at the end of its run, from its GET /admin/state."""
     infos = state["instances"]
@@ -77,11 +105,9 @@ def cluster_facts(
         raise RuntimeError("no conductor in /admin/state reports its cost model")
     lead = next((c for c in conductors if c.get("leader")), conductors[0])
     prefills = [i for i in infos if i["role"] == "prefill"]
-    decodes = [i for i in infos if i["role"] == "decode"]
     cpu = lead.get("cpu_cost_params")
     return ClusterFacts(
-        len(prefills),
-        len(decodes),
+        *split_of(state),
         min((i["kv_blocks_total"] for i in prefills), default=0),
         CostModel.from_params(lead["cost_params"], f"the live conductor's: {lead['cost_model']}"),
         lead.get("placement", {}),
@@ -89,6 +115,7 @@ def cluster_facts(
         cores,
         background_s_per_request,
         background_weight,
+        start_split,
     )
 
 
@@ -132,9 +159,15 @@ def replay_config(facts: ClusterFacts, block_tokens: int, slos: Slos, send_slos:
     # Shared cores only with the work they share: the CPU-time model (engines that report it).
     cpu = facts.cpu_cost if facts.cores is not None else None
     work = with_block_tokens(cpu, block_tokens) if cpu is not None else None
+    planner = planner_of(p)
+    # With the planner in the loop, the simulated cluster starts where the live one did.
+    prefill, decode = (facts.start_split if planner else None) or (
+        facts.num_prefill,
+        facts.num_decode,
+    )
     return SimConfig(
-        num_prefill=facts.num_prefill,
-        num_decode=facts.num_decode,
+        num_prefill=prefill,
+        num_decode=decode,
         cache_blocks=facts.prefill_blocks or None,
         cost=with_block_tokens(facts.cost, block_tokens),
         block_tokens=block_tokens,
@@ -151,6 +184,7 @@ def replay_config(facts: ClusterFacts, block_tokens: int, slos: Slos, send_slos:
         background_weight=facts.background_weight,
         # The live engine's steps: its scheduler packs this many prompt tokens per step.
         prefill_chunk_tokens=SchedulerConfig().max_num_batched_tokens,
+        planner=planner,
     )
 
 
@@ -169,11 +203,13 @@ def simulate_replay(
     each figure's range over the draws."""
     cfg = replay_config(facts, block_tokens, slos, send_slos)
     policy = str(facts.placement.get("policy", "kvcentric"))
-    summaries, wall = [], 0.0
+    summaries, wall, switches = [], 0.0, []
     for seed in range(max(1, draws)):
-        outcomes, took, _ = simulate(requests, replace(cfg, seed=seed), policy)
+        outcomes, took, cluster = simulate(requests, replace(cfg, seed=seed), policy)
         summaries.append(summarize_outcomes(outcomes, block_tokens, slos, ideal_hit_ratio))
         wall += took
+        if isinstance(cluster, ElasticCluster):
+            switches.append(len(cluster.switches))
     work_model = cfg.work_cost or cfg.cost
     return {
         "summary": mean_summary(summaries),
@@ -195,10 +231,12 @@ def simulate_replay(
             else "each instance on its own cores"
         ),
         "shape": {
-            "prefill": facts.num_prefill,
-            "decode": facts.num_decode,
+            "prefill": cfg.num_prefill,
+            "decode": cfg.num_decode,
             "prefill_blocks": facts.prefill_blocks,
         },  # fmt: skip
+        # With the planner in the loop: its switches in each draw.
+        "switches": switches,
     }
 
 
