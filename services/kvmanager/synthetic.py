@@ -31,8 +31,9 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Sequence, TypeVar
 
+from services.kvmanager.phase_shift import PhaseShape, phase_shift_trace
 from services.kvmanager.traces import TraceRequest, write_trace
 
 # The paper's table (Mooncake, FAST'25, §5.1): what a generated trace must reproduce.
@@ -142,18 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_Shape = TypeVar("_Shape", SyntheticShape, PhaseShape)
+
+
+def _sized(base: _Shape, args: argparse.Namespace) -> _Shape:
+    """The shape with --requests and --rate where given."""
+    return replace(
+        base,
+        requests=base.requests if args.requests is None else args.requests,
+        rate_per_s=base.rate_per_s if args.rate is None else args.rate,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from services.kvmanager.replay import replay_requests
 
     args = build_parser().parse_args(argv)
     if args.shift:
         return _shift(args)
-    base = SHAPES[args.shape]
-    shape = replace(
-        base,
-        requests=base.requests if args.requests is None else args.requests,
-        rate_per_s=base.rate_per_s if args.rate is None else args.rate,
-    )
+    shape = _sized(SHAPES[args.shape], args)
     if shape.requests < 1 or not shape.rate_per_s > 0:
         print("halfmoon kv synth: --requests must be >= 1 and --rate > 0")
         return 2
@@ -176,14 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _shift(args: argparse.Namespace) -> int:
-    from services.kvmanager.phase_shift import PhaseShape, phase_shift_trace
-
-    base = PhaseShape()
-    shape = replace(
-        base,
-        requests=base.requests if args.requests is None else args.requests,
-        rate_per_s=base.rate_per_s if args.rate is None else args.rate,
-    )
+    shape = _sized(PhaseShape(), args)
     if shape.requests < 2 or not shape.rate_per_s > 0:
         print("halfmoon kv synth: --shift needs --requests >= 2 and --rate > 0")
         return 2

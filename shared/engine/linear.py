@@ -75,6 +75,12 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(n // GEMM_PANEL, GEMM_PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def unpack_panels(packed: torch.Tensor) -> torch.Tensor:
+    """pack_panels' inverse: the [N, K] row-major weights back."""
+    panels, pairs, cols, two = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(panels * cols, pairs * two).contiguous()
+
+
 def gemm_fits(w: torch.Tensor) -> bool:
     n, k = w.shape
     return (

@@ -8,6 +8,7 @@ import torch
 
 from shared.engine import kernels
 from shared.engine.batch import build_batch
+from shared.engine.linear import unpack_panels
 from shared.engine.llm_engine import EngineConfig, LLMEngine
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
@@ -52,12 +53,6 @@ def test_native_and_fallback_match_transformers(tiny):
         assert greedy_run(tiny, native=True, prompts=prompts) == refs
 
 
-def _unpack_panels(panels):
-    """linear.pack_panels' inverse: the [N, K] row-major weights back."""
-    blocks, pairs, cols, two = panels.shape
-    return panels.permute(0, 2, 1, 3).reshape(blocks * cols, pairs * two).contiguous()
-
-
 def _bf16_decode_logits(lm, native_linears, prompts):
     """Each prompt prefilled, then one decode step of all of them as one batch: that
     step's logits [len(prompts), vocab], and the full sequences. Without native linears,
@@ -67,7 +62,7 @@ def _bf16_decode_logits(lm, native_linears, prompts):
         for lin in [engine.model.lm_head, *(x for la in engine.model.layers for x in la.linears)]:
             lin.gemv_rows = 0
             if lin.weight is None:  # the GEMM took every row count (bf16 without AMX)
-                lin.weight = _unpack_panels(lin.gemv)
+                lin.weight = unpack_panels(lin.gemv)
     seqs = []
     for i, ids in enumerate(prompts):
         seq = Sequence(f"s{i}", list(ids), len(ids), SamplingParams(temperature=0))

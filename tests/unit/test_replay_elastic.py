@@ -7,12 +7,12 @@ from dataclasses import replace
 from services.conductor.costmodel import CostModel
 from services.conductor.planner import PlannerSettings
 from services.tools.bench.replay import elastic
+from services.tools.bench.replay.machine import split_of
 from services.tools.bench.replay.sim_compare import (
     ClusterFacts,
     cluster_facts,
     planner_of,
     replay_config,
-    split_of,
 )
 from shared.run_summary import Slos
 

@@ -242,8 +242,9 @@ async def measured_run(
     """One live run and, with --sim, what the simulator needs of it. With shared cores
     (the stack on this machine), that includes what the rest of the machine took of
     them during the run (machine.py). `sample_splits`: the P:D split over the run."""
-    start = sim_compare.split_of(await machine.admin_state(url)) if args.sim else None
-    before = await machine.mark(url) if args.sim and cores else None
+    start_state = await machine.admin_state(url) if args.sim else None
+    start = machine.split_of(start_state) if start_state else None
+    before = machine.mark_of(start_state) if start_state and cores else None
     splits: list[dict[str, Any]] = []
     sampler = (
         asyncio.create_task(elastic.sample_splits(url, 1.0, splits)) if sample_splits else None

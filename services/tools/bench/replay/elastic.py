@@ -19,6 +19,7 @@ import aiohttp
 
 from services.tools.bench.replay import report
 from services.tools.bench.replay.cluster import ClusterConfig
+from services.tools.bench.replay.machine import split_of
 
 _SLO_ENV = "HALFMOON_TTFT_SLO_MS={ttft} HALFMOON_TBT_SLO_MS={tbt}"
 _PLANNER = (
@@ -47,14 +48,16 @@ async def sample_splits(url: str, every_s: float, into: list[dict[str, Any]]) ->
             try:
                 async with http.get(f"{url}/admin/state") as resp:
                     state = await resp.json()
-                infos = state["instances"]
+                prefill, decode = split_of(state)
                 into.append(
                     {
                         "t_s": time.monotonic() - start,
-                        "prefill": sum(i["role"] == "prefill" for i in infos),
-                        "decode": sum(i["role"] == "decode" for i in infos),
+                        "prefill": prefill,
+                        "decode": decode,
                         "switching": [
-                            i["instance_id"] for i in infos if i.get("status") == "switching"
+                            i["instance_id"]
+                            for i in state["instances"]
+                            if i.get("status") == "switching"
                         ],
                     }
                 )

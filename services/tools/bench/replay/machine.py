@@ -85,8 +85,16 @@ class CpuMark:
     work_s: float
 
 
-async def mark(url: str) -> CpuMark:
-    return CpuMark(time.monotonic(), busy_cpu_s(), work_cpu_s(await admin_state(url)))
+def mark_of(state: dict[str, Any]) -> CpuMark:
+    """A mark now, with the engines' step time from a GET /admin/state just read."""
+    return CpuMark(time.monotonic(), busy_cpu_s(), work_cpu_s(state))
+
+
+def split_of(state: dict[str, Any]) -> tuple[int, int]:
+    """(prefill, decode) engine instances in a GET /admin/state, by the role each serves
+    (one switching counts in the role it leaves: it reports that until it is done)."""
+    roles = [i["role"] for i in state["instances"]]
+    return roles.count("prefill"), roles.count("decode")
 
 
 async def mark_after(url: str, timeout_s: float = 10.0) -> tuple[CpuMark, dict[str, Any]]:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 from services.conductor.costmodel import CostModel
 from services.conductor.planner import PlannerSettings
 from services.tools.bench.replay import report
+from services.tools.bench.replay.machine import split_of
 from services.tools.bench.replay.prompts import PromptPlan
 from services.tools.sim.elastic import ElasticCluster
 from services.tools.sim.model import SimRequest, with_block_tokens
@@ -67,13 +68,6 @@ class ClusterFacts:
     # The split the run started from, where the planner may have moved it since (None:
     # the split at the end, num_prefill:num_decode, is the one it ran).
     start_split: tuple[int, int] | None = None
-
-
-def split_of(state: dict[str, Any]) -> tuple[int, int]:
-    """(prefill, decode) engine instances in a GET /admin/state, by the role each serves
-    (one switching counts in the role it leaves: it reports that until it is done)."""
-    roles = [i["role"] for i in state["instances"]]
-    return roles.count("prefill"), roles.count("decode")
 
 
 def planner_of(placement: dict[str, Any]) -> PlannerSettings | None:
