@@ -48,6 +48,13 @@ class Role(StrEnum):
     DECODE = "decode"
 
 
+# What an engine instance serves as (services/worker/roles.py). "colocated" prefills and
+# decodes its own requests (Splitwise's mixed pool) beside prefill and decode instances:
+# on the bus it is a prefill instance whose heartbeat says `colocated`, and no other
+# instance hands it KV.
+EngineRole = Literal["prefill", "decode", "colocated"]
+
+
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
@@ -157,7 +164,11 @@ class InstanceInfo(Message):
     # "switching": an engine draining towards another role (see services/worker/roles.py);
     # no new work lands on it, and it comes back as `switching_to` once drained.
     status: Literal["ready", "draining", "switching"] = "ready"
-    switching_to: Role | None = None
+    switching_to: EngineRole | None = None
+    # An engine serving as prefill that decodes what it prefills (the "colocated" role of
+    # services/worker/roles.py) in a disaggregated pool: it takes whole requests, never a
+    # handoff from another prefill instance.
+    colocated: bool = False
     kv_host: str = ""
     kv_port: Port = 0
     queue_depth: Count = 0  # requests waiting

@@ -1,5 +1,5 @@
-"""Messages of role switching: an engine instance moves between prefill and decode in
-place (services.worker.roles, services.conductor.roles), and a prefill instance whose
+"""Messages of role switching: an engine instance moves between prefill, decode and
+colocated in place (services.worker.roles, services.conductor.roles), and a prefill instance whose
 decode instance refused the handoff asks the conductor for another.
 
 The same rules as shared.messages: typed, versioned, and bounded where they are parsed.
@@ -11,9 +11,26 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.messages import GenerateRequest, InstanceId, Message, Seconds
+from shared.messages import (
+    EngineRole,
+    GenerateRequest,
+    InstanceId,
+    InstanceInfo,
+    Message,
+    Role,
+    Seconds,
+)
 
-EngineRole = Literal["prefill", "decode"]
+ENGINE_ROLES: tuple[EngineRole, ...] = ("prefill", "decode", "colocated")
+
+
+def engine_role(info: InstanceInfo) -> EngineRole | None:
+    """The role an engine's heartbeat says it serves as (None: not an engine)."""
+    if info.role == Role.DECODE:
+        return "decode"
+    if info.role == Role.PREFILL:
+        return "colocated" if info.colocated else "prefill"
+    return None
 
 
 class RoleChange(Message):

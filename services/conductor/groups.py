@@ -22,7 +22,12 @@ def group_candidates(snap: Snapshot, req: RequestView) -> list[Candidate]:
     """Every group holding a prefix of the prompt whose stages are all idle, reusing it;
     and a cold group of each size from 2 to max_stages of the idle instances (smallest ids
     first), its layers split evenly."""
-    idle = sorted(p.instance_id for p in snap.prefills if p.queue_s <= 0.0)
+    # A colocated instance's cores decode its batch between prompts: never a stage.
+    idle = sorted(
+        p.instance_id
+        for p in snap.prefills
+        if p.queue_s <= 0.0 and p.instance_id not in snap.own_decodes
+    )
     free = set(idle)
     out = []
     for holder, blocks in sorted(req.prefix_blocks.items()):

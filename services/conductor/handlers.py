@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Callable
 
@@ -157,7 +158,9 @@ class Conductor:
         prefills = self.registry.alive(Role.PREFILL, now)
         colocated = self.settings.layout == "colocated"
         decodes = prefills if colocated else self.registry.alive(Role.DECODE, now)
-        if not decodes or not prefills:
+        if not decodes:  # only colocated instances (those in the pool) can serve it whole
+            prefills = [p for p in prefills if p.info.colocated]
+        if not prefills:
             raise errors.Unavailable("no live prefill and decode instances", retry_after_s=2.0)
         live = {p.info.instance_id for p in prefills}
         matches = {  # an instance, or a group all of whose stages are, alive
@@ -234,7 +237,8 @@ class Conductor:
             decode_instance=d.decode_id or None,
             rejected=d.rejected or None,
             predicted_ttft_ms=d.ttft_s * 1e3 if d.prefill else None,
-            predicted_tbt_ms=d.tbt_s * 1e3 if d.decode_id else None,
+            # a decode instance's, or a colocated one's own batch (inf: no room anywhere)
+            predicted_tbt_ms=d.tbt_s * 1e3 if 0 < d.tbt_s < math.inf else None,
             candidates=[
                 {
                     "instance": c.instance_id,

@@ -12,6 +12,9 @@ The rule (DistServe's goodput, decided online as Dynamo's planner does):
    serves less than the forecast and the best more: with goodputs capped at the forecast
    that is the case that occurs), and a gain over the horizon larger than what is lost
    while the instance drains (Planner.decide).
+Colocated instances (put there by hand) are left where they are, and the forecast counts
+every arrival, theirs too: the planner sizes the prefill and decode pools as though they
+served the whole load, which errs towards serving more.
 The mode does not change the rule: "advisory" records the very decision "active" acts
 on (the caller acts, and sets `acted`), so an advisory log says what active would do.
 """
@@ -267,7 +270,9 @@ class Planner:
 
     def decide(self, inputs: PlannerInputs, cost: CostModel) -> PlanDecision:
         s = self.settings
-        ready = [i for i in inputs.instances if not i.switching]
+        # Colocated instances were put there by hand: the planner weighs prefill:decode
+        # splits of the others and leaves those where they are.
+        ready = [i for i in inputs.instances if not i.switching and i.role != "colocated"]
         current = (
             sum(i.role == "prefill" for i in ready),
             sum(i.role == "decode" for i in ready),

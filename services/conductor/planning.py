@@ -36,8 +36,8 @@ from services.conductor.planner_types import (
 from shared import aio, errors
 from shared.db.schema import RequestRecord, RequestStatus
 from shared.db.session import sessionmaker
-from shared.messages import GenerateRequest, Role
-from shared.role_messages import RoleChange
+from shared.messages import GenerateRequest
+from shared.role_messages import RoleChange, engine_role
 
 if TYPE_CHECKING:
     from services.conductor.parts import ConductorParts
@@ -85,14 +85,13 @@ class PlannerLoop:
         out = []
         for state in self.c.registry.all():
             info = state.info
-            if info.role not in (Role.PREFILL, Role.DECODE):
-                continue
-            if now - state.last_seen > self.c.registry.expiry_s:
+            role = engine_role(info)
+            if role is None or now - state.last_seen > self.c.registry.expiry_s:
                 continue
             out.append(
                 InstanceLoad(
                     info.instance_id,
-                    "prefill" if info.role == Role.PREFILL else "decode",
+                    role,
                     switching=info.status != "ready" or info.instance_id in switching,
                     queue_s=snapshot.prefill_view(state, cost).queue_s,
                     running=info.running,

@@ -107,10 +107,17 @@ def select_decode(snap: Snapshot, req: RequestView) -> tuple[str, float]:
     return best_id, best_tbt
 
 
+def decodes_itself(snap: Snapshot, chosen: Candidate) -> bool:
+    """Whether the chosen prefill keeps the request and decodes it: every instance in the
+    colocated layout, a colocated one in a disaggregated pool. A pipelined group hands off
+    to a decode instance whoever its first stage is."""
+    return snap.colocated or (chosen.instance_id in snap.own_decodes and not chosen.stages)
+
+
 def colocated_decode(snap: Snapshot, req: RequestView, chosen: Candidate) -> tuple[str, float]:
     """Colocated: the chosen instance decodes too, so its own batch sets the TBT; no decode
     instance is named (the job's empty decode id tells the instance to keep the request)."""
-    own = next(
+    own = snap.own_decodes.get(chosen.instance_id) or next(
         (d for d in snap.decodes if d.instance_id == chosen.instance_id),
         InstanceView(chosen.instance_id),
     )
@@ -121,18 +128,17 @@ def finish(
     policy: str, snap: Snapshot, req: RequestView, chosen: Candidate, candidates: list[Candidate]
 ) -> Decision:
     """Pick decode, then apply the SLOs: early rejection shared by every policy."""
-    decode_id, tbt = (
-        colocated_decode(snap, req, chosen) if snap.colocated else select_decode(snap, req)
-    )
+    itself = decodes_itself(snap, chosen)
+    decode_id, tbt = colocated_decode(snap, req, chosen) if itself else select_decode(snap, req)
     d = Decision(
         policy,
         chosen,
         decode_id,
         tbt,
         candidates,
-        decode_blocks=0 if snap.colocated else kv_blocks_needed(snap, req),
+        decode_blocks=0 if itself else kv_blocks_needed(snap, req),
     )
-    if not decode_id and not snap.colocated:
+    if not decode_id and not itself:
         d.rejected = (
             "no decode instance"
             if not snap.decodes

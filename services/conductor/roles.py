@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,15 @@ from services.conductor import snapshot
 from services.conductor.policy import select_decode
 from shared import bus, errors, subjects
 from shared.messages import InstanceInfo, Placement, Role
-from shared.role_messages import Redecode, RoleChange, RoleChangeReply, SwitchDone, SwitchRole
+from shared.role_messages import (
+    EngineRole,
+    Redecode,
+    RoleChange,
+    RoleChangeReply,
+    SwitchDone,
+    SwitchRole,
+    engine_role,
+)
 
 if TYPE_CHECKING:
     from services.conductor.parts import ConductorParts
@@ -32,29 +41,52 @@ ENGINE_ROLES = (Role.PREFILL, Role.DECODE)
 
 
 def refusal(
-    live: dict[Role, list[InstanceState]],
+    roles: dict[str, EngineRole],
     switching: set[str],
     instance_id: str,
-    role: Role,
+    role: EngineRole,
     layout: str = "disaggregated",
 ) -> str:
-    """Why this switch may not go ahead ("" if it may). `live`: the ready instances per
-    engine role, those switching already left out."""
+    """Why this switch may not go ahead ("" if it may). `roles`: the ready engine
+    instances and the role each serves as, those switching already left out.
+
+    After it, some instance must still take prompts (prefill or colocated), and prefill
+    instances must still have a decode instance to hand their KV to (a colocated one
+    takes no handoff). Decode instances beside colocated ones only may stay: idle, but
+    nothing they hold is lost, and a prefill instance put back gives them work."""
     if layout == "colocated":
         return "the colocated layout has no prefill/decode split to change"
     if instance_id in switching:
         return f"{instance_id} is switching already"
-    now = next(
-        (r for r in ENGINE_ROLES for s in live.get(r, []) if s.info.instance_id == instance_id),
-        None,
-    )
+    now = roles.get(instance_id)
     if now is None:
-        return f"no ready prefill or decode instance {instance_id}"
+        return f"no ready prefill, decode or colocated instance {instance_id}"
     if now == role:
-        return f"{instance_id} serves as {role.value} already"
-    if len(live.get(now, [])) <= 1:
-        return f"{instance_id} is the last {now.value} instance: switching it would leave none"
+        return f"{instance_id} serves as {role} already"
+    after = Counter(roles.values())
+    after[now] -= 1
+    after[role] += 1
+    if not after["prefill"] and not after["colocated"]:
+        return f"{instance_id} is the last {now} instance: switching it would leave none to prefill"
+    if after["prefill"] and not after["decode"]:
+        if now == "decode":
+            return (
+                f"{instance_id} is the last decode instance: switching it would leave none "
+                "for the prefill instances to hand off to"
+            )
+        return f"{instance_id} may not serve as prefill: no decode instance would take its KV"
     return ""
+
+
+def roles_of(live: dict[Role, list[InstanceState]]) -> dict[str, EngineRole]:
+    """Each ready engine instance's role, from the registry's view of its heartbeats."""
+    out: dict[str, EngineRole] = {}
+    for states in live.values():
+        for s in states:
+            role = engine_role(s.info)
+            if role is not None:
+                out[s.info.instance_id] = role
+    return out
 
 
 @dataclass
@@ -115,12 +147,13 @@ class RoleSwitches:
         """Check a switch and start it (the drain goes on in the background); refused
         with a reason (errors.Rejected) when it may not go ahead."""
         now = time.time()
-        role = Role(change.role)
+        live = self.live(now)
+        roles = roles_of(live)
         why = refusal(
-            self.live(now),
+            roles,
             self.c.registry.switching,
             change.instance_id,
-            role,
+            change.role,
             self.c.settings.layout,
         )
         if why:
@@ -129,10 +162,10 @@ class RoleSwitches:
             if why.startswith("no ready"):
                 raise errors.HalfmoonError(why, code="not_found").with_status(404)
             raise errors.Conflict(f"role switch refused: {why}")
-        from_role = Role.DECODE if role == Role.PREFILL else Role.PREFILL
+        from_role = roles[change.instance_id]
         switch_id = uuid.uuid4().hex
         state = next(
-            s for s in self.live(now)[from_role] if s.info.instance_id == change.instance_id
+            s for ss in live.values() for s in ss if s.info.instance_id == change.instance_id
         )
         self.c.registry.mark_switching(change.instance_id, True)
         self._record(switch_id, change, from_role, now, status="draining")
@@ -142,18 +175,20 @@ class RoleSwitches:
             "role switch %s: %s %s -> %s (%s)",
             switch_id,
             change.instance_id,
-            from_role.value,
-            role.value,
+            from_role,
+            change.role,
             change.source,
         )
         return RoleChangeReply(
             switch_id=switch_id,
             instance_id=change.instance_id,
-            from_role="decode" if from_role == Role.DECODE else "prefill",
+            from_role=from_role,
             to_role=change.role,
         )
 
-    async def _run(self, switch_id: str, change: RoleChange, from_role: Role, at: float) -> None:
+    async def _run(
+        self, switch_id: str, change: RoleChange, from_role: EngineRole, at: float
+    ) -> None:
         timeout_s = self.c.settings.switch_drain_timeout_s
         try:
             done = await bus.request(
@@ -190,7 +225,7 @@ class RoleSwitches:
         self,
         switch_id: str,
         change: RoleChange,
-        from_role: Role,
+        from_role: EngineRole,
         at: float,
         status: str,
         drain_s: float | None = None,
@@ -202,7 +237,7 @@ class RoleSwitches:
         self.c.records.role_switch(
             id=switch_id,
             instance_id=change.instance_id,
-            from_role=from_role.value,
+            from_role=from_role,
             to_role=change.role,
             source=change.source,
             status=status,

@@ -60,6 +60,8 @@ def build(
     max_stages: int = 1,
     pipeline_min_tokens: int = 0,
 ) -> Snapshot:
+    """`prefills` may hold colocated instances (heartbeats that say so): each one's own
+    batch goes in `own_decodes`, since it decodes what it prefills."""
     # a view kept from an earlier decision, else a fresh one (kept for the next)
     return Snapshot(
         [p.prefill_view or prefill_view(p, cost) for p in prefills],
@@ -68,6 +70,11 @@ def build(
         threshold,
         slo_margin,
         colocated,
+        own_decodes={
+            p.info.instance_id: p.decode_view or decode_view(p)
+            for p in prefills
+            if p.info.colocated and not colocated
+        },
         max_stages=max_stages,
         pipeline_min_tokens=pipeline_min_tokens,
     )

@@ -72,6 +72,10 @@ class Snapshot:
     balancing_threshold: float = 1.5  # pull when the best holder has this many times more
     slo_margin: float = 1.0  # admit only predictions within this share of the SLO
     colocated: bool = False  # each instance decodes what it prefills (decodes == prefills)
+    # Colocated instances in a disaggregated pool (prefills that decode their own requests;
+    # services/worker/roles.py): each one's batch, by id. They are among `prefills`, never
+    # among `decodes`: no other instance hands them KV.
+    own_decodes: dict[str, InstanceView] = field(default_factory=dict)
     # Pipelined prefill (kvcentric): groups of up to max_stages instances (1: none), for
     # prompts of at least pipeline_min_tokens (0: only those no instance serves in time).
     max_stages: int = 1

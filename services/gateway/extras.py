@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from importlib import metadata
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
 from pydantic import Field, model_validator
@@ -19,6 +19,7 @@ from shared import bus, errors, subjects
 from shared.db.schema import DecisionRecord, RequestRecord
 from shared.db.session import sessionmaker
 from shared.db.stats import kv_hit_rates
+from shared.messages import EngineRole
 from shared.role_messages import RoleChange, RoleChangeReply
 
 
@@ -43,7 +44,7 @@ class TokenizeRequest(Strict):
 class RoleBody(Strict):
     """POST /admin/instances/{id}/role: the role an engine instance should serve as."""
 
-    role: Literal["prefill", "decode"]
+    role: EngineRole  # colocated: prefills and decodes its own requests
 
 
 class DetokenizeRequest(Strict):

@@ -150,7 +150,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "KV-cache hit rates per instance and window", _json({"type": "object"}), (503,)
     ),
     ("POST", "/admin/instances/{instance_id}/role"): Operation(
-        "Switch an engine instance between prefill and decode, in place",
+        "Switch an engine instance to prefill, decode or colocated, in place",
         _json("RoleSwitchAccepted"),
         (400, 404, 409, 503, 504),
         request="RoleBody",
@@ -159,8 +159,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         ],
         description="202 once the conductor accepted it: the instance stops intake, finishes "
         "what it holds and comes back in the new role (GET /admin/state shows it switching). "
-        "409 with the reason when the switch would leave a role empty, or the instance is "
-        "switching already.",
+        "409 with the reason when the switch would leave no instance to prefill, or prefill "
+        "instances with no decode instance, or the instance is switching already.",
         ok_status=202,
     ),
     ("GET", "/metrics"): Operation(

@@ -33,30 +33,35 @@ def engines(base: str, key: str) -> list[dict[str, Any]]:
     return [i for i in body["instances"] if i["role"] in ("prefill", "decode")]
 
 
+def role(i: dict[str, Any]) -> str:
+    """What an engine serves as: a prefill instance that decodes too says `colocated`."""
+    return "colocated" if i.get("colocated") else str(i["role"])
+
+
 def _line(i: dict[str, Any]) -> str:
     status = i["status"]
     if i.get("switching_to"):
         status += f" -> {i['switching_to']}"
     load = f"running {i['running']:>3}  queued {i['queue_depth']:>3}"
-    return f"{i['instance_id']:<48} {i['role']:<8} {status:<20} {load}"
+    return f"{i['instance_id']:<48} {role(i):<9} {status:<20} {load}"
 
 
-def set_role(base: str, key: str, instance_id: str, role: str, wait_s: float) -> int:
-    status, body = _call(f"{base}/admin/instances/{instance_id}/role", key, "POST", {"role": role})
+def set_role(base: str, key: str, instance_id: str, to: str, wait_s: float) -> int:
+    status, body = _call(f"{base}/admin/instances/{instance_id}/role", key, "POST", {"role": to})
     if status != 202:
         message = (body or {}).get("error", {}).get("message", body)
         print(f"halfmoon instances: {message}", file=sys.stderr)
         return 1
-    print(f"switch {body['switch_id']}: {instance_id} {body['from_role']} -> {role}, draining")
+    print(f"switch {body['switch_id']}: {instance_id} {body['from_role']} -> {to}, draining")
     deadline = time.monotonic() + wait_s
     while wait_s and time.monotonic() < deadline:
         now = {i["instance_id"]: i for i in engines(base, key)}.get(instance_id)
-        if now is not None and now["role"] == role and now["status"] == "ready":
-            print(f"{instance_id} serves as {role}")
+        if now is not None and role(now) == to and now["status"] == "ready":
+            print(f"{instance_id} serves as {to}")
             return 0
         time.sleep(0.5)  # polling a remote state: nothing to wait on but the next look
     if wait_s:
-        print(f"halfmoon instances: {instance_id} not serving as {role} after {wait_s:g} s")
+        print(f"halfmoon instances: {instance_id} not serving as {to} after {wait_s:g} s")
         return 1
     return 0
 
@@ -73,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("list", help="engine instances: role, status, load")
     sr = sub.add_parser("set-role", help="switch an instance's role in place (drain first)")
     sr.add_argument("instance_id")
-    sr.add_argument("role", choices=("prefill", "decode"))
+    sr.add_argument("role", choices=("prefill", "decode", "colocated"))
     sr.add_argument(
         "--wait", type=float, default=120.0, help="seconds to wait for the switch (0: none)"
     )

@@ -1,4 +1,8 @@
-"""An engine process and its role, prefill or decode, switched in place.
+"""An engine process and its role, prefill, decode or colocated, switched in place.
+
+Colocated is a prefill instance that decodes what it prefills (the conductor names no
+decode instance in its jobs), beside prefill and decode instances in one pool: Splitwise's
+mixed pool. On the bus it subscribes as prefill; its heartbeat says `colocated`.
 
 Weights load once. The engine (its KV pool and prefix cache) and the engine thread carry
 over from one role to the next, so a switch costs a drain, not a reload. This is the
@@ -39,7 +43,7 @@ from services.worker.metrics import EngineMetrics
 from shared import aio, bus, errors, subjects
 from shared.engine.runner import LoadedModel
 from shared.lifecycle import ServiceRuntime, publish_heartbeat
-from shared.messages import InstanceInfo, Role
+from shared.messages import InstanceInfo
 from shared.role_messages import EngineRole, SwitchDone, SwitchRole
 from shared.transfer import KVReceiver, KVSender
 
@@ -76,6 +80,7 @@ class RoleHost:
         self.sender, self.receiver = sender, receiver
         self.bound: Bound | None = None
         self.metrics: EngineMetrics | None = None
+        self.role: EngineRole = settings.role
         self.switching_to: EngineRole | None = None
 
     @property
@@ -85,17 +90,16 @@ class RoleHost:
 
     def heartbeat(self) -> InstanceInfo:
         info = self.inst.heartbeat()
-        if self.switching_to is None:
-            return info
-        return info.model_copy(
-            update={"status": "switching", "switching_to": Role(self.switching_to)}
-        )
+        update: dict[str, object] = {"colocated": self.role == "colocated"}
+        if self.switching_to is not None:
+            update |= {"status": "switching", "switching_to": self.switching_to}
+        return info.model_copy(update=update)
 
     # -- binding a role -----------------------------------------------------------------
     def _instance(self, role: EngineRole, before: EngineInstance | None) -> EngineInstance:
         s = self.settings
         inst: EngineInstance
-        if role == "prefill":
+        if role in ("prefill", "colocated"):  # colocated: its jobs name no decode instance
             inst = PrefillInstance(s, self.nc, self.lm, self.sender, self.receiver, before)
         else:
             inst = DecodeInstance(s, self.nc, self.lm, self.receiver, before)
@@ -133,6 +137,7 @@ class RoleHost:
         bound.subs = await self._subscribe(inst)
         bound.loop = asyncio.create_task(inst.serve(bound.stop))
         self.bound = bound
+        self.role = role
         if before is None:
             await inst.publish_cleared()  # a previous incarnation's blocks are gone
         return inst
@@ -164,7 +169,7 @@ class RoleHost:
         await bus.respond(msg, done)
 
     async def switch(self, req: SwitchRole) -> SwitchDone:
-        old = self.inst.role.value
+        old = self.role
         if self.switching_to is not None:
             raise errors.Rejected(f"already switching to {self.switching_to}")
         if req.role == old:

@@ -1,13 +1,15 @@
 """Role switches in place, on a real stack (`halfmoon up`: real NATS, SQL and model, fp32
 greedy so outputs compare exactly): under load nothing is lost and no output changes; a
 decode instance that switches finishes its sequences first; a switch that would leave a
-role empty, or names no instance, is refused with its reason; and the planner, in
-advisory mode, records complete decisions."""
+role empty, or names no instance, is refused with its reason; the planner, in advisory
+mode, records complete decisions; and colocated instances, beside prefill and decode
+ones, serve whole requests with the same output and switch back."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import pytest
@@ -67,10 +69,14 @@ async def set_role(http: aiohttp.ClientSession, url: str, instance: str, role: s
         return r.status, await r.json()
 
 
+def role_of(e: dict) -> str:
+    return "colocated" if e.get("colocated") else e["role"]
+
+
 async def serving_as(http: aiohttp.ClientSession, url: str, instance: str, role: str) -> None:
     async def done() -> bool:
         i = (await engines(http, url)).get(instance)
-        return i is not None and i["role"] == role and i["status"] == "ready"
+        return i is not None and role_of(i) == role and i["status"] == "ready"
 
     await until(done, timeout_s=120, what=f"{instance} serving as {role}")
 
@@ -185,7 +191,7 @@ async def test_refused_switches_say_why(stack):
         status, body = await set_role(http, stack.url, "no-such-engine", "decode")
         assert status == 404, body
 
-        status, body = await set_role(http, stack.url, last, "colocated")
+        status, body = await set_role(http, stack.url, last, "mixed")
         assert status == 400 and body["error"]["param"] == "role"
         assert (await engines(http, stack.url))[last]["role"] == role  # nothing moved
 
@@ -222,6 +228,83 @@ async def test_advisory_planner_records_complete_decisions(stack):
         assert len(await engines(http, stack.url)) == 3
     planned = await rows(stack.database_url, "select * from role_switches where source='planner'")
     assert planned == []
+
+
+async def test_colocated_instances_serve_whole_requests_and_switch_back(stack):
+    """Both prefill instances become colocated, one under load: requests then run whole on
+    them (no decode instance in their decisions) with unchanged output; the decode
+    instance may not leave (prefill instances put back would have none); and a colocated
+    instance switched back while its batch runs finishes its sequences first."""
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        now = await engines(http, stack.url)
+        prefills = sorted(i for i, e in now.items() if role_of(e) == "prefill")
+        (decode,) = [i for i, e in now.items() if role_of(e) == "decode"]
+        reference = [await generate(http, stack.url, p) for p in PROMPTS[:4]]
+
+        load = asyncio.gather(*(generate(http, stack.url, p) for p in PROMPTS))
+        status, body = await set_role(http, stack.url, prefills[0], "colocated")
+        assert status == 202, body
+        assert (body["from_role"], body["to_role"]) == ("prefill", "colocated")
+        first = await load
+        await serving_as(http, stack.url, prefills[0], "colocated")
+        status, body = await set_role(http, stack.url, prefills[1], "colocated")
+        assert status == 202, body
+        await serving_as(http, stack.url, prefills[1], "colocated")
+
+        status, body = await set_role(http, stack.url, decode, "prefill")
+        assert status == 409 and "the last decode instance" in body["error"]["message"]
+
+        whole = await asyncio.gather(*(generate(http, stack.url, p) for p in PROMPTS[:4]))
+
+        # Back to prefill, one while its own batch runs (long answers, so it still runs
+        # when the switch arrives): its sequences finish first. Heartbeats first say idle,
+        # so a batch seen running is this load's.
+        async def running() -> str:
+            now = await engines(http, stack.url)
+            return next((i for i in prefills if now[i]["running"] >= 2), "")
+
+        await until(lambda: _not(running()), timeout_s=60, what="the last batch over")
+        load = asyncio.gather(*(generate(http, stack.url, p, 8 * TOKENS) for p in PROMPTS))
+        busy = await until(running, timeout_s=60, what="a colocated batch running")
+        status, body = await set_role(http, stack.url, busy, "prefill")
+        assert status == 202 and body["from_role"] == "colocated", body
+        last = await load
+        await serving_as(http, stack.url, busy, "prefill")
+
+    texts = [r["choices"][0]["message"]["content"] for r in reference]
+    for got in first + whole + last:
+        assert got["status"] == 200, got
+    for p, got in zip(PROMPTS, whole):
+        assert got["choices"][0]["message"]["content"] == texts[PROMPTS.index(p)], p
+    for p, got in zip(PROMPTS[:4], first[:4] + last[:4]):
+        assert got["choices"][0]["message"]["content"].startswith(texts[PROMPTS.index(p)])
+
+    ids = [g["id"] for g in first + whole + last]
+    statuses = await until(lambda: terminal(stack.database_url, ids), what="terminal records")
+    assert statuses == {i: "completed" for i in ids}
+    placed = await rows(
+        stack.database_url,
+        "select request_id, prefill_instance, decode_instance, predicted_tbt_ms from decisions"
+        " where request_id in (" + ",".join(f"'{g['id']}'" for g in whole) + ")",
+    )
+    assert len(placed) == len(whole)
+    for d in placed:  # whole on a colocated instance, its own batch's TBT predicted
+        assert d["prefill_instance"] in prefills and d["decode_instance"] is None, d
+        assert d["predicted_tbt_ms"] > 0
+
+    async def back() -> list:
+        got = await rows(
+            stack.database_url,
+            f"select * from role_switches where instance_id = '{busy}' and status = 'done'"
+            " order by requested_at",
+        )
+        return got if got and got[-1]["to_role"] == "prefill" else []
+
+    switch = (await until(back, what="the switch back on record"))[-1]
+    assert switch["from_role"] == "colocated"
+    held = re.search(r"finished \d+ requests \((\d+) running", switch["detail"])
+    assert held and int(held[1]) > 0, switch  # it drained its own batch
 
 
 def _json(v):

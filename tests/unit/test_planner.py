@@ -206,3 +206,13 @@ def test_the_record_is_plain_json_without_inf():
     assert any(e["ttft_s"] is None for e in rec["estimates"])
     assert rec["forecast"]["rate_per_s"] == 6.0 and len(rec["instances"]) == 16
     assert set(rec) >= {"created", "mode", "drain_s", "reason", "attainment"} and text
+
+
+def test_colocated_instances_stay_where_they_are():
+    """Colocated instances (put there by hand) are neither counted in a split nor moved:
+    the planner decides over the prefill and decode instances alone."""
+    mixed = loads(8, 8) + tuple(InstanceLoad(f"c{i}", "colocated") for i in range(3))
+    d = active().decide(inputs(mixed), COST)
+    plain = active().decide(inputs(loads(8, 8)), COST)
+    assert (d.current, d.best, d.estimates) == (plain.current, plain.best, plain.estimates)
+    assert d.switch is not None and not d.switch.instance_id.startswith("c")

@@ -319,3 +319,54 @@ def test_a_group_holding_the_prefix_reuses_it_and_no_single_instance_pulls_from_
     busy = group_snap([("a", 0), ("b", 2.0), ("c", 0)])
     d = make_policy("kvcentric").decide(busy, req({holder: 1000}, prompt=16384))
     assert [i for i, _ in d.prefill.stages] != ["b", "c"]  # b is busy: not that group
+
+
+def test_a_colocated_instance_in_a_disaggregated_pool_decodes_its_own():
+    """A colocated instance among prefill and decode instances keeps the requests placed on
+    it (no decode instance named, its own batch sets the TBT, no decode KV reserved); a
+    request placed on a prefill instance still goes to a decode instance."""
+    own = InstanceView("c", running=3)
+    s = Snapshot(
+        [InstanceView("c", queue_s=0.0), InstanceView("p", queue_s=1.0)],
+        [InstanceView("d", running=50)],
+        COST,
+        balancing_threshold=1.5,
+        own_decodes={"c": own},
+    )
+    d = make_policy("least_loaded").decide(s, req())
+    assert (d.prefill.instance_id, d.decode_id, d.decode_blocks) == ("c", "", 0)
+    assert d.tbt_s == pytest.approx(0.01 + 4e-3) and not d.rejected
+    busy = replace(s, prefills=[InstanceView("c", queue_s=2.0), InstanceView("p", queue_s=1.0)])
+    d = make_policy("least_loaded").decide(busy, req())
+    assert (d.prefill.instance_id, d.decode_id) == ("p", "d")
+    assert d.tbt_s == pytest.approx(0.01 + 51e-3)
+    # its own batch, not the decode pool's, is what the TBT SLO is checked against
+    crowded = replace(s, own_decodes={"c": InstanceView("c", running=500)})
+    assert "TBT" in make_policy("least_loaded").decide(crowded, req(tbt=0.1)).rejected
+
+
+def test_colocated_instances_are_never_pipeline_stages():
+    from services.conductor.groups import group_candidates
+
+    s = Snapshot(
+        [InstanceView(i) for i in ("a", "b", "c")],
+        [InstanceView("d")],
+        COST,
+        own_decodes={"c": InstanceView("c")},
+        max_stages=3,
+    )
+    stages = {i for g in group_candidates(s, req()) for i, _ in g.stages}
+    assert stages == {"a", "b"}
+
+
+def test_the_snapshot_gives_colocated_heartbeats_their_own_batch():
+    reg = Registry(expiry_s=3.0)
+    for iid, colocated in (("c", True), ("p", False)):
+        reg.seen(
+            InstanceInfo(instance_id=iid, role=Role.PREFILL, colocated=colocated, running=2),
+            now=100,
+        )
+    prefills = reg.alive(Role.PREFILL, 100)
+    s = snapshot.build(prefills, [], COST, 1.5)
+    assert [p.instance_id for p in s.prefills] == ["c", "p"]
+    assert list(s.own_decodes) == ["c"] and s.own_decodes["c"].running == 2
