@@ -78,6 +78,13 @@ class Unavailable(HalfmoonError):
     code = "unavailable"
 
 
+class KVLoadFailed(Unavailable):
+    """A request's KV could not be loaded (pulled, handed off or read from disk) and the
+    deployment's policy is to fail rather than recompute it (shared/kv_load.py)."""
+
+    code = "kv_load_failed"
+
+
 class UpstreamFailed(HalfmoonError):
     """A worker failed the request after it was accepted."""
 
@@ -109,6 +116,7 @@ _BY_CODE: dict[str, type[HalfmoonError]] = {
         PayloadTooLarge,
         Rejected,
         Unavailable,
+        KVLoadFailed,
         UpstreamFailed,
         Conflict,
         Timeout,

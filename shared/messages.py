@@ -48,10 +48,8 @@ class Role(StrEnum):
     DECODE = "decode"
 
 
-# What an engine instance serves as (services/worker/roles.py). "colocated" prefills and
-# decodes its own requests (Splitwise's mixed pool) beside prefill and decode instances:
-# on the bus it is a prefill instance whose heartbeat says `colocated`, and no other
-# instance hands it KV.
+# What an engine serves as (services/worker/roles.py). "colocated": a prefill instance
+# that decodes its own requests (its heartbeat says so); no other instance hands it KV.
 EngineRole = Literal["prefill", "decode", "colocated"]
 
 
@@ -139,9 +137,9 @@ class CostSample(BaseModel):
     mean context), a handoff (KV tokens moved; seconds from prefill's first token to
     the KV in place on decode), or a dispatch (prompt tokens; seconds from the gateway's
     arrival to the job in a prefill instance's hands: the request's way in, which every
-    TTFT holds beside its queue and prefill)."""
+    TTFT holds beside its queue and prefill), or a disk load (tokens read back)."""
 
-    kind: Literal["prefill", "decode", "handoff", "dispatch"]
+    kind: Literal["prefill", "decode", "handoff", "dispatch", "disk"]
     tokens: Count
     context: float = Field(ge=0.0, le=1e9, allow_inf_nan=False)
     seconds: Seconds
@@ -165,9 +163,8 @@ class InstanceInfo(Message):
     # no new work lands on it, and it comes back as `switching_to` once drained.
     status: Literal["ready", "draining", "switching"] = "ready"
     switching_to: EngineRole | None = None
-    # An engine serving as prefill that decodes what it prefills (the "colocated" role of
-    # services/worker/roles.py) in a disaggregated pool: it takes whole requests, never a
-    # handoff from another prefill instance.
+    # A prefill engine that decodes what it prefills (the "colocated" role) in a
+    # disaggregated pool: it takes whole requests, never another instance's handoff.
     colocated: bool = False
     kv_host: str = ""
     kv_port: Port = 0
@@ -245,6 +242,9 @@ class PrefillJob(Message):
     # Cache load balancing: pull this many prefix blocks from another instance first.
     prefix_from: str = ""
     prefix_blocks: Count = 0
+    # The conductor priced reading this prompt's blocks back from the instance's disk tier
+    # above computing them again: the engine leaves them there and computes them.
+    skip_disk: bool = False
 
     @property
     def colocated(self) -> bool:
@@ -418,9 +418,11 @@ class KVMatchRequest(Message):
 
 
 class KVMatchReply(Message):
-    """Longest cached prefix (in blocks) per instance."""
+    """Longest cached prefix (in blocks) per instance, and of it the blocks past its DRAM
+    run, on its disk tier (read back before reuse; never pulled: exports read DRAM)."""
 
     matches: dict[str, int] = Field(default_factory=dict)
+    on_disk: dict[str, int] = Field(default_factory=dict)
 
 
 class CancelRequest(Message):

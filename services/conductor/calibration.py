@@ -177,6 +177,8 @@ class Calibrator:
         # Dispatches (gateway arrival -> job on a prefill instance): overhead_s is their
         # median. The first token's way back (one bus hop to the gateway) is not in it.
         self.dispatches: deque[float] = deque(maxlen=window)
+        # Disk loads: seconds per block read back; disk_s_per_block is their median.
+        self.disk_loads: deque[float] = deque(maxlen=window)
         self._model: CostModel | None = prior
 
     @staticmethod
@@ -205,6 +207,10 @@ class Calibrator:
         for s in samples:
             if s.kind == "dispatch":
                 self.dispatches.append(s.seconds)
+            elif s.kind == "disk":
+                blocks = -(-s.tokens // self.prior.block_size)
+                if blocks:
+                    self.disk_loads.append(s.seconds / blocks)
             elif s.kind == "handoff":
                 blocks = -(-s.tokens // self.prior.block_size)
                 self.handoffs.append((blocks, max(0.0, s.seconds - self.prior.transfer_s(blocks))))
@@ -234,9 +240,15 @@ class Calibrator:
                 overhead_s=(
                     statistics.median(self.dispatches) if self.dispatches else self.prior.overhead_s
                 ),
+                disk_s_per_block=(
+                    statistics.median(self.disk_loads)
+                    if self.disk_loads
+                    else self.prior.disk_s_per_block
+                ),
                 source=f"{self.prior.source}; calibrated online on {self.prefill.seen} "
                 f"prefill, {self.decode.seen} decode and {len(self.handoffs)} handoff samples"
-                + (f", overhead on {len(self.dispatches)} dispatches" if self.dispatches else ""),
+                + (f", overhead on {len(self.dispatches)} dispatches" if self.dispatches else "")
+                + (f", disk on {len(self.disk_loads)} loads" if self.disk_loads else ""),
             )
         return self._model
 

@@ -5,6 +5,7 @@ Fitted by `halfmoon profile` from the engine's own timings on this machine:
   a + b·n + d·n² + e·n·c   (attention makes it quadratic in n, and linear in n·c)
 - decode step(batch, context) = a + b·batch + c·batch·context
 - transfer(bytes) = latency + bytes / bandwidth
+- disk load(blocks) = blocks x seconds per block (reading the disk tier back into the pool)
 - pipelined prefill over a group of instances: pipeline.py, from prefill and transfer
 - handoff(blocks) = a + b·blocks on top of the transfer (what decode instances measure from
   the first token to the KV in place: the offer's copy, the bus, the fetch, the import),
@@ -59,6 +60,10 @@ class CostModel:
     # offer, the bus, the reservation, the fetch, the import) may wait for a core behind
     # the engines, and a short answer's TBT is that first gap. Empty: no spread.
     handoff_spread: list[float] = field(default_factory=list)
+    # Reading one block back from an engine's disk tier into its pool (a file read, a
+    # check of its tokens, a copy). The prior is a local SSD's page-cache-cold read of a
+    # 368 KB block; online it is the median of the engines' disk samples.
+    disk_s_per_block: float = 0.0004
     block_bytes: int = 368_640
     block_size: int = 16
     # What a pipelined prefill (pipeline.py) needs: the layers split among stages, the
@@ -91,6 +96,9 @@ class CostModel:
         if num_blocks <= 0:
             return 0.0
         return self.transfer_latency_s + num_blocks * self.block_bytes / self.transfer_bytes_per_s
+
+    def disk_load_s(self, num_blocks: int) -> float:
+        return max(num_blocks, 0) * self.disk_s_per_block
 
     def handoff_time_s(self, num_blocks: int, quantile: float | None = None) -> float:
         """Prefill's first token -> the KV of `num_blocks` in place on decode: the line, or

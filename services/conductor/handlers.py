@@ -21,7 +21,7 @@ from services.conductor.planning import PlannerLoop
 from services.conductor.policy import follow, make_policy
 from services.conductor.registry import InstanceState, Registry
 from services.conductor.roles import RoleSwitches
-from services.conductor.views import Candidate, Decision, Snapshot
+from services.conductor.views import Candidate, Decision, RequestView, Snapshot
 from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
 from shared.groups import holder_alive
@@ -162,14 +162,8 @@ class Conductor:
             prefills = [p for p in prefills if p.info.colocated]
         if not prefills:
             raise errors.Unavailable("no live prefill and decode instances", retry_after_s=2.0)
-        live = {p.info.instance_id for p in prefills}
-        matches = {  # an instance, or a group all of whose stages are, alive
-            k: v for k, v in (await self._prefix_matches(req)).items() if holder_alive(k, live)
-        }
-        view = snapshot.request_view(
-            req, matches, self.settings.ttft_slo_ms / 1e3, self.settings.tbt_slo_ms / 1e3
-        )
-        self.planning.note(req, matches, now)
+        view = await self._request_view(req, prefills)
+        self.planning.note(req, view.prefix_blocks, now)
         while True:
             snap = self._snapshot(prefills, decodes, colocated)
             t_decide = time.perf_counter()
@@ -211,6 +205,22 @@ class Conductor:
             predicted_ttft_ms=decision.ttft_s * 1e3,
         )
 
+    async def _request_view(
+        self, req: GenerateRequest, prefills: list[InstanceState]
+    ) -> RequestView:
+        """The request as the policies see it: its prefix cached on each live holder (an
+        instance, or a group all of whose stages are alive), and of it, on disk."""
+        live = {p.info.instance_id for p in prefills}
+        reply = await self._prefix_matches(req)
+        matches = {k: v for k, v in reply.matches.items() if holder_alive(k, live)}
+        return snapshot.request_view(
+            req,
+            matches,
+            self.settings.ttft_slo_ms / 1e3,
+            self.settings.tbt_slo_ms / 1e3,
+            {k: v for k, v in reply.on_disk.items() if k in matches},
+        )
+
     def _snapshot(
         self, prefills: list[InstanceState], decodes: list[InstanceState], colocated: bool
     ) -> Snapshot:
@@ -249,17 +259,19 @@ class Conductor:
                     "prefill_ms": c.prefill_s * 1e3,
                     "ttft_ms": c.ttft_s * 1e3,
                     **({"stages": stage_record(c)} if c.stages else {}),
+                    **(disk_record(c) if c.disk_blocks else {}),
                 }
                 for c in d.candidates
             ],
         )
 
-    async def _prefix_matches(self, req: GenerateRequest) -> dict[str, int]:
-        """Cached prefix length (blocks) per instance, from the KV manager; {} if it is away."""
+    async def _prefix_matches(self, req: GenerateRequest) -> KVMatchReply:
+        """Cached prefix length (blocks) per instance, and of it on disk, from the KV
+        manager; none if it is away."""
         if not req.block_hashes:
-            return {}
+            return KVMatchReply()
         try:
-            reply = await bus.request(
+            return await bus.request(
                 self.nc,
                 subjects.KV_MATCH,
                 KVMatchRequest(block_hashes=req.block_hashes),
@@ -268,8 +280,7 @@ class Conductor:
             )
         except errors.HalfmoonError as exc:
             log.debug("request %s: no prefix match (%s)", req.request_id, exc.message)
-            return {}
-        return reply.matches
+            return KVMatchReply()
 
     async def _dispatch(self, req: GenerateRequest, d: Decision) -> None:
         assert d.prefill is not None
@@ -345,6 +356,19 @@ class Conductor:
         )
 
 
+def disk_record(c: Candidate) -> dict[str, object]:
+    """A candidate's own blocks on its disk tier, as the record shows them: read back (and
+    the read's predicted time), or left there and computed, and why."""
+    if not c.disk_skipped:
+        return {"disk_blocks": c.disk_blocks, "disk_ms": c.disk_s * 1e3}
+    why = (
+        "the prefix pulled covers them"
+        if c.pull_from
+        else "reading them back is predicted slower than computing them"
+    )
+    return {"disk_blocks": c.disk_blocks, "disk_ms": None, "disk": f"recomputed: {why}"}
+
+
 def stage_record(c: Candidate) -> list[dict[str, object]]:
     """A group's stages as the decision record shows them: who, which layers, when."""
     return [
@@ -384,4 +408,5 @@ def prefill_job(req: GenerateRequest, d: Decision) -> PrefillJob:
         decode_id=d.decode_id,
         prefix_from=pull,
         prefix_blocks=d.prefill.prefix_blocks if pull else 0,
+        skip_disk=d.prefill.disk_skipped,
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from math import inf as INF
 
 from services.conductor.groups import group_candidates, wants_group
 from services.conductor.views import Candidate, Decision, InstanceView, RequestView, Snapshot
@@ -36,13 +37,35 @@ from shared.groups import GROUP
 
 
 def best_holder(req: RequestView) -> tuple[str, int]:
-    """The instance with the longest cached prefix (ties: the larger id, deterministically).
-    Groups do not count: a prefix split by layers is not pulled whole from one place."""
+    """The instance with the longest cached prefix another can pull (ties: the larger id,
+    deterministically): its blocks in DRAM, since an export reads no disk tier. Groups do
+    not count: a prefix split by layers is not pulled whole from one place."""
+    disk = req.disk_blocks
     blocks, holder = max(
-        ((b, i) for i, b in req.prefix_blocks.items() if not i.startswith(GROUP)),
+        (
+            (b - disk.get(i, 0) if disk else b, i)
+            for i, b in req.prefix_blocks.items()
+            if not i.startswith(GROUP)
+        ),
         default=(0, ""),
     )
     return holder, blocks
+
+
+def own_prefix(snap: Snapshot, req: RequestView, inst_id: str) -> tuple[int, int, float]:
+    """(blocks reused, of them read from disk, that read's seconds) of `inst_id`'s own
+    cached prefix. Its disk blocks are reused only when reading them back is quicker than
+    computing them (Dynamo's router credits a block by its tier the same way)."""
+    own = req.prefix_blocks.get(inst_id, 0)
+    disk = min(req.disk_blocks.get(inst_id, 0), own) if req.disk_blocks else 0
+    if not disk:
+        return own, 0, 0.0
+    bs, n = snap.cost.block_size, req.prompt_tokens
+    load_s = snap.cost.disk_load_s(disk)
+    with_disk = load_s + snap.cost.prefill_s(n - min(own * bs, n - 1), min(own * bs, n - 1))
+    dram = own - disk
+    without = snap.cost.prefill_s(n - min(dram * bs, n - 1), min(dram * bs, n - 1))
+    return (own, disk, load_s) if with_disk <= without else (dram, disk, INF)
 
 
 def candidate(
@@ -55,25 +78,37 @@ def candidate(
     """Predicted TTFT parts on `inst`, with or without pulling the best holder's prefix
     (the pull's transfer time is part of the candidate's TTFT)."""
     bs = snap.cost.block_size
-    own = req.prefix_blocks.get(inst.instance_id, 0)
+    own, disk, disk_s = own_prefix(snap, req, inst.instance_id)
+    skipped = disk_s == INF  # its disk blocks are slower to read than to compute
     best_id, best = holder if holder is not None else best_holder(req)
     if pull and best > own and best_id:
-        reuse, source, xfer = best, best_id, snap.cost.transfer_s(best - own)
+        # The pulled prefix covers its own: no disk read (the engine imports over it).
+        reuse, source, xfer, disk, disk_s = best, best_id, snap.cost.transfer_s(best - own), 0, 0.0
+        skipped = True
     else:
         reuse, source, xfer = own, "", 0.0
     cached = min(reuse * bs, req.prompt_tokens - 1)
     prefill = snap.cost.prefill_s(req.prompt_tokens - cached, cached)
     return Candidate(
-        inst.instance_id, reuse, source, xfer, inst.queue_s, prefill, snap.cost.overhead_s
+        inst.instance_id,
+        reuse,
+        source,
+        xfer,
+        inst.queue_s,
+        prefill,
+        snap.cost.overhead_s,
+        disk_blocks=disk,
+        disk_s=0.0 if skipped else disk_s,
+        disk_skipped=skipped and disk > 0,
     )
 
 
 def with_queue(c: Candidate, inst: InstanceView) -> Candidate:
-    """`c`'s prediction for another instance with the same own prefix: only its queue
-    differs."""
+    """`c`'s prediction for another instance with the same own prefix (and of it, the same
+    blocks on disk): only its queue differs."""
     return Candidate(
         inst.instance_id, c.prefix_blocks, c.pull_from, c.transfer_s, inst.queue_s, c.prefill_s,
-        c.overhead_s,
+        c.overhead_s, disk_blocks=c.disk_blocks, disk_s=c.disk_s, disk_skipped=c.disk_skipped,
     )  # fmt: skip
 
 
@@ -192,11 +227,12 @@ class Policy:
         if not snap.prefills:
             return Decision(self.name, rejected="no prefill instance")
         best = best_holder(req)
-        # Instances with the same own prefix share one prediction; only queues differ.
-        shared: dict[int, Candidate] = {}
+        # Instances with the same own prefix (and of it on disk) share one prediction;
+        # only queues differ.
+        shared: dict[tuple[int, int], Candidate] = {}
         cands = []
         for p in snap.prefills:
-            own = req.prefix_blocks.get(p.instance_id, 0)
+            own = _own_key(req, p.instance_id)
             c = shared.get(own)
             if c is None:
                 c = shared[own] = candidate(snap, req, p, False, best)
@@ -256,6 +292,13 @@ class LargestPrefixPolicy(Policy):
         return min(cands, key=lambda c: (-c.prefix_blocks, c.queue_s, c.instance_id))
 
 
+def _own_key(req: RequestView, instance_id: str) -> tuple[int, int]:
+    """What an instance's prediction depends on besides its queue: its own cached prefix,
+    and of it, the blocks on its disk tier."""
+    disk = req.disk_blocks.get(instance_id, 0) if req.disk_blocks else 0
+    return req.prefix_blocks.get(instance_id, 0), disk
+
+
 def pulls(snap: Snapshot, own_blocks: int, best_blocks: int) -> bool:
     """Algorithm 1's cache load balancing: pull when best_len / prefix_len > threshold
     (an instance with nothing cached counts as 1 block: at the default 1.5, 2 remote
@@ -290,16 +333,17 @@ class KVCentricPolicy(Policy):
         reuse the same blocks (their own, or the best holder's pulled), so their transfer
         and prefill are one prediction and only their queues differ: the cost model runs
         once per prefix length, not once per instance."""
-        own_blocks = req.prefix_blocks
-        # own prefix length -> (that prediction, its transfer + overhead, best so far:
-        # (TTFT, id, snapshot position, view))
-        groups: dict[int, tuple[Candidate, float, tuple[float, str, int, InstanceView]]] = {}
+        # (own prefix length, of it on disk) -> (that prediction, its transfer + disk read
+        # + overhead, best so far: (TTFT, id, snapshot position, view))
+        Group = tuple[Candidate, float, tuple[float, str, int, InstanceView]]
+        groups: dict[tuple[int, int], Group] = {}
         for i, p in enumerate(snap.prefills):
-            own = own_blocks.get(p.instance_id, 0)
+            own = _own_key(req, p.instance_id)
             group = groups.get(own)
             if group is None:
-                c = candidate(snap, req, p, pulls(snap, own, holder[1]), holder)
-                fixed = c.overhead_s + c.transfer_s  # TTFT summed as Candidate.ttft_s sums it
+                c = candidate(snap, req, p, pulls(snap, own[0], holder[1]), holder)
+                # TTFT summed as Candidate.ttft_s sums it
+                fixed = c.overhead_s + c.transfer_s + c.disk_s
                 groups[own] = (c, fixed, (c.ttft_s, p.instance_id, i, p))
                 continue
             c, fixed, best = group

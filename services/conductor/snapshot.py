@@ -81,10 +81,20 @@ def build(
 
 
 def request_view(
-    req: GenerateRequest, matches: dict[str, int], ttft_slo_s: float, tbt_slo_s: float
+    req: GenerateRequest,
+    matches: dict[str, int],
+    ttft_slo_s: float,
+    tbt_slo_s: float,
+    on_disk: dict[str, int] | None = None,
 ) -> RequestView:
     ttft = req.ttft_slo_ms / 1e3 if req.ttft_slo_ms else ttft_slo_s
     tbt = req.tbt_slo_ms / 1e3 if req.tbt_slo_ms else tbt_slo_s
     return RequestView(
-        req.request_id, len(req.prompt_token_ids), matches, ttft, tbt, req.sampling.max_tokens
+        req.request_id,
+        len(req.prompt_token_ids),
+        matches,
+        ttft,
+        tbt,
+        req.sampling.max_tokens,
+        on_disk or {},
     )

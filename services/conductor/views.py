@@ -29,6 +29,9 @@ class RequestView:
     ttft_slo_s: float
     tbt_slo_s: float
     max_tokens: int = 0  # output tokens it may generate: their KV must fit on decode too
+    # instance -> of its cached leading blocks, those on its disk tier only (read back
+    # before reuse; never pulled: an export comes from DRAM)
+    disk_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -43,10 +46,15 @@ class Candidate:
     # A pipelined prefill: (instance, its layers and times) per stage, in pipeline order,
     # the first being `instance_id`; empty for a single instance.
     stages: tuple[tuple[str, StageTime], ...] = ()
+    # Its own prefix's blocks on its disk tier: read back (disk_s, in the TTFT) or, when
+    # that is slower than computing them, left there and computed (`disk_skipped`).
+    disk_blocks: int = 0
+    disk_s: float = 0.0
+    disk_skipped: bool = False
 
     @property
     def ttft_s(self) -> float:
-        return self.overhead_s + self.transfer_s + self.queue_s + self.prefill_s
+        return self.overhead_s + self.transfer_s + self.disk_s + self.queue_s + self.prefill_s
 
 
 @dataclass

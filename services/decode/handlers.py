@@ -40,6 +40,7 @@ from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
+from shared.kv_load import KVLoadError
 from shared.messages import Ack, CostSample, DecodeJob, KVChunk, Role
 from shared.transfer import KVReceiver, TransferFailed
 
@@ -279,7 +280,7 @@ class DecodeInstance(EngineInstance):
             return
         if export is None:
             await self.run_import(self.engine.release, rid)
-            await self._recompute(job)
+            await self._load_failed(job, f"KV transfer from {job.prefill_id} failed")
             return
         try:
             await self.run_import(
@@ -320,9 +321,8 @@ class DecodeInstance(EngineInstance):
                     raise ValueError("a stage's KV slice did not come")
                 await self.run_import(self.engine.fill_reserved_slice, rid, export)
             except ValueError as exc:
-                log.warning("request %s: %s; recomputing", rid, exc)
                 await self.run_import(self.engine.release, rid)
-                await self._recompute(job)
+                await self._load_failed(job, str(exc))
                 return
         try:
             await self.run_import(
@@ -348,7 +348,7 @@ class DecodeInstance(EngineInstance):
             export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
         except (TransferFailed, ValueError) as exc:
             log.warning(
-                "request %s: KV transfer from %s failed (%s); recomputing",
+                "request %s: KV transfer from %s failed (%s)",
                 job.request.request_id,
                 job.prefill_id,
                 exc,
@@ -356,6 +356,17 @@ class DecodeInstance(EngineInstance):
             return None
         self.count_transfer(True, len(payload))
         return export
+
+    async def _load_failed(self, job: DecodeJob, why: str) -> None:
+        """The handoff's KV did not come: recompute it here, or (the "fail" policy,
+        shared/kv_load.py) end the request."""
+        rid = job.request.request_id
+        if self.engine.kv_load_failures.failed("handoff"):
+            self._stats = self.engine.stats()  # heartbeats show its blocks back at once
+            await self.finish_with_error(rid, errors.KVLoadFailed.code, why)
+            return
+        log.warning("request %s: %s; recomputing", rid, why)
+        await self._recompute(job)
 
     async def _recompute(self, job: DecodeJob) -> None:
         """Prompt + tokens so far through this engine: slower than a transfer, never lost."""
@@ -372,6 +383,9 @@ class DecodeInstance(EngineInstance):
             )
         except ValueError as exc:
             await self.finish_with_error(req.request_id, "invalid_request", str(exc))
+            return
+        except KVLoadError as exc:  # a disk block failed, and the policy is "fail"
+            await self.finish_with_error(req.request_id, errors.KVLoadFailed.code, str(exc))
             return
         self._stats = self.engine.stats()
         self.wake()

@@ -7,7 +7,7 @@ import time
 
 from nats.aio.msg import Msg
 
-from services.kvmanager.index import KVIndex
+from services.kvmanager.index import KVIndex, PrefixMatch
 from shared import bus, errors
 from shared.db.kv_records import KVBlockWriter
 from shared.groups import groups_with
@@ -82,5 +82,20 @@ class KVManager:
             if self.records:
                 self.records.hit(best, "dram", req.block_hashes[:n], now)
         await bus.respond(
-            msg, KVMatchReply(matches={str(k): v for k, v in match.per_instance.items()})
+            msg,
+            KVMatchReply(
+                matches={str(k): v for k, v in match.per_instance.items()},
+                on_disk=on_disk(match),
+            ),
         )
+
+
+def on_disk(match: PrefixMatch) -> dict[str, int]:
+    """Per instance, its matched leading blocks past its DRAM run: the ones its engine
+    reads back from its disk tier (the engine loads those after the DRAM chain)."""
+    out = {}
+    for inst, n in match.per_instance.items():
+        disk = n - match.per_tier.get(inst, {}).get("dram", 0)
+        if disk > 0:
+            out[str(inst)] = disk
+    return out

@@ -21,14 +21,16 @@ from nats.aio.msg import Msg
 from services.prefill.args import PrefillSettings
 from services.prefill.decode_submit import submit_decode
 from services.prefill.offers import KVOffers
+from services.prefill.prefix_pull import pull_prefix
 from services.prefill.stages import Stages
 from services.prefill.streaming import Outgoing, worth_streaming
 from services.worker.instance import EngineInstance, Stream
 from shared import bus, errors, subjects
-from shared.engine.kv_transfer import KVExport, KVMeta, skip_blocks
+from shared.engine.kv_transfer import KVExport, skip_blocks
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
+from shared.kv_load import KVLoadError
 from shared.messages import (
     Ack,
     CancelRequest,
@@ -42,7 +44,7 @@ from shared.messages import (
     Role,
     TokenLogprob,
 )
-from shared.transfer import KVReceiver, KVSender, TransferFailed
+from shared.transfer import KVReceiver, KVSender
 from shared.transfer.base import HANDOFF, PREFIX
 
 log = logging.getLogger(__name__)
@@ -153,11 +155,15 @@ class PrefillInstance(EngineInstance):
                 req.prompt_token_ids,
                 SamplingParams.of(req.sampling),
                 req.tenant,
+                not job.skip_disk,
             )
             self._stats = self.engine.stats()  # the engine's stats show it from here on
         except ValueError as exc:
             self.decode_for.pop(req.request_id, None)
             await self.finish_with_error(req.request_id, "invalid_request", str(exc))
+            return
+        except KVLoadError as exc:  # a disk block failed, and the policy is "fail"
+            await self._fail_load(req.request_id, str(exc))
             return
         finally:
             self.intake.pop(req.request_id, None)  # no await since the stats took it in
@@ -182,36 +188,23 @@ class PrefillInstance(EngineInstance):
         ]
 
     async def _pull_then_add(self, job: PrefillJob) -> None:
-        """Fetch the prefix blocks another instance holds; on any failure just recompute."""
-        req = job.request
-        hashes = req.block_hashes[: job.prefix_blocks]
-        try:
-            reply = await bus.request(
-                self.nc,
-                subjects.kv_export(job.prefix_from),
-                KVExportRequest(block_hashes=hashes),
-                KVExportReply,
-                timeout_s=2.0,
-            )
-            meta_bytes, payload = await self.receiver.fetch(
-                reply.handle, self.settings.transfer_timeout_s, purpose=PREFIX
-            )
-            export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
-            self.count_transfer(True, len(payload))
-            n = await self.run_engine(
-                self.engine.import_prefix, req.prompt_token_ids, export, req.tenant
-            )
-            log.info(
-                "request %s: pulled %d prefix tokens from %s", req.request_id, n, job.prefix_from
-            )
-        except (errors.HalfmoonError, TransferFailed, ValueError) as exc:
-            log.warning(
-                "request %s: prefix pull from %s failed (%s); recomputing",
-                req.request_id,
-                job.prefix_from,
-                exc,
-            )
+        """Fetch the prefix blocks another instance holds; on a failure recompute them, or
+        (the "fail" policy, shared/kv_load.py) end the request."""
+        rid = job.request.request_id
+        why = await pull_prefix(self, self.receiver, job)
+        if why and self.engine.kv_load_failures.failed("pull"):
+            self.intake.pop(rid, None)
+            await self._fail_load(rid, why)
+            return
+        if why:
+            log.warning("request %s: %s; recomputing", rid, why)
         await self._add(job)
+
+    async def _fail_load(self, request_id: str, why: str) -> None:
+        """The "fail" policy: the request ends here, before the engine runs it."""
+        self.decode_for.pop(request_id, None)
+        self.outgoing.pop(request_id, None)
+        await self.finish_with_error(request_id, errors.KVLoadFailed.code, why)
 
     async def on_export(self, msg: Msg) -> None:
         """Another instance wants our cached blocks of a prefix: offer them for a pull."""

@@ -14,6 +14,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import Metric
 
 from shared.engine.llm_engine import EngineStats, StepStats
+from shared.kv_load import KINDS, OUTCOMES
 from shared.metrics import FAST_BUCKETS, ScrapeCollector, counter, gauge, new_registry
 from shared.transfer.base import TransferState
 
@@ -141,6 +142,14 @@ class EngineMetrics:
             "Completed KV transfers",
             labels=("direction",),
             samples=[(("in",), a.transfers_in), (("out",), a.transfers_out)],
+        )
+        failures = inst.engine.kv_load_failures
+        yield counter(
+            "halfmoon_kv_load_failures",
+            f"KV loads that failed (a prefix pull, a handoff, a disk read) by what followed: "
+            f"recomputed, or the request failed (this instance's policy: {failures.policy})",
+            labels=("kind", "outcome"),
+            samples=[((k, o), failures.counts[k, o]) for k in KINDS for o in OUTCOMES],
         )
         sender = getattr(inst, "sender", None)
         if sender is not None:

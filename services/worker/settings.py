@@ -10,6 +10,7 @@ from shared import tls
 from shared.cpus import parse_cpus
 from shared.engine.llm_engine import EngineConfig
 from shared.engine.speculative import SpeculativeConfig
+from shared.kv_load import KVLoadFailurePolicy
 from shared.settings import DEFAULT_MODEL_NAME, BaseSettings, ContextSettings, halfmoon_home
 from shared.transfer import KVReceiver, KVSender
 
@@ -77,6 +78,11 @@ class WorkerSettings(BaseSettings, ContextSettings):
     kv_advertise_host: str = Field("", description="address peers use to reach the data plane")
     kv_port: int = Field(0, ge=0, description="KV data plane port (0: any free port)")
     transfer_timeout_s: float = Field(30.0, gt=0, description="KV transfer timeout")
+    kv_load_failure: KVLoadFailurePolicy = Field(
+        "recompute",
+        description="a KV load that fails (prefix pull, handoff, disk read): recompute the "
+        "KV, or fail the request with kv_load_failed",
+    )
     eviction: Literal["lru", "watermark"] = Field(
         "lru", description="lru: evict on demand; watermark: Mooncake Store's proactive eviction"
     )
@@ -134,6 +140,7 @@ class WorkerSettings(BaseSettings, ContextSettings):
             disk_tier_bytes=int(self.disk_tier_gb * 2**30),
             disk_tier_dir=disk_dir,
             eviction=self.eviction,
+            kv_load_failure=self.kv_load_failure,
             high_watermark=self.high_watermark,
             evict_ratio=self.evict_ratio,
             hot_hits=self.hot_hits,

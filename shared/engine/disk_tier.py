@@ -115,6 +115,9 @@ class DiskLink:
     def __init__(self, disk: DiskTier | None, kv: KVCache, blocks: BlockManager) -> None:
         self.disk, self.kv, self.blocks = disk, kv, blocks
         self._stored: list[int] = []
+        # Why the last load() stopped short of the blocks the disk tier listed ("" if it
+        # did not): an unreadable file, or one whose tokens are not the prompt's.
+        self.fault = ""
         if disk is not None:
             blocks.keep_spills = True
 
@@ -138,7 +141,8 @@ class DiskLink:
 
     def load(self, seq: Sequence) -> int:
         """Bring the prompt's prefix blocks that only the disk tier has back into the pool;
-        returns the tokens they cover."""
+        returns the tokens they cover (`fault` says why when a listed block failed)."""
+        self.fault = ""
         if self.disk is None:
             return 0
         bs = self.blocks.block_size
@@ -176,6 +180,8 @@ class DiskLink:
         for i in range(start, start + count):
             got = disk.get(hashes[i], k_like, v_like)
             if got is None or got[0] != tuple(tmp.token_ids[i * bs : (i + 1) * bs]):
+                why = "unreadable" if got is None else "not this prompt's tokens"
+                self.fault = f"disk tier block {i} of the prompt is {why}"
                 break
             self.kv.write_block(tmp.block_table[i], got[1], got[2])
             loaded += 1

@@ -13,6 +13,7 @@ from shared.engine.output import OutputTracker
 from shared.engine.params import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.engine.speculative import NgramDrafter, SpeculativeConfig
+from shared.kv_load import KVLoadFailurePolicy
 from shared.messages import FinishReason
 
 
@@ -27,6 +28,7 @@ class EngineConfig:
     hot_hits: int = 3  # soft-pin blocks hit this often (0: no pins)
     pin_ttl_s: float = 60.0
     eviction: Literal["lru", "watermark"] = "lru"  # watermark: Mooncake Store's proactive mode
+    kv_load_failure: KVLoadFailurePolicy = "recompute"  # an unreadable disk block (kv_load.py)
     high_watermark: float = 0.90
     evict_ratio: float = 0.05
     quantization: Literal["none", "int8"] = "none"  # the linears' weights (int8: weight-only)

@@ -57,6 +57,7 @@ from shared.engine.runner import LoadedModel
 from shared.engine.scheduler import PoolTooSmall, ScheduledSeq, SchedulerOutput
 from shared.engine.sequence import Sequence
 from shared.engine.step_tokens import StepTokens
+from shared.kv_load import KVLoadError, KVLoadFailures
 from shared.messages import CostSample, FinishReason
 
 # The engine's types, importable from here as before the split.
@@ -89,6 +90,9 @@ class LLMEngine(KVHandoff, StepTokens):
         self.num_preemptions = 0
         self.num_draft_tokens = 0  # speculative tokens proposed, and kept, since start
         self.num_accepted_tokens = 0
+        # Failed KV loads by kind and outcome, under the deployment's policy (kv_load.py):
+        # the disk tier's here; the instance counts pulls and handoffs in the same one.
+        self.kv_load_failures = KVLoadFailures(config.kv_load_failure)
         # Called with each step's stats on the engine thread (metrics histograms lock).
         self.on_step: Callable[[StepStats], None] | None = None
         # What work cost, for the conductor's online cost model (drained by heartbeats;
@@ -118,13 +122,21 @@ class LLMEngine(KVHandoff, StepTokens):
 
     # -- intake -------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, salt: str = ""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        salt: str = "",
+        use_disk: bool = True,
     ) -> None:
+        """`use_disk` False: blocks of this prompt on the disk tier stay there and are
+        computed (the conductor priced reading them above recomputing them)."""
         self.check_fits(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, salt)
         with self.book:
             self.register(seq)
-            self.tier.load(seq)
+            if use_disk:
+                self._load_from_disk(seq)
             self.scheduler.add(seq)
 
     def add_recompute(
@@ -143,8 +155,23 @@ class LLMEngine(KVHandoff, StepTokens):
         seq = continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
         with self.book:
             self.register(seq, output_token_ids, emitted_text)
-            self.tier.load(seq)
+            self._load_from_disk(seq)
             self.scheduler.add(seq)
+
+    def _load_from_disk(self, seq: Sequence) -> None:
+        """The prefix blocks only the disk tier holds, back into the pool. One that fails
+        to load is recomputed, or, under the "fail" policy, the request is dropped and
+        KVLoadError raised (bookkeeping lock held)."""
+        t0 = time.perf_counter()
+        loaded = self.tier.load(seq)
+        if loaded:  # what reading the disk tier costs, for the conductor's cost model
+            seconds = time.perf_counter() - t0
+            self.cost_samples.append(
+                CostSample(kind="disk", tokens=loaded, context=0.0, seconds=seconds)
+            )
+        if self.tier.fault and self.kv_load_failures.failed("disk"):
+            del self.requests[seq.request_id]
+            raise KVLoadError(self.tier.fault)
 
     def prompt_logprobs(self, token_ids: list[int], top_k: int = 0) -> PromptScores:
         """Teacher-forced scores of `token_ids` (prompt_logprobs.py). Engine thread only."""

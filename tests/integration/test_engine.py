@@ -334,6 +334,85 @@ def test_disk_tier_brings_evicted_prefix_back(lm, prompts, reference, tmp_path):
     assert outs["a2"].num_cached_tokens == (len(first) - 1) // 16 * 16  # all of it, via disk
 
 
+def test_disk_reads_are_timed_and_skipped_when_the_conductor_says_so(
+    lm, prompts, reference, tmp_path
+):
+    """A disk hit leaves a "disk" cost sample (the conductor prices disk reads from them);
+    with use_disk=False the blocks stay on disk and the prompt is computed, same tokens."""
+    engine = LLMEngine(
+        lm,
+        EngineConfig(
+            kv_cache_bytes=44 * engine_block_bytes(lm),
+            max_num_batched_tokens=256,
+            disk_tier_bytes=64 << 20,
+            disk_tier_dir=str(tmp_path / "disk"),
+        ),
+    )
+    first, other = prompts[13], prompts[14]
+    engine.add_request("a", first, greedy())
+    drain(engine)
+    engine.add_request("b", other, greedy())
+    drain(engine)
+    on_disk = len(engine.disk or [])
+    assert on_disk > 0
+    engine.cost_samples.clear()
+    engine.add_request("a2", first, greedy(), use_disk=False)
+    tokens, outs = drain(engine)
+    assert tokens["a2"] == reference[13]
+    assert outs["a2"].num_cached_tokens < (len(first) - 1) // 16 * 16  # not via disk
+    assert not [c for c in engine.cost_samples if c.kind == "disk"]
+    engine.add_request("b2", other, greedy())  # b's blocks again: from disk this time
+    tokens, outs = drain(engine)
+    assert tokens["b2"] == reference[14]
+    disk = [c for c in engine.cost_samples if c.kind == "disk"]
+    assert len(disk) == 1 and disk[0].tokens > 0 and disk[0].seconds > 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_an_unreadable_disk_block_is_recomputed_or_fails_the_request(
+    lm, prompts, reference, tmp_path, policy
+):
+    """The KV-load failure policy on the disk tier (shared/kv_load.py): a spilled block
+    whose file went bad is recomputed (the same tokens), or the request is refused with
+    KVLoadError and leaves nothing behind; either way it is counted."""
+    from shared.kv_load import KVLoadError
+
+    engine = LLMEngine(
+        lm,
+        EngineConfig(
+            kv_cache_bytes=44 * engine_block_bytes(lm),
+            max_num_batched_tokens=256,
+            disk_tier_bytes=64 << 20,
+            disk_tier_dir=str(tmp_path / "disk"),
+            kv_load_failure=policy,
+        ),
+    )
+    first, other = prompts[13], prompts[14]
+    engine.add_request("a", first, greedy())
+    drain(engine)
+    engine.add_request("b", other, greedy())
+    drain(engine)
+    files = [f for f in (tmp_path / "disk").rglob("*") if f.is_file()]
+    assert files  # a's blocks were spilled
+    for f in files:
+        f.write_bytes(b"not a KV block")
+    counts = engine.kv_load_failures.counts
+    if policy == "recompute":
+        engine.add_request("a2", first, greedy())
+        tokens, outs = drain(engine)
+        assert tokens["a2"] == reference[13]
+        assert outs["a2"].num_cached_tokens < (len(first) - 1) // 16 * 16  # not via disk
+        assert dict(counts) == {("disk", "recomputed"): 1}
+    else:
+        with pytest.raises(KVLoadError, match="disk tier block"):
+            engine.add_request("a2", first, greedy())
+        assert "a2" not in engine.requests and not engine.has_work()
+        assert dict(counts) == {("disk", "failed"): 1}
+        engine.add_request("b2", other, greedy())  # the engine serves on
+        tokens, _ = drain(engine)
+        assert tokens["b2"] == reference[14]
+
+
 def test_export_from_another_thread_does_not_wait_for_the_forward_pass(lm, prompts):
     """A holder exports cached blocks while its engine is inside a forward pass (the lock
     covers bookkeeping only), and what it exports is the finished prefix's KV."""

@@ -219,3 +219,16 @@ def test_the_cpu_time_model_weighs_the_whole_run_alike():
     at = prior.decode_step_s(8, 400)
     assert 1.9 < wall.decode_step_s(8, 400) / at < 2.1  # the latest speed
     assert 1.3 < cpu.decode_step_s(8, 400) / at < 1.7  # the run's
+
+
+def test_disk_loads_set_the_seconds_per_block_to_their_median():
+    prior = CostModel()
+    cal = Calibrator(prior)
+    assert cal.model().disk_s_per_block == prior.disk_s_per_block
+    # 32 tokens (2 blocks) in 4 ms, 160 (10) in 10 ms, 16 (1) in 30 ms: 2, 1 and 30 ms a block
+    for tokens, seconds in ((32, 0.004), (160, 0.010), (16, 0.030)):
+        cal.observe([CostSample(kind="disk", tokens=tokens, context=0.0, seconds=seconds)])
+    model = cal.model()
+    assert model.disk_s_per_block == pytest.approx(0.002)
+    assert model.disk_load_s(10) == pytest.approx(0.02)
+    assert "disk on 3 loads" in model.source

@@ -187,3 +187,11 @@ def test_prefix_match_256_blocks_64_instances_two_tiers() -> None:
         ix.stored(f"prefill-{i}", "disk", chain, 4096, now=0)
     assert ix.best_prefix(chain) == ("prefill-0", 256)
     assert ix.prefix_match(chain)[I("prefill-9")] == {"dram": 247, "disk": 256}
+
+
+def test_the_match_reply_says_how_much_of_each_prefix_is_on_disk(index: KVIndex) -> None:
+    """What the conductor prices at a disk read: each holder's matched blocks past its
+    DRAM run (a: 4 in DRAM of 6; d: 3 of 5; b all in DRAM)."""
+    from services.kvmanager.handlers import on_disk
+
+    assert on_disk(index.match(CHAIN)) == {"a": 2, "d": 2}

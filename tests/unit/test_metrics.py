@@ -306,11 +306,14 @@ async def test_engine_metrics_from_a_real_instance_and_real_transfers(tiny, tmp_
             await receiver.fetch(dead, timeout_s=5, purpose="prefix")
         with pytest.raises(TransferFailed):  # a sender that answers with another protocol
             await receiver.fetch(await stranger(), timeout_s=5, purpose="prefix")
+        inst.engine.kv_load_failures.failed("pull")  # as a failed prefix pull counts it
         got = scrape(m.registry)
     finally:
         inst.close_engine()
         await sender.close()
     assert got["halfmoon_engine_info{instance_id=prefill-t,model=tiny,role=prefill}"] == 1
+    assert got["halfmoon_kv_load_failures_total{kind=pull,outcome=recomputed}"] == 1
+    assert got["halfmoon_kv_load_failures_total{kind=disk,outcome=failed}"] == 0
     assert got["halfmoon_prefix_cache_hit_tokens_total"] == 39
     assert got["halfmoon_prefix_cache_miss_tokens_total"] == 40 + 1
     assert got["halfmoon_engine_waiting_requests"] == 0

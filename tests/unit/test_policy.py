@@ -370,3 +370,58 @@ def test_the_snapshot_gives_colocated_heartbeats_their_own_batch():
     s = snapshot.build(prefills, [], COST, 1.5)
     assert [p.instance_id for p in s.prefills] == ["c", "p"]
     assert list(s.own_decodes) == ["c"] and s.own_decodes["c"].running == 2
+
+
+# ---- tiers: a block on disk is priced at its read, a remote one at its transfer ------------
+
+
+def disk_req(on_disk: int, own: int = 90) -> RequestView:
+    return RequestView("r", 1600, {"a": own}, 100.0, 1.0, disk_blocks={"a": on_disk})
+
+
+def test_a_disk_hit_is_read_back_when_that_is_quicker_than_computing_it():
+    fast = replace(COST, disk_s_per_block=1e-4)  # 16 tokens: 16 ms to compute, 0.1 ms to read
+    d = make_policy("kvcentric").decide(snap([("a", 0.0)]), disk_req(30))
+    c = make_policy("kvcentric").decide(replace(snap([("a", 0.0)]), cost=fast), disk_req(30))
+    for got in (d.prefill, c.prefill):
+        assert (got.prefix_blocks, got.disk_blocks, got.disk_skipped) == (90, 30, False)
+    assert c.prefill.disk_s == pytest.approx(30 * 1e-4)
+    assert c.prefill.ttft_s == pytest.approx(30 * 1e-4 + (1600 - 1440) * 1e-3)
+
+
+def test_a_disk_slower_than_recomputing_is_left_alone_and_the_record_says_why():
+    slow = replace(COST, disk_s_per_block=0.05)  # 50 ms a block against 16 ms to compute it
+    s = replace(snap([("a", 0.0)]), cost=slow)
+    d = make_policy("kvcentric").decide(s, disk_req(30))
+    c = d.prefill
+    assert (c.prefix_blocks, c.disk_blocks, c.disk_skipped, c.disk_s) == (60, 30, True, 0.0)
+    assert c.ttft_s == pytest.approx((1600 - 960) * 1e-3)  # 30 more blocks computed
+    from services.conductor.handlers import disk_record, prefill_job
+    from shared.messages import GenerateRequest, SamplingParams
+
+    assert disk_record(c) == {
+        "disk_blocks": 30,
+        "disk_ms": None,
+        "disk": "recomputed: reading them back is predicted slower than computing them",
+    }
+    req = GenerateRequest(
+        request_id="r",
+        model="m",
+        prompt_token_ids=[1] * 1600,
+        sampling=SamplingParams(),
+        arrival_time=0.0,
+    )
+    assert prefill_job(req, d).skip_disk  # the engine is told to leave them there
+    # the baselines price them the same way
+    assert make_policy("largest_prefix").decide(s, disk_req(30)).prefill.disk_skipped
+
+
+def test_a_holder_whose_prefix_is_on_disk_is_not_pulled_from():
+    """An export reads DRAM only: blocks on the holder's disk tier are no pull's."""
+    busy_holder = snap([("a", 5.0), ("b", 0.0)])
+    on_disk = RequestView("r", 1600, {"a": 90}, 100.0, 1.0, disk_blocks={"a": 80})
+    c = make_policy("kvcentric").decide(busy_holder, on_disk).prefill
+    assert (c.instance_id, c.pull_from, c.prefix_blocks) == ("b", "a", 10)
+    everything = RequestView("r", 1600, {"a": 90}, 100.0, 1.0, disk_blocks={"a": 90})
+    c = make_policy("kvcentric").decide(busy_holder, everything).prefill
+    assert (c.instance_id, c.pull_from, c.prefix_blocks) == ("b", "", 0)
