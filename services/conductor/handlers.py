@@ -361,11 +361,7 @@ def disk_record(c: Candidate) -> dict[str, object]:
     the read's predicted time), or left there and computed, and why."""
     if not c.disk_skipped:
         return {"disk_blocks": c.disk_blocks, "disk_ms": c.disk_s * 1e3}
-    why = (
-        "the prefix pulled covers them"
-        if c.pull_from
-        else "reading them back is predicted slower than computing them"
-    )
+    why = "reading them back is predicted slower than computing them"
     return {"disk_blocks": c.disk_blocks, "disk_ms": None, "disk": f"recomputed: {why}"}
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from math import inf as INF
 
 from services.conductor.groups import group_candidates, wants_group
 from services.conductor.views import Candidate, Decision, InstanceView, RequestView, Snapshot
@@ -52,20 +51,25 @@ def best_holder(req: RequestView) -> tuple[str, int]:
     return holder, blocks
 
 
-def own_prefix(snap: Snapshot, req: RequestView, inst_id: str) -> tuple[int, int, float]:
-    """(blocks reused, of them read from disk, that read's seconds) of `inst_id`'s own
-    cached prefix. Its disk blocks are reused only when reading them back is quicker than
-    computing them (Dynamo's router credits a block by its tier the same way)."""
+def own_prefix(snap: Snapshot, req: RequestView, inst_id: str) -> tuple[int, int, float, bool]:
+    """(blocks reused, of its own those on its disk tier, the read's seconds, whether they
+    are left there and computed) of `inst_id`'s own cached prefix. Its disk blocks are
+    reused only when reading them back is quicker than computing them (Dynamo's router
+    credits a block by its tier the same way)."""
     own = req.prefix_blocks.get(inst_id, 0)
     disk = min(req.disk_blocks.get(inst_id, 0), own) if req.disk_blocks else 0
     if not disk:
-        return own, 0, 0.0
-    bs, n = snap.cost.block_size, req.prompt_tokens
-    load_s = snap.cost.disk_load_s(disk)
-    with_disk = load_s + snap.cost.prefill_s(n - min(own * bs, n - 1), min(own * bs, n - 1))
-    dram = own - disk
-    without = snap.cost.prefill_s(n - min(dram * bs, n - 1), min(dram * bs, n - 1))
-    return (own, disk, load_s) if with_disk <= without else (dram, disk, INF)
+        return own, 0, 0.0, False
+    cost, n = snap.cost, req.prompt_tokens
+
+    def prefill_after(blocks: int) -> float:
+        cached = min(blocks * cost.block_size, n - 1)
+        return cost.prefill_s(n - cached, cached)
+
+    read_s = cost.disk_load_s(disk)
+    if read_s + prefill_after(own) <= prefill_after(own - disk):
+        return own, disk, read_s, False
+    return own - disk, disk, 0.0, True
 
 
 def candidate(
@@ -78,13 +82,12 @@ def candidate(
     """Predicted TTFT parts on `inst`, with or without pulling the best holder's prefix
     (the pull's transfer time is part of the candidate's TTFT)."""
     bs = snap.cost.block_size
-    own, disk, disk_s = own_prefix(snap, req, inst.instance_id)
-    skipped = disk_s == INF  # its disk blocks are slower to read than to compute
+    own, disk, disk_s, skipped = own_prefix(snap, req, inst.instance_id)
     best_id, best = holder if holder is not None else best_holder(req)
     if pull and best > own and best_id:
         # The pulled prefix covers its own: no disk read (the engine imports over it).
-        reuse, source, xfer, disk, disk_s = best, best_id, snap.cost.transfer_s(best - own), 0, 0.0
-        skipped = True
+        reuse, source, xfer = best, best_id, snap.cost.transfer_s(best - own)
+        disk, disk_s, skipped = 0, 0.0, False
     else:
         reuse, source, xfer = own, "", 0.0
     cached = min(reuse * bs, req.prompt_tokens - 1)
@@ -98,8 +101,8 @@ def candidate(
         prefill,
         snap.cost.overhead_s,
         disk_blocks=disk,
-        disk_s=0.0 if skipped else disk_s,
-        disk_skipped=skipped and disk > 0,
+        disk_s=disk_s,
+        disk_skipped=skipped,
     )
 
 

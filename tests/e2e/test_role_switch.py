@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from sqlalchemy import select, text
 
+from services.tools.instances import role as role_of
 from shared.db.schema import RequestRecord
 from shared.db.session import make_engine, sessionmaker
 from tests.conftest import make_database
@@ -67,10 +68,6 @@ async def engines(http: aiohttp.ClientSession, url: str) -> dict[str, dict]:
 async def set_role(http: aiohttp.ClientSession, url: str, instance: str, role: str):
     async with http.post(f"{url}/admin/instances/{instance}/role", json={"role": role}) as r:
         return r.status, await r.json()
-
-
-def role_of(e: dict) -> str:
-    return "colocated" if e.get("colocated") else e["role"]
 
 
 async def serving_as(http: aiohttp.ClientSession, url: str, instance: str, role: str) -> None:

@@ -310,8 +310,11 @@ def test_seeded_sampling_same_alone_and_split(lm, prompts):
     assert outs["s"].new_token_ids + rest["s"] == alone["s"]
 
 
-def test_disk_tier_brings_evicted_prefix_back(lm, prompts, reference, tmp_path):
-    # a DRAM pool too small for two long prompts: the first one's blocks spill to disk
+def spilled(lm, prompts, tmp_path, **config) -> LLMEngine:
+    """An engine with a disk tier whose DRAM pool is too small for two long prompts
+    (prompts 13 and 14): after both ran, the first one's blocks have spilled to disk."""
+    first, other = prompts[13], prompts[14]
+    assert len(first) // 16 + len(other) // 16 > 44 and len(other) // 16 + 3 < 44
     engine = LLMEngine(
         lm,
         EngineConfig(
@@ -319,14 +322,18 @@ def test_disk_tier_brings_evicted_prefix_back(lm, prompts, reference, tmp_path):
             max_num_batched_tokens=256,
             disk_tier_bytes=64 << 20,
             disk_tier_dir=str(tmp_path / "disk"),
+            **config,
         ),
     )
-    first, other = prompts[13], prompts[14]
-    assert len(first) // 16 + len(other) // 16 > 44 and len(other) // 16 + 3 < 44
-    engine.add_request("a", first, greedy())
-    drain(engine)
-    engine.add_request("b", other, greedy())
-    drain(engine)
+    for rid, prompt in (("a", first), ("b", other)):
+        engine.add_request(rid, prompt, greedy())
+        drain(engine)
+    return engine
+
+
+def test_disk_tier_brings_evicted_prefix_back(lm, prompts, reference, tmp_path):
+    engine = spilled(lm, prompts, tmp_path)
+    first = prompts[13]
     assert engine.disk is not None and engine.disk.nbytes > 0  # a's blocks were spilled
     engine.add_request("a2", first, greedy())
     tokens, outs = drain(engine)
@@ -339,20 +346,8 @@ def test_disk_reads_are_timed_and_skipped_when_the_conductor_says_so(
 ):
     """A disk hit leaves a "disk" cost sample (the conductor prices disk reads from them);
     with use_disk=False the blocks stay on disk and the prompt is computed, same tokens."""
-    engine = LLMEngine(
-        lm,
-        EngineConfig(
-            kv_cache_bytes=44 * engine_block_bytes(lm),
-            max_num_batched_tokens=256,
-            disk_tier_bytes=64 << 20,
-            disk_tier_dir=str(tmp_path / "disk"),
-        ),
-    )
+    engine = spilled(lm, prompts, tmp_path)
     first, other = prompts[13], prompts[14]
-    engine.add_request("a", first, greedy())
-    drain(engine)
-    engine.add_request("b", other, greedy())
-    drain(engine)
     on_disk = len(engine.disk or [])
     assert on_disk > 0
     engine.cost_samples.clear()
@@ -377,21 +372,8 @@ def test_an_unreadable_disk_block_is_recomputed_or_fails_the_request(
     KVLoadError and leaves nothing behind; either way it is counted."""
     from shared.kv_load import KVLoadError
 
-    engine = LLMEngine(
-        lm,
-        EngineConfig(
-            kv_cache_bytes=44 * engine_block_bytes(lm),
-            max_num_batched_tokens=256,
-            disk_tier_bytes=64 << 20,
-            disk_tier_dir=str(tmp_path / "disk"),
-            kv_load_failure=policy,
-        ),
-    )
+    engine = spilled(lm, prompts, tmp_path, kv_load_failure=policy)
     first, other = prompts[13], prompts[14]
-    engine.add_request("a", first, greedy())
-    drain(engine)
-    engine.add_request("b", other, greedy())
-    drain(engine)
     files = [f for f in (tmp_path / "disk").rglob("*") if f.is_file()]
     assert files  # a's blocks were spilled
     for f in files:

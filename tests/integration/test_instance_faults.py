@@ -10,6 +10,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import nats
 import pytest
@@ -110,21 +111,32 @@ def decode_instance(nc, tiny, iid: str) -> DecodeInstance:
     )
 
 
-async def test_a_failed_kv_transfer_is_recomputed_and_the_stream_goes_on(nc, tiny):
-    ref = reference(tiny)
+async def listen(nc, request_id: str) -> Events:  # type: ignore[no-untyped-def]
+    """The request's token events from here on."""
     events = Events()
-    await nc.subscribe(subjects.tokens("r1"), cb=events.on_msg)
-    # Its prefill died: the port is held here, bound and never listening, so nobody can
-    # take it meanwhile and every connection to it is refused.
+    await nc.subscribe(subjects.tokens(request_id), cb=events.on_msg)
+    return events
+
+
+@contextlib.contextmanager
+def dead_handoff(transfer_id: str) -> Iterator[KVHandle]:
+    """A handoff whose prefill died: the port is held here, bound and never listening, so
+    nobody can take it meanwhile and every connection to it is refused."""
     with socket.socket() as dead:
         dead.bind(("127.0.0.1", 0))
-        gone = KVHandle(
-            transfer_id="r1.x",
+        yield KVHandle(
+            transfer_id=transfer_id,
             host="127.0.0.1",
             port=dead.getsockname()[1],
             nbytes=64,
             num_tokens=len(PROMPT),
         )
+
+
+async def test_a_failed_kv_transfer_is_recomputed_and_the_stream_goes_on(nc, tiny):
+    ref = reference(tiny)
+    events = await listen(nc, "r1")
+    with dead_handoff("r1.x") as gone:
         async with running(decode_instance(nc, tiny, "decode-a")) as dec:
             job = DecodeJob(
                 request=gen("r1"),

@@ -21,7 +21,15 @@ from shared.kv_load import KVLoadFailurePolicy
 from shared.messages import Ack, DecodeJob, KVHandle, PrefillJob
 from shared.transfer.tcp import TcpKVReceiver, TcpKVSender
 from tests.factories import tiny_llama
-from tests.integration.test_instance_faults import PROMPT, TOKENS, Events, gen, reference, running
+from tests.integration.test_instance_faults import (
+    TOKENS,
+    Events,
+    dead_handoff,
+    gen,
+    listen,
+    reference,
+    running,
+)
 from tests.waiting import until
 
 POLICIES: tuple[KVLoadFailurePolicy, ...] = ("recompute", "fail")
@@ -57,23 +65,14 @@ def check_end(events: Events, policy: KVLoadFailurePolicy, ref: list[int], first
 async def test_a_failed_handoff(nc, tiny, policy):
     ref = reference(tiny)
     rid = f"handoff-{policy}"
-    events = Events()
-    await nc.subscribe(subjects.tokens(rid), cb=events.on_msg)
+    events = await listen(nc, rid)
     settings = DecodeSettings(
         instance_id=f"decode-{policy}",
         kv_cache_gb=4 / 1024,
         transfer_timeout_s=2.0,
         kv_load_failure=policy,
     )
-    with socket.socket() as dead:  # its prefill is gone: the port refuses every connection
-        dead.bind(("127.0.0.1", 0))
-        gone = KVHandle(
-            transfer_id="x" * 32,
-            host="127.0.0.1",
-            port=dead.getsockname()[1],
-            nbytes=64,
-            num_tokens=len(PROMPT),
-        )
+    with dead_handoff("x" * 32) as gone:
         async with running(DecodeInstance(settings, nc, tiny, TcpKVReceiver())) as dec:
             job = DecodeJob(
                 request=gen(rid),
@@ -96,8 +95,7 @@ async def test_a_failed_handoff(nc, tiny, policy):
 async def test_a_failed_prefix_pull(nc, tiny, policy):
     ref = reference(tiny)
     rid = f"pull-{policy}"
-    events = Events()
-    await nc.subscribe(subjects.tokens(rid), cb=events.on_msg)
+    events = await listen(nc, rid)
     sender = TcpKVSender()
     await sender.start()
     iid = f"prefill-{policy}"
