@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Iterable, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import inspect, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -102,7 +102,10 @@ async def _connected(url: str, read: Read[T]) -> T:
 
 async def _read(conn: AsyncConnection, since: float | None, now: float) -> Snapshot:
     t = RequestRecord.__table__
-    query = select(t).order_by(t.c.arrival_time.desc()).limit(MAX_ROWS + 1)
+    # The columns this database has: one a later migration adds is left out until it runs.
+    have = await conn.run_sync(lambda c: {col["name"] for col in inspect(c).get_columns(t.name)})
+    columns = [c for c in t.columns if c.name in have]
+    query = select(*columns).order_by(t.c.arrival_time.desc()).limit(MAX_ROWS + 1)
     if since is not None:
         query = query.where(t.c.arrival_time >= since)
     requests = [dict(r._mapping) for r in await conn.execute(query)]

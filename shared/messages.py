@@ -1,13 +1,10 @@
 """Typed, versioned messages that cross the bus (JSON via pydantic).
 
-Every message carries `v` so a rolling upgrade can tell old from new: one of a version
-this code does not speak is refused, not misread. Replies that can fail are either the
-payload or {"error": ErrorBody}; see shared.bus.decode_reply.
-
-Values are bounded here, not only where they are made: anyone who can reach the bus can
-send a message (a buggy peer, a version skew, a stranger), and a value no sender of ours
-would send is refused when it is parsed, as an invalid request, before any service acts
-on it (tests/e2e/test_bus_fuzz.py).
+Every message carries `v`: one of a version this code does not speak is refused, not
+misread. Replies that can fail are the payload or {"error": ErrorBody} (shared.bus).
+Values are bounded where they are parsed: anyone who can reach the bus can send a message
+(a buggy peer, a version skew, a stranger), and a value no sender of ours would send is
+refused as an invalid request before any service acts on it (tests/e2e/test_bus_fuzz.py).
 """
 
 from __future__ import annotations
@@ -129,6 +126,9 @@ class KVActivity(BaseModel):
     transfers_out: int = 0  # KV another instance fetched from this one
     bytes_in: int = 0
     bytes_out: int = 0
+    handoffs: int = 0  # decode: handoffs fetched, their bytes, and the bytes of prompt...
+    handoff_bytes: int = 0
+    handoff_held_bytes: int = 0  # ...blocks it held already (decode-side reuse), not fetched
 
 
 class CostSample(BaseModel):
@@ -269,13 +269,10 @@ class KVHandle(BaseModel):
 
 class KVChunk(Message):
     """Prefill → decode, request/reply, while a long prompt is computed: its next full
-    blocks are offered at `kv`. The first chunk carries the request, and decode reserves
-    the whole prompt's blocks before it fetches anything; decode acks each chunk once it
-    is in place, or refuses it (then the rest goes with the first token, as before)."""
+    blocks, offered at `kv`, for the blocks a KVHold (whole) reserved. Acked once in place."""
 
     request_id: RequestId
     prefill_id: str
-    request: GenerateRequest | None = None  # the first chunk only
     kv: KVHandle
 
 
@@ -351,9 +348,9 @@ class DecodeJob(Message):
     kv: KVHandle | None
     # A pipelined prefill's KV: one slice (some layers, every block) per stage.
     kv_slices: list[KVHandle] = Field(default_factory=list, max_length=64)
-    # Leading blocks decode acked as streamed chunks (KVChunk): `kv` holds only the rest,
-    # and decode's reservation for the request already holds these.
-    streamed_blocks: Count = 0
+    # Leading blocks decode holds already (its cached prefix, pinned by a KVHold, and
+    # streamed chunks it acked): `kv` holds only the rest.
+    held_blocks: Count = 0
     output_token_ids: list[TokenId]  # tokens already produced (the first one, by prefill)
     emitted_text: str = ""  # text already streamed, so decode continues the same detokenization
     events_sent: Count = 0  # next TokenEvent index
@@ -385,6 +382,9 @@ class TokenEvent(Message):
     error: ErrorBody | None = None
     instance_id: str = ""
     sent_at: float = 0.0
+    # Decode's first event: KV bytes it fetched, prompt tokens it held already (reuse).
+    handoff_bytes: Count | None = None
+    handoff_held_tokens: Count | None = None
 
 
 class KVEventKind(StrEnum):

@@ -56,8 +56,14 @@ def decode_submit(instance_id: str) -> str:
 
 
 def decode_stream(instance_id: str) -> str:
-    """Request/reply: a long prompt's KV chunk, streamed to decode while prefill runs."""
+    """Request/reply: a long prompt's KV chunk, streamed to decode while prefill runs
+    (into the blocks its KVHold reserved)."""
     return f"{PREFIX}.decode.{instance_id}.stream"
+
+
+def decode_hold(instance_id: str) -> str:
+    """Request/reply: pin what decode holds of a prompt before its KV is offered (KVHold)."""
+    return f"{PREFIX}.decode.{instance_id}.hold"
 
 
 def kv_export(instance_id: str) -> str:

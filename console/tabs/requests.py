@@ -14,6 +14,10 @@ from console.view import View, chart, plain, when
 TABLE_ROWS = 1000  # newest rows shown in the Requests table
 
 
+def kib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else round(nbytes / 1024, 1)
+
+
 def _table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(
         [
@@ -26,6 +30,9 @@ def _table(rows: list[dict[str, Any]]) -> pd.DataFrame:
                 "prompt_tokens": r.get("prompt_tokens"),
                 "cached_tokens": r.get("cached_tokens"),
                 "completion_tokens": r.get("completion_tokens"),
+                # The handoff's KV moved, and the prompt decode held already (reuse).
+                "handoff_kib": kib(r.get("handoff_bytes")),
+                "decode_held_tokens": r.get("handoff_held_tokens"),
                 "prefill": r.get("prefill_instance"),
                 "decode": r.get("decode_instance"),
                 "finish_reason": r.get("finish_reason"),

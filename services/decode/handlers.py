@@ -14,11 +14,9 @@ the batch at the next step. On the engine thread it waited for the running step 
 before its blocks were reserved, and for the next one before its KV went in: two decode
 steps added to every request's first gap, which is most of its TBT when outputs are short.
 
-A long prompt's KV may stream in while it is computed (services/prefill/streaming.py):
-its first chunk reserves the whole prompt's blocks (or is refused, holding nothing, and
-the KV then comes whole with the first token), each chunk is written into them as it
-comes, and the handoff after the first token brings only the rest. A stream whose prefill
-goes quiet gives its blocks back after the transfer timeout.
+Before a handoff's KV is offered, prefill asks which leading blocks of the prompt this
+pool holds already, and sends only the rest; a long prompt's KV may also stream in while
+it is computed. Both are holds (holds.py), made before the handoff comes.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.decode.args import DecodeSettings
+from services.decode.holds import SWITCHING, Holds
 from services.worker.instance import EngineInstance, Stream
 from shared import bus, errors
 from shared.engine.kv_transfer import KVExport, KVMeta
@@ -41,12 +40,11 @@ from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.kv_load import KVLoadError
-from shared.messages import Ack, CostSample, DecodeJob, KVChunk, Role
+from shared.messages import Ack, CostSample, DecodeJob, Role
 from shared.transfer import KVReceiver, TransferFailed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SWITCHING = errors.Unavailable("this instance is switching role", code="switching")
 
 
 class DecodeInstance(EngineInstance):
@@ -67,9 +65,7 @@ class DecodeInstance(EngineInstance):
         self._fetches: set[asyncio.Task] = set()
         self._importer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
         self._admitting = asyncio.Lock()  # one pass over the queue at a time, in order
-        # Streams under way: request id -> when its last chunk came. Their reservations
-        # are the engine's (engine.reserved), made by the first chunk.
-        self.incoming: dict[str, float] = {}
+        self.kv_holds = Holds(self)  # what this pool holds for handoffs yet to come
 
     async def run_import(self, fn: Callable[..., T], *args: Any) -> T:
         """Reservations and imports: beside the step in flight, never behind it."""
@@ -83,7 +79,7 @@ class DecodeInstance(EngineInstance):
             f"{n} {what}"
             for n, what in (
                 (len(self.queue), "handoffs queued"),
-                (len(self.incoming), "KV streams open"),
+                (len(self.kv_holds.pending), "KV holds (streams or cached prefixes)"),
                 (len(self._fetches), "transfers"),
             )
             if n
@@ -97,13 +93,12 @@ class DecodeInstance(EngineInstance):
             await bus.respond(msg, errors.InvalidRequest(f"bad decode job: {exc}"))
             return
         rid = job.request.request_id
-        if not self.intake_open and not self.known(rid) and rid not in self.incoming:
+        if not self.intake_open and not self.known(rid) and rid not in self.kv_holds:
             # Switching role: the prefill asks the conductor for another decode instance.
             await bus.respond(msg, SWITCHING)
             return
-        if len(self.queue) >= self.settings.max_queued_handoffs and not self.known(
-            job.request.request_id
-        ):
+        if len(self.queue) >= self.settings.max_queued_handoffs and not self.known(rid):
+            await self.kv_holds.drop(rid)  # the job goes elsewhere, and recomputes what was held
             await bus.respond(
                 msg, errors.Rejected("decode handoff queue is full", retry_after_s=1.0)
             )
@@ -119,114 +114,37 @@ class DecodeInstance(EngineInstance):
         req = job.request
         if self.known(req.request_id):
             return
-        streamed = self.incoming.pop(req.request_id, None) is not None
-        if job.streamed_blocks and not streamed:
-            # Its stream's reservation is gone (expired): the rest alone cannot be used.
-            log.warning("request %s: streamed KV no longer held; recomputing", req.request_id)
+        held = self.kv_holds.take(req.request_id)
+        if job.held_blocks and held is None:
+            # Its hold is gone (expired, or another instance's): the rest alone is no use.
+            log.warning("request %s: held KV no longer held; recomputing", req.request_id)
             job = job.model_copy(update={"kv": None})
         # With KV handed over, prefill computed the prompt and its cache hits are the usage's;
         # without (a recompute here), this engine's own are.
         computed_elsewhere = job.kv is not None
         cached = job.cached_tokens if computed_elsewhere else None
-        self.streams[req.request_id] = Stream(req, job.events_sent, cached)
-        if streamed and job.kv is not None:
-            self._start(self._transfer(job))
+        stream = self.streams[req.request_id] = Stream(req, job.events_sent, cached)
+        if job.kv is not None or job.kv_slices:  # what moved, and what it did not need to
+            stream.handoff_bytes = held.nbytes if held else 0
+            # What prefill skipped of what is held here (a prompt held whole still sends one).
+            kept = min(held.held_blocks, job.held_blocks) if held else 0
+            stream.handoff_held_tokens = kept * self.settings.block_size
+        if held is not None and held.whole and job.kv is not None:
+            self.start(self._transfer(job))  # its blocks are reserved already
             return
-        if streamed:  # nothing to fetch after all: the reservation goes back
+        if held is not None and job.kv is None:  # nothing to fetch: the blocks go back
             await self.run_import(self.engine.release, req.request_id)
-        self.queue.append(job)
+        self.queue.append(job)  # a held prefix stays pinned, and reserve takes the rest
         self.wake()
 
-    def _start(self, work: Coroutine[Any, Any, None]) -> None:
+    def start(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
         self._fetches.add(task)
         task.add_done_callback(self._fetches.discard)
 
-    async def on_chunk(self, msg: Msg) -> None:
-        """A streamed chunk of a long prompt's KV (see the module doc): the first one
-        reserves the prompt's blocks; each is acked once it is written into them."""
-        try:
-            chunk = KVChunk.model_validate_json(msg.data)
-        except ValueError as exc:
-            await bus.respond(msg, errors.InvalidRequest(f"bad KV chunk: {exc}"))
-            return
-        # Off this callback: NATS runs a subscription's callbacks one at a time, and one
-        # stream's fetch must not hold another's chunk. A stream's own chunks come one at
-        # a time anyway (prefill waits for each ack).
-        self._start(self._take_chunk(msg, chunk))
-
-    async def _take_chunk(self, msg: Msg, chunk: KVChunk) -> None:
-        refused = await self._open(chunk) if chunk.request is not None else None
-        if refused is None and chunk.request_id not in self.incoming:
-            refused = "no stream under way for this request"
-        if refused is None:
-            refused = await self._fill(chunk)
-        await bus.respond(msg, Ack() if refused is None else errors.Rejected(refused))
-
-    async def _open(self, chunk: KVChunk) -> str | None:
-        """Reserve a stream's blocks, the whole prompt's; why not, or None."""
-        req = chunk.request
-        assert req is not None
-        rid = req.request_id
-        if self.known(rid) or rid in self.incoming:
-            return "request already here"
-        if not self.intake_open:
-            return "switching role"
-        if self.queue:  # handoffs wait for room: a stream does not jump them
-            return "handoffs are waiting for KV pool room"
-        n = len(req.prompt_token_ids)
-        try:
-            ok = await self.run_import(
-                self.engine.reserve,
-                rid,
-                req.prompt_token_ids,
-                [],
-                SamplingParams.of(req.sampling),
-                n,
-                req.tenant,
-            )
-        except ValueError as exc:
-            return str(exc)
-        if not ok:
-            return "no KV pool room for the stream"
-        if rid in self.cancelled:  # while it was being reserved
-            await self.run_import(self.engine.release, rid)
-            return "cancelled"
-        self.incoming[rid] = time.monotonic()
-        self._stats = self.engine.stats()
-        return None
-
-    async def _fill(self, chunk: KVChunk) -> str | None:
-        """Fetch a chunk into its stream's blocks; why it failed, or None. A failed chunk
-        leaves the reservation: the handoff brings what was not acked."""
-        rid = chunk.request_id
-        try:
-            meta_bytes, payload = await self.receiver.fetch(
-                chunk.kv, self.settings.transfer_timeout_s
-            )
-            export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
-            await self.run_import(self.engine.fill_reserved, rid, export)
-        except (TransferFailed, ValueError) as exc:
-            log.warning("request %s: streamed KV chunk failed (%s)", rid, exc)
-            return str(exc)
-        self.count_transfer(True, len(payload))
-        if rid in self.incoming:
-            self.incoming[rid] = time.monotonic()
-        return None
-
-    async def _expire_streams(self) -> None:
-        """Streams whose prefill went quiet (it died, and the cancel was lost) give their
-        blocks back."""
-        now = time.monotonic()
-        for rid, last in list(self.incoming.items()):
-            if now - last > self.settings.transfer_timeout_s:
-                del self.incoming[rid]
-                await self.run_import(self.engine.release, rid)
-                log.warning("request %s: streamed KV went quiet; its blocks are freed", rid)
-
     async def after_step(self) -> None:
         """Between steps: the queue's head may fit now that the step freed blocks."""
-        await self._expire_streams()
+        await self.kv_holds.expire()
         await self.admit_queued()
 
     async def admit_queued(self) -> None:
@@ -264,8 +182,8 @@ class DecodeInstance(EngineInstance):
             if not ok:
                 return  # the pool is full: try again after the next step
             self.queue.popleft()
-            self._stats = self.engine.stats()
-            self._start(self._transfer(job))
+            self.refresh_stats()
+            self.start(self._transfer(job))
 
     async def _transfer(self, job: DecodeJob) -> None:
         """Fetch into the reserved blocks and join the batch; on a failed transfer give the
@@ -282,6 +200,7 @@ class DecodeInstance(EngineInstance):
             await self.run_import(self.engine.release, rid)
             await self._load_failed(job, f"KV transfer from {job.prefill_id} failed")
             return
+        self._count_handoff(rid)
         try:
             await self.run_import(
                 self.engine.add_reserved, rid, export, job.output_token_ids, job.emitted_text
@@ -304,7 +223,7 @@ class DecodeInstance(EngineInstance):
                     seconds=max(0.0, time.time() - job.first_token_time),
                 )
             )
-        self._stats = self.engine.stats()
+        self.refresh_stats()
         self.wake()
 
     async def _transfer_slices(self, job: DecodeJob) -> None:
@@ -324,6 +243,7 @@ class DecodeInstance(EngineInstance):
                 await self.run_import(self.engine.release, rid)
                 await self._load_failed(job, str(exc))
                 return
+        self._count_handoff(rid)
         try:
             await self.run_import(
                 self.engine.add_reserved_slices, rid, job.output_token_ids, job.emitted_text
@@ -335,8 +255,19 @@ class DecodeInstance(EngineInstance):
         if rid not in self.streams:
             await self.abort(rid)
             return
-        self._stats = self.engine.stats()
+        self.refresh_stats()
         self.wake()
+
+    def _count_handoff(self, request_id: str) -> None:
+        """A handoff's KV is here: what moved, and what this pool held already."""
+        stream = self.streams.get(request_id)
+        if stream is None or stream.handoff_bytes is None:
+            return
+        a = self.kv_activity
+        a.handoffs += 1
+        a.handoff_bytes += stream.handoff_bytes
+        held_blocks = (stream.handoff_held_tokens or 0) // self.settings.block_size
+        a.handoff_held_bytes += held_blocks * self.engine.kv.shape.block_nbytes
 
     async def _fetch(self, job: DecodeJob) -> KVExport | None:
         """The prefilled KV, or None if the transfer failed or timed out."""
@@ -355,6 +286,9 @@ class DecodeInstance(EngineInstance):
             )
             return None
         self.count_transfer(True, len(payload))
+        stream = self.streams.get(job.request.request_id)
+        if stream is not None and stream.handoff_bytes is not None:
+            stream.handoff_bytes += len(payload)
         return export
 
     async def _load_failed(self, job: DecodeJob, why: str) -> None:
@@ -362,7 +296,7 @@ class DecodeInstance(EngineInstance):
         shared/kv_load.py) end the request."""
         rid = job.request.request_id
         if self.engine.kv_load_failures.failed("handoff"):
-            self._stats = self.engine.stats()  # heartbeats show its blocks back at once
+            self.refresh_stats()
             await self.finish_with_error(rid, errors.KVLoadFailed.code, why)
             return
         log.warning("request %s: %s; recomputing", rid, why)
@@ -387,7 +321,7 @@ class DecodeInstance(EngineInstance):
         except KVLoadError as exc:  # a disk block failed, and the policy is "fail"
             await self.finish_with_error(req.request_id, errors.KVLoadFailed.code, str(exc))
             return
-        self._stats = self.engine.stats()
+        self.refresh_stats()
         self.wake()
 
     async def on_output(self, out: RequestOutput) -> None:
@@ -397,9 +331,9 @@ class DecodeInstance(EngineInstance):
         """A cancel: drop it from the queue, or give back its reservation."""
         before = len(self.queue)
         self.queue = deque(j for j in self.queue if j.request.request_id != request_id)
-        self.incoming.pop(request_id, None)
+        self.kv_holds.pending.pop(request_id, None)
         released = await self.run_import(self.engine.release, request_id)
-        self._stats = self.engine.stats()  # heartbeats show the blocks back at once
+        self.refresh_stats()
         return released or len(self.queue) < before
 
     def leased_blocks(self) -> int:
@@ -408,5 +342,5 @@ class DecodeInstance(EngineInstance):
 
     async def fail_running(self, why: str) -> None:
         self.queue.clear()
-        self.incoming.clear()
+        self.kv_holds.pending.clear()
         await self.fail_all(why)

@@ -34,6 +34,9 @@ class RequestLife:
     # from an instance other than the one that sent the first (the decode side of a handoff).
     dispatch_time: float | None = None
     decode_first_token_time: float | None = None
+    # The KV its handoff moved, and the prompt tokens decode held already (reuse).
+    handoff_bytes: int | None = None
+    handoff_held_tokens: int | None = None
     first_instance: str = ""
     metrics: TokenClock | None = None
     last_token_time: float | None = None
@@ -46,6 +49,9 @@ class RequestLife:
             self.text_parts.append(event.text)
         if event.usage is not None:
             self.usage = event.usage
+        if event.handoff_bytes is not None:
+            self.handoff_bytes = event.handoff_bytes
+            self.handoff_held_tokens = event.handoff_held_tokens
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason.value
             if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
@@ -77,7 +83,12 @@ class RequestLife:
         if self.first_token_time is not None:
             values["first_token_time"] = self.first_token_time
             values["ttft_ms"] = (self.first_token_time - self.arrival) * 1e3
-        for key in ("dispatch_time", "decode_first_token_time"):
+        for key in (
+            "dispatch_time",
+            "decode_first_token_time",
+            "handoff_bytes",
+            "handoff_held_tokens",
+        ):
             if getattr(self, key) is not None:
                 values[key] = getattr(self, key)
         if self.usage is not None:

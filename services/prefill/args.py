@@ -17,6 +17,12 @@ class PrefillSettings(WorkerSettings):
         description="send a prompt of more than one chunk to decode chunk by chunk while "
         "it is computed (off: all its KV after the first token)",
     )
+    decode_reuse: bool = Field(
+        True,
+        description="before a handoff, ask the decode instance which leading blocks of the "
+        "prompt it caches already (an earlier turn's) and send only the rest (off: the "
+        "whole prompt's KV moves)",
+    )
     stage_kv_gb: float = Field(
         0.25,
         ge=0,

@@ -39,7 +39,7 @@ async def submit_decode(nc: NATS, job: DecodeJob, decode_id: str) -> errors.Half
             decode_id = await _another_decode(nc, job, tried)
             if not decode_id:
                 return _refused(tried[-1], exc)
-            # A job with streamed_blocks names KV the new one does not hold: it will
+            # A job with held_blocks names KV the new one does not hold: it will
             # recompute the prompt (slower, never wrong).
 
 

@@ -1,7 +1,8 @@
 """Prefill: prompts through the engine (chunked, prefix-cached); the first token is
 streamed, the prompt's KV is offered on the data plane and decode is told where it is.
-A long prompt's KV goes to decode chunk by chunk while it is computed (streaming.py), so
-its handoff carries only the last chunk's blocks.
+A long prompt's KV goes to decode chunk by chunk while it is computed (kv_stream.py), so
+its handoff carries only the last chunk's blocks; and before any KV is offered, decode says
+which leading blocks of the prompt it caches already (decode-side reuse), which never move.
 
 With no decode instance named in the job (colocated mode) the instance decodes too.
 """
@@ -13,31 +14,30 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from functools import partial
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.prefill.args import PrefillSettings
 from services.prefill.decode_submit import submit_decode
+from services.prefill.kv_stream import KVStreams, hold_at
 from services.prefill.offers import KVOffers
 from services.prefill.prefix_pull import pull_prefix
 from services.prefill.stages import Stages
 from services.prefill.streaming import Outgoing, worth_streaming
 from services.worker.instance import EngineInstance, Stream
-from shared import bus, errors, subjects
-from shared.engine.kv_transfer import KVExport, skip_blocks
+from shared import bus, errors
+from shared.engine.kv_transfer import skip_blocks
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
+from shared.handoff_messages import KVHold
 from shared.kv_load import KVLoadError
 from shared.messages import (
     Ack,
-    CancelRequest,
     CostSample,
     DecodeJob,
     GenerateRequest,
-    KVChunk,
     KVExportReply,
     KVExportRequest,
     PrefillJob,
@@ -48,6 +48,8 @@ from shared.transfer import KVReceiver, KVSender
 from shared.transfer.base import HANDOFF, PREFIX
 
 log = logging.getLogger(__name__)
+# How long a handoff waits for decode to say what it holds before it sends everything.
+HOLD_TIMEOUT_S = 2.0
 
 
 class PrefillInstance(EngineInstance):
@@ -69,7 +71,7 @@ class PrefillInstance(EngineInstance):
         self.decode_for: dict[str, str] = {}
         self._transfers: set[asyncio.Task] = set()
         self._handing_off: set[asyncio.Task] = set()
-        self._exporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-export")
+        self.exporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-export")
         self.offers = KVOffers(
             sender, settings.transfer_timeout_s, lambda nbytes: self.count_transfer(False, nbytes)
         )
@@ -80,8 +82,7 @@ class PrefillInstance(EngineInstance):
         # what it sent at each heartbeat, lost them from the queue and admitted requests
         # at half their real TTFT.
         self.intake: dict[str, int] = {}
-        self.outgoing: dict[str, Outgoing] = {}  # long prompts whose KV streams to decode
-        self._chunks: dict[str, asyncio.Task] = {}  # each streaming prompt's chunk in flight
+        self.kv_streams = KVStreams(self)  # long prompts whose KV streams to decode
         self.stages = Stages(self, int(settings.stage_kv_gb * 2**30))  # pipelined prefill
 
     def connector(self) -> PrefillInstance:
@@ -94,8 +95,7 @@ class PrefillInstance(EngineInstance):
 
     def streamed_blocks(self, request_id: str) -> int:
         """Engine thread: decode has these leading blocks already (acked chunks)."""
-        out = self.outgoing.get(request_id)
-        return out.acked if out is not None else 0
+        return self.kv_streams.acked(request_id)
 
     async def on_submit(self, msg: Msg) -> None:
         try:
@@ -124,7 +124,7 @@ class PrefillInstance(EngineInstance):
             and self.settings.stream_handoff
             and worth_streaming(req, self.settings.chunk_tokens)
         ):
-            self.outgoing[rid] = Outgoing(job.decode_id, req)
+            self.kv_streams.start(rid, job.decode_id, req)
         await bus.respond(msg, Ack())
         if req.arrival_time > 0:  # the way in, for the cost model's overhead_s
             self.engine.cost_samples.append(
@@ -157,7 +157,7 @@ class PrefillInstance(EngineInstance):
                 req.tenant,
                 not job.skip_disk,
             )
-            self._stats = self.engine.stats()  # the engine's stats show it from here on
+            self.refresh_stats()  # the engine's stats show it from here on
         except ValueError as exc:
             self.decode_for.pop(req.request_id, None)
             await self.finish_with_error(req.request_id, "invalid_request", str(exc))
@@ -203,7 +203,7 @@ class PrefillInstance(EngineInstance):
     async def _fail_load(self, request_id: str, why: str) -> None:
         """The "fail" policy: the request ends here, before the engine runs it."""
         self.decode_for.pop(request_id, None)
-        self.outgoing.pop(request_id, None)
+        self.kv_streams.drop(request_id)
         await self.finish_with_error(request_id, errors.KVLoadFailed.code, why)
 
     async def on_export(self, msg: Msg) -> None:
@@ -213,7 +213,7 @@ class PrefillInstance(EngineInstance):
             # Not on the engine thread: an export must not wait behind a prefill chunk
             # (the engine locks only its bookkeeping, not the forward pass).
             export = await asyncio.get_running_loop().run_in_executor(
-                self._exporter, self.engine.export_prefix, req.block_hashes
+                self.exporter, self.engine.export_prefix, req.block_hashes
             )
         except ValueError as exc:
             await bus.respond(msg, errors.InvalidRequest(f"bad export request: {exc}"))
@@ -228,74 +228,21 @@ class PrefillInstance(EngineInstance):
         handle = await self.offers.offer(PREFIX, export)
         await bus.respond(msg, KVExportReply(handle=handle, num_blocks=export.meta.num_blocks))
 
-    # -- streamed handoff: a long prompt's KV goes to decode while it is computed --------
     async def after_step(self) -> None:
-        """Between steps: each streaming prompt's new full blocks go to its decode instance,
-        beside the next step (one chunk in flight per prompt; the next covers more)."""
-        for rid, out in self.outgoing.items():
-            if out.ready():
-                out.busy = True
-                task = asyncio.create_task(self._send_chunk(rid, out))
-                self._transfers.add(task)
-                task.add_done_callback(self._transfers.discard)
-                self._chunks[rid] = task
-                task.add_done_callback(partial(self._chunk_done, rid))
+        await self.kv_streams.send_ready()
 
-    def _chunk_done(self, rid: str, task: asyncio.Task) -> None:
-        if self._chunks.get(rid) is task:
-            del self._chunks[rid]
-
-    async def _send_chunk(self, rid: str, out: Outgoing) -> None:
-        try:
-            export = await asyncio.get_running_loop().run_in_executor(
-                self._exporter, self.engine.export_streamable, rid, out.acked
-            )
-            if export is not None and not out.stopped:
-                await self._offer_chunk(rid, out, export)
-        except Exception:
-            log.exception("request %s: streaming its KV failed", rid)
-            out.stopped = True
-        finally:
-            out.busy = False
-
-    async def _offer_chunk(self, rid: str, out: Outgoing, export: KVExport) -> None:
-        handle = await self.offers.offer(HANDOFF, export)
-        chunk = KVChunk(
-            request_id=rid,
+    async def _held_prefix(self, out: RequestOutput, req: GenerateRequest, decode_id: str) -> int:
+        """Decode-side reuse at the handoff: the leading blocks of the prompt decode
+        caches, pinned there for this request (0: none, reuse off, or no answer)."""
+        if not self.settings.decode_reuse or out.handoff is None:
+            return 0
+        hold = KVHold(
+            request=req,
             prefill_id=self.instance_id,
-            request=None if out.opened else out.request,
-            kv=handle,
+            output_token_ids=out.new_token_ids,
+            num_kv_tokens=out.handoff.meta.num_tokens,
         )
-        try:
-            await bus.request(
-                self.nc,
-                subjects.decode_stream(out.decode_id),
-                chunk,
-                Ack,
-                timeout_s=self.settings.transfer_timeout_s,
-            )
-        except errors.HalfmoonError as exc:
-            await self.sender.withdraw(handle.transfer_id)
-            out.stopped = True
-            log.info(
-                "request %s: decode %s took no streamed KV past block %d (%s); the rest "
-                "goes with the first token",
-                rid,
-                out.decode_id,
-                out.acked,
-                exc.message,
-            )
-            return
-        out.opened = True
-        out.acked = export.meta.first_block + export.meta.num_blocks
-
-    async def _end_stream(self, request_id: str) -> None:
-        """The request ends here (or is cancelled): a decode instance holding a
-        reservation for its stream is told to drop it, through the cancel broadcast."""
-        out = self.outgoing.pop(request_id, None)
-        if out is not None and out.opened:
-            cancel = CancelRequest(request_id=request_id, reason="ended before its handoff")
-            await self.nc.publish(subjects.CANCEL, cancel.encode())
+        return await hold_at(self.nc, decode_id, hold, HOLD_TIMEOUT_S) or 0
 
     async def on_output(self, out: RequestOutput) -> None:
         decode_id = self.decode_for.get(out.request_id, "")
@@ -303,11 +250,10 @@ class PrefillInstance(EngineInstance):
         await self.publish_output(out)
         if out.finish_reason is not None or out.error is not None:
             self.decode_for.pop(out.request_id, None)
-            await self._end_stream(out.request_id)
+            await self.kv_streams.end(out.request_id)
         if out.handoff is None or stream is None:
             return
-        streamed = self.outgoing.pop(out.request_id, None)
-        in_flight = self._chunks.get(out.request_id)
+        streamed, in_flight = self.kv_streams.take(out.request_id)
         self.streams.pop(out.request_id, None)
         self.decode_for.pop(out.request_id, None)
         self.finished.add(out.request_id)
@@ -338,8 +284,14 @@ class PrefillInstance(EngineInstance):
                 # transfer timeout (_send_chunk never raises); once acked, its blocks are
                 # not sent a second time.
                 await asyncio.wait({in_flight})
-            if streamed is not None and streamed.acked > handoff.meta.first_block:
-                handoff = skip_blocks(handoff, streamed.acked - handoff.meta.first_block)
+            if streamed is not None and streamed.opened:
+                held = streamed.acked
+            else:
+                held = await self._held_prefix(out, stream.request, decode_id)
+            # At least one block moves: a prompt decode holds whole is still a handoff.
+            held = min(held, handoff.meta.first_block + handoff.meta.num_blocks - 1)
+            if held > handoff.meta.first_block:
+                handoff = skip_blocks(handoff, held - handoff.meta.first_block)
             await self._offer_and_submit(replace(out, handoff=handoff), stream, decode_id, produced)
         except Exception as exc:
             log.exception("request %s: handoff failed", stream.request.request_id)
@@ -371,7 +323,7 @@ class PrefillInstance(EngineInstance):
             events_sent=stream.next_index,
             cached_tokens=out.num_cached_tokens,
             first_token_time=produced,
-            streamed_blocks=out.handoff.meta.first_block,
+            held_blocks=out.handoff.meta.first_block,
         )
         refused = await submit_decode(self.nc, job, decode_id)
         if refused is not None:
@@ -394,7 +346,8 @@ class PrefillInstance(EngineInstance):
             f"{n} {what}"
             for n, what in (
                 (len(self.intake), "jobs not in the engine yet"),
-                (len(self._transfers), "prefix pulls or KV chunks"),
+                (len(self._transfers), "prefix pulls"),
+                (len(self.kv_streams.tasks), "KV chunks"),
                 (len(self._handing_off), "handoffs"),
                 (len(self.stages.runs), "pipeline stages"),
                 (self.sender.pending, "KV offers not fetched"),
@@ -404,12 +357,12 @@ class PrefillInstance(EngineInstance):
         return ", ".join([h for h in [super().holds(), *held] if h])
 
     def close_role(self) -> None:
-        self._exporter.shutdown(wait=True, cancel_futures=True)
+        self.exporter.shutdown(wait=True, cancel_futures=True)
 
     async def release(self, request_id: str) -> bool:
         await self.stages.release(request_id)
         self.intake.pop(request_id, None)
-        self.outgoing.pop(request_id, None)  # decode got the same cancel
+        self.kv_streams.drop(request_id)  # decode got the same cancel
         self.decode_for.pop(request_id, None)
         return await self.offers.withdraw_handoff(request_id)
 

@@ -73,6 +73,10 @@ class Stream:
     # handed-off prompt saves a copy, not compute: it is not what usage reports.)
     cached_tokens: int | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # scored before prefill, sent first
+    # A handoff's KV bytes fetched here and prompt tokens held here already (decode-side
+    # reuse), sent with the next event for the request's record.
+    handoff_bytes: int | None = None
+    handoff_held_tokens: int | None = None
 
 
 class EngineInstance:
@@ -146,6 +150,10 @@ class EngineInstance:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def refresh_stats(self) -> None:
+        """Off a step (a reservation, an import, an abort): heartbeats show it at once."""
+        self._stats = self.engine.stats()
 
     @property
     def stats(self) -> EngineStats:
@@ -339,6 +347,8 @@ class EngineInstance:
             ]
         )
         prompt_lps, stream.prompt_logprobs = stream.prompt_logprobs, None  # the first event
+        moved, held = stream.handoff_bytes, stream.handoff_held_tokens
+        stream.handoff_bytes = stream.handoff_held_tokens = None
         event = TokenEvent(
             request_id=out.request_id,
             index=stream.next_index,
@@ -350,6 +360,8 @@ class EngineInstance:
             usage=usage,
             instance_id=self.instance_id,
             sent_at=time.time(),
+            handoff_bytes=moved,
+            handoff_held_tokens=held,
         )
         stream.next_index += 1
         await self.nc.publish(subjects.tokens(out.request_id), event.encode())

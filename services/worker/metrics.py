@@ -143,6 +143,22 @@ class EngineMetrics:
             labels=("direction",),
             samples=[(("in",), a.transfers_in), (("out",), a.transfers_out)],
         )
+        yield counter(
+            "halfmoon_kv_handoffs",
+            "Handoffs whose KV this decode instance fetched",
+            a.handoffs,
+        )
+        yield counter(
+            "halfmoon_kv_handoff_bytes",
+            "KV bytes those handoffs moved (streamed chunks included)",
+            a.handoff_bytes,
+        )
+        yield counter(
+            "halfmoon_kv_handoff_held_bytes",
+            "KV bytes of those handoffs' prompts this pool held already and did not fetch "
+            "(decode-side reuse)",
+            a.handoff_held_bytes,
+        )
         failures = inst.engine.kv_load_failures
         yield counter(
             "halfmoon_kv_load_failures",

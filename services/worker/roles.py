@@ -120,7 +120,8 @@ class RoleHost:
             assert isinstance(inst, DecodeInstance)
             pairs = [
                 (subjects.decode_submit(iid), inst.on_submit),
-                (subjects.decode_stream(iid), inst.on_chunk),
+                (subjects.decode_hold(iid), inst.kv_holds.on_hold),
+                (subjects.decode_stream(iid), inst.kv_holds.on_chunk),
             ]
         pairs.append((subjects.CANCEL, inst.on_cancel))
         return [await nc.subscribe(subject, cb=cb) for subject, cb in pairs]

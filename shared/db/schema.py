@@ -54,6 +54,10 @@ class RequestRecord(Base):
     # one (the KV handoff is done). NULL where not measured: older rows, colocated decode.
     dispatch_time: Mapped[float | None] = mapped_column(Float, nullable=True)
     decode_first_token_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The KV bytes decode fetched for the request (streamed chunks included), and the prompt
+    # tokens whose KV it held already and did not fetch (decode-side reuse). NULL: no handoff.
+    handoff_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    handoff_held_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class InstanceRecord(Base):

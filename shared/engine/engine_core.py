@@ -43,6 +43,9 @@ class EngineCore:
         self.requests: dict[str, RequestState] = {}
         # Decode admission: pool blocks held for a request whose KV is still in transfer.
         self.reserved: dict[str, Sequence] = {}
+        # Before that: the leading blocks of a prompt this pool caches already, pinned for a
+        # handoff that will bring only the rest (KVHandoff.hold_prefix).
+        self.held: dict[str, Sequence] = {}
         # Of those, the ones whose KV arrives in layer slices (a pipelined prefill's).
         self.slices: dict[str, SliceProgress] = {}
         self.book = threading.Lock()  # bookkeeping: steps vs. exports and imports

@@ -62,26 +62,90 @@ class KVHandoff(EngineCore):
         salt: str = "",
     ) -> bool:
         """Hold pool blocks for a request's KV before fetching it (as SGLang's decode
-        prealloc queue does); False, holding nothing, if the pool has no room now. Full
-        blocks of the prompt this pool already caches (a sibling sample's) are shared,
-        not fetched again into new ones."""
+        prealloc queue does); False, holding no more than before, if the pool has no room
+        now. Full blocks of the prompt this pool already caches (a sibling sample's, an
+        earlier turn's) are shared, not fetched again into new ones; a prefix pinned by
+        hold_prefix stays, and only the rest is reserved."""
         self.check_fits(prompt_token_ids, params, output_token_ids)
-        seq = continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
-        if not 0 < num_kv_tokens <= seq.num_tokens:
-            raise ValueError(f"KV of {num_kv_tokens} tokens for a sequence of {seq.num_tokens}")
+        args = (request_id, prompt_token_ids, output_token_ids, params, num_kv_tokens, salt)
+        with self.book:
+            return self._reserve(*args) is not None
+
+    def hold_prefix(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        num_kv_tokens: int,
+        salt: str = "",
+        whole: bool = False,
+    ) -> int | None:
+        """Pin the leading full blocks of the prompt this pool caches, so that a handoff
+        need bring only the rest (SGLang's decode-side radix cache); returns how many.
+        Nothing more is allocated: reserve takes the rest when the handoff is admitted,
+        and release gives the pin back. With `whole` the rest is reserved now too (a
+        streamed handoff's opening): None, holding nothing, if the pool has no room."""
+        self.check_fits(prompt_token_ids, params, output_token_ids)
+        args = (request_id, prompt_token_ids, output_token_ids, params, num_kv_tokens, salt)
         with self.book:
             if request_id in self.requests or request_id in self.reserved:
                 raise ValueError(f"duplicate request id {request_id}")
-            self.blocks.match_prefix(seq)
-            if seq.num_computed_tokens > num_kv_tokens:  # never more than the KV covers
+            if whole:
+                seq = self._reserve(*args)
+                return None if seq is None else len(seq.block_hashes)
+            if request_id not in self.held:
+                seq = self._matched(*args)
+                if not seq.block_table:
+                    return 0
+                self.held[request_id] = seq
+            return len(self.held[request_id].block_table)
+
+    def _reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        num_kv_tokens: int,
+        salt: str,
+    ) -> Sequence | None:
+        """reserve's work (the caller holds the lock): the reserved sequence, or None."""
+        if request_id in self.requests or request_id in self.reserved:
+            raise ValueError(f"duplicate request id {request_id}")
+        held = self.held.pop(request_id, None)
+        seq = held or self._matched(
+            request_id, prompt_token_ids, output_token_ids, params, num_kv_tokens, salt
+        )
+        if not self.blocks.allocate(seq, num_kv_tokens - seq.num_computed_tokens):
+            if held is not None:
+                self.held[request_id] = held  # still pinned for the next try
+            else:
                 self.blocks.free(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
-            if not self.blocks.allocate(seq, num_kv_tokens - seq.num_computed_tokens):
-                self.blocks.free(seq)
-                return False
-            self.tier.spill()  # what the allocation evicted goes to disk before it is overwritten
-            self.reserved[request_id] = seq
-        return True
+            return None
+        self.tier.spill()  # what the allocation evicted goes to disk before it is overwritten
+        self.reserved[request_id] = seq
+        return seq
+
+    def _matched(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        num_kv_tokens: int,
+        salt: str,
+    ) -> Sequence:
+        """A continuation holding the cached blocks of its prefix, never past the KV that
+        will come (the caller holds the lock)."""
+        seq = continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
+        if not 0 < num_kv_tokens <= seq.num_tokens:
+            raise ValueError(f"KV of {num_kv_tokens} tokens for a sequence of {seq.num_tokens}")
+        self.blocks.match_prefix(seq)
+        if seq.num_computed_tokens > num_kv_tokens:
+            self.blocks.free(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+        return seq
 
     def fill_reserved(self, request_id: str, kv: KVExport) -> int:
         """Write a streamed chunk of a reserved request's KV into its blocks (the request
@@ -154,10 +218,10 @@ class KVHandoff(EngineCore):
             self.scheduler.add_running(seq)
 
     def release(self, request_id: str) -> bool:
-        """Give back a reservation (cancelled, or its transfer failed)."""
+        """Give back a reservation or a held prefix (cancelled, or its transfer failed)."""
         with self.book:
             self.slices.pop(request_id, None)
-            seq = self.reserved.pop(request_id, None)
+            seq = self.reserved.pop(request_id, None) or self.held.pop(request_id, None)
             if seq is None:
                 return False
             self.blocks.free(seq)

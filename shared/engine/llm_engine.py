@@ -14,8 +14,8 @@ Concurrency contract. Three threads may touch an engine:
   a long prefill chunk;
 - an exporter thread may also call export_streamable (prefill), so a long prompt's
   computed blocks go to decode while its next chunk runs;
-- an importer thread (decode) may call reserve, fill_reserved, add_reserved and release
-  at any time, so a handed-off request joins the batch at the next step instead of
+- an importer thread (decode) may call hold_prefix, reserve, fill_reserved, add_reserved and
+  release at any time, so a handed-off request joins the batch at the next step instead of
   waiting for the step in flight to end before its blocks are even reserved.
 `book` guards the block bookkeeping, the scheduler's queues and every KV write into a
 block an export could name (a cached, hashed block). Every method above holds it while it

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from shared import errors, subjects
 from shared.bus import decode_reply
+from shared.handoff_messages import KVHeld, KVHold
 from shared.messages import (
     Ack,
     CancelRequest,
@@ -125,8 +126,12 @@ def templates(prefill: str, decode: str, rid: str) -> dict[str, tuple[Message, t
             DecodeJob(request=req, prefill_id=prefill, kv=None, output_token_ids=[30]),
             Ack,
         ),
+        subjects.decode_hold(decode): (
+            KVHold(request=req, prefill_id=prefill, num_kv_tokens=4, whole=True),
+            KVHeld,
+        ),
         subjects.decode_stream(decode): (
-            KVChunk(request_id=rid, prefill_id=prefill, request=req, kv=handle),
+            KVChunk(request_id=rid, prefill_id=prefill, kv=handle),
             Ack,
         ),
         subjects.kv_export(prefill): (KVExportRequest(block_hashes=[1, 2]), KVExportReply),

@@ -193,6 +193,9 @@ async def test_admin_shows_hit_rates_and_decisions(stack):
     assert decision["policy"] == "kvcentric" and decision["prefill_instance"] == "prefill-0"
     assert decision["candidates"][0]["prefix_blocks"] > 0 and decision["predicted_ttft_ms"] > 0
     assert one["request"]["status"] == "completed"
+    # Decode served the same prompt just before: it held the prompt's full blocks, and the
+    # handoff moved only the rest (decode-side reuse), which the record tells.
+    assert one["request"]["handoff_held_tokens"] >= 16 and one["request"]["handoff_bytes"] > 0
 
 
 async def test_seeded_sampling_is_reproducible(stack):

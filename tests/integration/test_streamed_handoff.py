@@ -52,7 +52,9 @@ class Spy:
 
 
 @contextlib.asynccontextmanager
-async def cluster(nc, tiny, tag: str, stream: bool = True, decode_blocks: int = 64):
+async def cluster(
+    nc, tiny, tag: str, stream: bool = True, decode_blocks: int = 64, reuse: bool = True
+):
     """A prefill and a decode instance, subscribed as their __main__ subscribes them, and
     spies on the chunks and handoffs between them."""
     sender = TcpKVSender()
@@ -63,6 +65,7 @@ async def cluster(nc, tiny, tag: str, stream: bool = True, decode_blocks: int = 
             kv_cache_gb=4 / 1024,
             chunk_tokens=CHUNK,
             stream_handoff=stream,
+            decode_reuse=reuse,
             transfer_timeout_s=10.0,
         ),
         nc,
@@ -87,7 +90,8 @@ async def cluster(nc, tiny, tag: str, stream: bool = True, decode_blocks: int = 
             await nc.subscribe(subjects.decode_stream(dec.instance_id), cb=chunks.on_msg),
             await nc.subscribe(subjects.decode_submit(dec.instance_id), cb=jobs.on_msg),
             await nc.subscribe(subjects.decode_submit(dec.instance_id), cb=dec.on_submit),
-            await nc.subscribe(subjects.decode_stream(dec.instance_id), cb=dec.on_chunk),
+            await nc.subscribe(subjects.decode_stream(dec.instance_id), cb=dec.kv_holds.on_chunk),
+            await nc.subscribe(subjects.decode_hold(dec.instance_id), cb=dec.kv_holds.on_hold),
         ]
         yield pre, dec, chunks, jobs, decode_subs
     await sender.close()
@@ -121,7 +125,7 @@ def paced(pre: PrefillInstance) -> None:
 
     def step(between=None):  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + 30
-        while any(out.busy for out in list(pre.outgoing.values())):
+        while any(out.busy for out in list(pre.kv_streams.outgoing.values())):
             assert time.monotonic() < deadline, "a chunk was never acked"
             time.sleep(0.001)
         return real(between)
@@ -133,9 +137,9 @@ async def idle(pre: PrefillInstance, dec: DecodeInstance) -> None:
     await until(
         lambda: (
             not dec.streams
-            and not dec.incoming
+            and not dec.kv_holds.pending
             and not dec.engine.reserved
-            and not pre.outgoing
+            and not pre.kv_streams.outgoing
             and pre.info().kv_blocks_leased == 0
         ),
         what="both instances holding nothing",
@@ -156,13 +160,12 @@ async def test_a_long_prompt_streams_to_decode_and_its_tokens_are_exact(nc, tiny
     assert all(e.error is None for e in events.got)
     (job,) = jobs.got
     if not stream:  # the old path: everything after the first token
-        assert not chunks.got and job.streamed_blocks == 0
+        assert not chunks.got and job.held_blocks == 0
         return
-    # Three chunks' blocks went ahead (2, 2 and 2 full blocks of 16, after steps 1-3); the
-    # first carried the request, so decode reserved before any KV came.
+    # Three chunks' blocks went ahead (2, 2 and 2 full blocks of 16, after steps 1-3), into
+    # the blocks the stream's hold reserved before any KV came.
     assert len(chunks.got) == 3
-    assert chunks.got[0].request is not None and all(c.request is None for c in chunks.got[1:])
-    assert job.streamed_blocks == 6
+    assert job.held_blocks == 6
     assert job.kv is not None and job.kv.num_tokens == len(LONG)
     handoff = [s for s in dec.engine.cost_samples if s.kind == "handoff"]
     assert [s.tokens for s in handoff] == [len(LONG) - 6 * 16]  # what moved after the token
@@ -198,7 +201,7 @@ async def test_a_chunk_in_flight_at_the_first_token_is_not_sent_again(nc, tiny):
             deadline = time.monotonic() + 30
             # Steps 2 and 3 wait for the chunk before them, as on a real prompt; the last
             # one (4) runs with the third chunk in flight.
-            while steps[0] <= 3 and any(o.busy for o in list(pre.outgoing.values())):
+            while steps[0] <= 3 and any(o.busy for o in list(pre.kv_streams.outgoing.values())):
                 assert time.monotonic() < deadline, "a chunk was never acked"
                 time.sleep(0.001)
             if steps[0] == 4:
@@ -212,7 +215,7 @@ async def test_a_chunk_in_flight_at_the_first_token_is_not_sent_again(nc, tiny):
     assert [t for e in events.got for t in e.token_ids] == ref
     assert len(chunks.got) == 3 and fills[0] == 3
     (job,) = jobs.got
-    assert job.streamed_blocks == 6  # the held chunk counted: nothing sent twice
+    assert job.held_blocks == 6  # the held chunk counted: nothing sent twice
     handoff = [s for s in dec.engine.cost_samples if s.kind == "handoff"]
     assert [s.tokens for s in handoff] == [len(LONG) - 6 * 16]
 
@@ -220,7 +223,7 @@ async def test_a_chunk_in_flight_at_the_first_token_is_not_sent_again(nc, tiny):
 def until_busy(pre: PrefillInstance) -> bool:
     """Engine thread: wait until a chunk is on its way (the third, after step 3)."""
     deadline = time.monotonic() + 30
-    while not any(o.busy for o in list(pre.outgoing.values())):
+    while not any(o.busy for o in list(pre.kv_streams.outgoing.values())):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.001)
@@ -229,8 +232,8 @@ def until_busy(pre: PrefillInstance) -> bool:
 
 async def test_a_stream_decode_has_no_room_for_falls_back_to_the_whole_kv(nc, tiny):
     """Decode's pool holds one long request at a time: the first stream reserves it, the
-    second's first chunk is refused, holding nothing, and its KV goes whole with its first
-    token, queued until the first request frees the pool."""
+    second's hold is refused, holding nothing, and its KV goes whole with its first token,
+    queued until the first request frees the pool."""
     prompts = {"f1": LONG, "f2": [3, *LONG[1:]]}
     refs = {rid: reference(tiny, p) for rid, p in prompts.items()}
     events = {rid: Events() for rid in prompts}
@@ -242,8 +245,8 @@ async def test_a_stream_decode_has_no_room_for_falls_back_to_the_whole_kv(nc, ti
             await submit(nc, pre, dec, rid, prompt)
         await until(
             lambda: (
-                "f2" in pre.outgoing
-                and pre.outgoing["f2"].stopped
+                "f2" in pre.kv_streams.outgoing
+                and pre.kv_streams.outgoing["f2"].stopped
                 or any(j.request.request_id == "f2" for j in jobs.got)
             ),
             what="f2's stream refused",
@@ -255,9 +258,9 @@ async def test_a_stream_decode_has_no_room_for_falls_back_to_the_whole_kv(nc, ti
     for rid in prompts:
         assert [t for e in events[rid].got for t in e.token_ids] == refs[rid]
     by_id = {j.request.request_id: j for j in jobs.got}
-    assert by_id["f1"].streamed_blocks > 0
-    assert by_id["f2"].streamed_blocks == 0  # refused: all of it came after the first token
-    assert [c.request_id for c in chunks.got].count("f2") == 1  # only the refused first
+    assert by_id["f1"].held_blocks > 0
+    assert by_id["f2"].held_blocks == 0  # refused: all of it came after the first token
+    assert "f2" not in [c.request_id for c in chunks.got]  # refused before any chunk
 
 
 async def test_a_cancel_mid_stream_frees_the_blocks_on_both_sides(nc, tiny):
@@ -274,7 +277,7 @@ async def test_a_cancel_mid_stream_frees_the_blocks_on_both_sides(nc, tiny):
         assert dec.info().kv_blocks_leased == 8  # the whole prompt reserved: 120 tokens
         await nc.publish(subjects.CANCEL, CancelRequest(request_id="c1").encode())
         await until(lambda: not dec.engine.reserved, what="decode's reservation freed")
-        assert dec.info().kv_blocks_leased == 0 and not dec.incoming
+        assert dec.info().kv_blocks_leased == 0 and not dec.kv_holds.pending
         gate.set()  # prefill's abort waits for its engine thread, held by the long step
         await until(lambda: not pre.engine.requests, what="prefill dropping it")
         await idle(pre, dec)
@@ -292,11 +295,13 @@ async def test_decode_dying_mid_stream_ends_the_request_retryably(nc, tiny):
     async with cluster(nc, tiny, "death") as (pre, dec, chunks, jobs, subs):
         gate = hold_after(pre, 2)
         await submit(nc, pre, dec, "d1")
-        await until(lambda: "d1" in dec.incoming, what="the stream open")
+        await until(lambda: "d1" in dec.kv_holds.pending, what="the stream open")
         for sub in subs:  # decode's subjects answer no more
             await sub.unsubscribe()
         gate.set()
         await asyncio.wait_for(events.finished.wait(), 30)
-        await until(lambda: not pre.outgoing and pre.info().kv_blocks_leased == 0, what="idle")
+        await until(
+            lambda: not pre.kv_streams.outgoing and pre.info().kv_blocks_leased == 0, what="idle"
+        )
     last = events.got[-1]
     assert last.error is not None and last.error.code in RETRYABLE, last

@@ -10,6 +10,7 @@ Or, starting a fresh local cluster per configuration and putting them side by si
     halfmoon bench replay --fleet "rr=--servers 2 --route round_robin"
     halfmoon bench replay --compare elastic --trace SHIFT.jsonl ...  # the P/D planner
                                                 # vs fixed 2P+1D and 1P+2D (elastic.py)
+    halfmoon bench replay --compare decode-reuse  # 2P+1D with and without (reuse.py)
 Writes report.json and report.html (plotly) to --out.
 """
 
@@ -28,7 +29,7 @@ from services.kvmanager.traces import default_trace, load_trace
 from services.tools.bench import llama_cpp
 from services.tools.bench.fleet import FleetConfig, local_fleet
 from services.tools.bench.fleet.verdict import fleet_comparison
-from services.tools.bench.replay import elastic, machine, report, sim_compare
+from services.tools.bench.replay import elastic, machine, report, reuse, sim_compare
 from services.tools.bench.replay.cluster import ClusterConfig, local_cluster
 from services.tools.bench.replay.prompts import (
     PromptMaker,
@@ -67,6 +68,7 @@ PRESETS: dict[str, tuple[ClusterConfig | FleetConfig, ...]] = {
     "policies": POLICIES,
     "all": LAYOUT + POLICIES,
     "fleet": FLEET,
+    "decode-reuse": reuse.PRESET,
 }
 # (what, summary path, numerator, denominator, target ratio): the issue's acceptance lines.
 TARGETS = (
@@ -388,7 +390,9 @@ async def main_async(args: argparse.Namespace) -> int:
         async with local_cluster(cfg, model_dir, out) as url:
             cores = args.sim_cores or float(len(os.sched_getaffinity(0)))
             planner = "--planner" in cfg.flags or args.compare == "elastic"
+            before = await reuse.handoffs_now(url)
             run, facts = await measured_run(cfg.name, url, work, args, cores, planner)
+            run["handoffs"] = reuse.moved(cfg.name, before, await reuse.handoffs_now(url))
         run = with_sim(run, facts, work, args)
         runs.append({**run, "config": cfg.describe()})
     desc = (
@@ -402,7 +406,10 @@ async def main_async(args: argparse.Namespace) -> int:
         "description": desc,
         "args": vars(args),
         "runs": runs,
-        "comparisons": comparisons(runs) + fleet_comparison(runs) + elastic.comparison(runs),
+        "comparisons": comparisons(runs)
+        + fleet_comparison(runs)
+        + elastic.comparison(runs)
+        + reuse.comparison(runs),
     }
     print("\n" + desc + "\n" + report.table(runs))
     for c in doc["comparisons"]:
