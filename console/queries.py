@@ -103,7 +103,9 @@ async def _connected(url: str, read: Read[T]) -> T:
 async def _read(conn: AsyncConnection, since: float | None, now: float) -> Snapshot:
     t = RequestRecord.__table__
     # The columns this database has: one a later migration adds is left out until it runs.
-    have = await conn.run_sync(lambda c: {col["name"] for col in inspect(c).get_columns(t.name)})
+    have = await conn.run_sync(
+        lambda c: {col["name"] for col in inspect(c).get_columns(RequestRecord.__tablename__)}
+    )
     columns = [c for c in t.columns if c.name in have]
     query = select(*columns).order_by(t.c.arrival_time.desc()).limit(MAX_ROWS + 1)
     if since is not None:
