@@ -179,4 +179,6 @@ class Holds:
         if p is not None:
             p.last = time.monotonic()
             p.nbytes += len(payload)
+            # A prefill not reusing what is held here (--no-decode-reuse) sends it anyway.
+            p.held_blocks = min(p.held_blocks, export.meta.first_block)
         return None

@@ -65,14 +65,19 @@ async def test_the_second_turn_moves_only_the_blocks_decode_lacks(nc, tiny, reus
     assert activity.handoff_bytes == 7 * BLOCK_BYTES
 
 
-async def test_a_streamed_second_turn_starts_its_chunks_past_what_decode_holds(nc, tiny):
+@pytest.mark.parametrize("reuse", [True, False])
+async def test_a_streamed_second_turn_starts_its_chunks_past_what_decode_holds(nc, tiny, reuse):
     """Both turns stream (more than one prefill chunk); the second's hold reserves the
     prompt's blocks and says decode holds four, and the chunks start at the fifth."""
     turn1 = LONG[:64]  # 4 full blocks, two chunks of 32
-    jobs, firsts, _ = await two_turns(nc, tiny, "sr", turn1, LONG, True, True)
+    jobs, firsts, activity = await two_turns(nc, tiny, f"sr{int(reuse)}", turn1, LONG, True, reuse)
     assert firsts[0].handoff_held_tokens == 0
     assert firsts[0].handoff_bytes == 4 * BLOCK_BYTES
     assert jobs[1].held_blocks == 6  # 4 held, 2 streamed; 2 more came with the first token
+    if not reuse:  # every chunk from the first block: nothing counted as held
+        assert firsts[1].handoff_held_tokens == 0 and activity.handoff_held_bytes == 0
+        assert firsts[1].handoff_bytes == 8 * BLOCK_BYTES
+        return
     assert firsts[1].handoff_held_tokens == 64
     assert firsts[1].handoff_bytes == 4 * BLOCK_BYTES  # 8 blocks, 4 of them held
 
