@@ -33,6 +33,7 @@ class ReplayedRequest:
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""  # the answer (live runs): greedy runs of one workload compare it
 
     def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
         return (

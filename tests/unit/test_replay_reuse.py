@@ -24,8 +24,9 @@ def test_decode_instances_handoffs_are_added_up_and_prefill_ones_left_out():
     assert Handoffs().per_handoff() is None and Handoffs().held_share() is None
 
 
-def run(name: str, moved: Handoffs) -> dict:
-    return {"name": name, "handoffs": moved.as_json()}
+def run(name: str, moved: Handoffs, texts: tuple[str, ...] = ("a", "b")) -> dict:
+    records = [{"index": i, "status": "completed", "text": t} for i, t in enumerate(texts)]
+    return {"name": name, "handoffs": moved.as_json(), "records": records}
 
 
 def test_the_drop_must_match_the_held_share_within_five_points():
@@ -45,3 +46,11 @@ def test_no_verdict_without_both_runs_and_a_failed_one_without_handoffs():
     assert comparison([run("reuse", Handoffs(1, 1, 0))]) == []
     (none,) = comparison([run("reuse", Handoffs()), run("no_reuse", Handoffs(1, 5, 0))])
     assert not none["met"]
+
+
+def test_the_answers_of_requests_completed_in_both_runs_are_compared():
+    on = run("reuse", Handoffs(2, 6, 4), ("a", "b", "c"))
+    on["records"][2]["status"] = "failed"
+    (verdict,) = comparison([on, run("no_reuse", Handoffs(2, 10, 0), ("a", "x", "c"))])
+    assert (verdict["same_answers"], verdict["compared"]) == (1, 2)
+    assert "1 of 2" in verdict["text"] and not verdict["met"]  # the bytes alone would pass

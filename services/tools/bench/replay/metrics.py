@@ -35,6 +35,7 @@ def record_from(
         res.cached_tokens,
         res.completion_tokens,
         error=res.error[:300],
+        text=res.text,
     )
     if res.ok:
         gaps = res.gaps_s
