@@ -100,6 +100,23 @@ def test_kv_transfer_to_decode_delays_the_first_gap_not_the_ttft():
     assert outs[0].ttft_s == pytest.approx(0.2) and outs[0].tbt_s == pytest.approx(2.6)
 
 
+def test_decode_reuse_moves_only_the_blocks_the_decode_instance_lacks():
+    """A second turn's handoff to the decode instance that served the first moves only its
+    new block (as the live --decode-reuse does); without reuse, all four."""
+    c = cost(block_bytes=1)  # 1 s a block moved
+    reqs = [req(0, 0.0, [1, 2, 3], output=2), req(1, 10.0, [1, 2, 3, 4], output=2)]
+    outs, _, cluster = simulate(reqs, cfg(cost=c), "kvcentric")
+    assert [o.tbt_s for o in outs] == pytest.approx([3.0 + 0.1, 1.0 + 0.1])
+    assert cluster.handoff_held_blocks == 3
+    outs, _, cluster = simulate(reqs, cfg(cost=c, decode_reuse=False), "kvcentric")
+    assert [o.tbt_s for o in outs] == pytest.approx([3.0 + 0.1, 4.0 + 0.1])
+    assert cluster.handoff_held_blocks == 0
+    # A prompt decode holds whole still moves one block.
+    again = [*reqs, req(2, 20.0, [1, 2, 3, 4], output=2)]
+    outs, _, cluster = simulate(again, cfg(cost=c), "kvcentric")
+    assert outs[2].tbt_s == pytest.approx(1.0 + 0.1) and cluster.handoff_held_blocks == 3 + 3
+
+
 def test_shared_cores_split_the_rate_among_the_busy():
     cores = Cores(1)
     cores.begin("a", 0.0, 1.0)

@@ -113,6 +113,12 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
         "stream it during prefill, as the live prefill does)",
     )
     p.add_argument(
+        "--no-decode-reuse",
+        action="store_true",
+        help="every handoff moves the whole prompt's KV (default: only what its decode "
+        "instance does not cache already, as the live prefill's --decode-reuse does)",
+    )
+    p.add_argument(
         "--time-scale",
         type=float,
         default=DEFAULT_TIME_SCALE,
@@ -216,6 +222,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_stages=args.max_stages,
         pipeline_min_tokens=args.pipeline_min_tokens,
         streamed_handoff=not args.no_streamed_handoff,
+        decode_reuse=not args.no_decode_reuse,
     )
 
 

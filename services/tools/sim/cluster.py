@@ -70,13 +70,18 @@ class Cluster:
         self.events: list[tuple[float, int, int, str, Outcome | None]] = []
         self.outcomes: list[Outcome] = []
         self.num_placed_over_slo = 0  # rejected by the policy but placed (reject=False)
+        self.handoff_held_blocks = 0  # prompt blocks decode held already (decode_reuse)
 
     def _make_instances(self) -> None:
         cfg = self.cfg
         for i in range(cfg.num_prefill):
             self.prefills[f"p{i:02d}"] = self._prefill(f"p{i:02d}")
         for i in range(cfg.num_decode):
-            self.decodes[f"d{i:02d}"] = DecodeInstance(f"d{i:02d}", self.work, self.cores)
+            self.decodes[f"d{i:02d}"] = self._decode(f"d{i:02d}")
+
+    def _decode(self, instance_id: str) -> DecodeInstance:
+        pool = HashPool(self.cfg.cache_blocks, self.cfg.eviction)
+        return DecodeInstance(instance_id, self.work, self.cores, pool)
 
     def _prefill(self, instance_id: str) -> PrefillInstance | ChunkedPrefillInstance:
         pool = HashPool(self.cfg.cache_blocks, self.cfg.eviction)
@@ -240,16 +245,26 @@ class Cluster:
             share = max(b - a for a, b in balanced_split(layers, out.stages)) / layers
         q = self.rng.random()
         chunk = self.work.chunk_tokens
+        blocks = len(req.hash_ids) - self._decode_held(out)
         if not (self.cfg.streamed_handoff and streams(req.input_length, req.output_length, chunk)):
-            return after_prefill_s(self.work, len(req.hash_ids), q, share=share)
+            return after_prefill_s(self.work, blocks, q, share=share)
         cached = out.reused_blocks * bt
         new = max(1, req.input_length - cached)
         first_chunk_s = chunk_work(self.work, new, cached)[0] * share
-        tail = tail_blocks(req.input_length, chunk_sizes(new, chunk)[-1], bt)
+        tail = min(blocks, tail_blocks(req.input_length, chunk_sizes(new, chunk)[-1], bt))
         overlap = max(0.0, now - out.prefill_start_s - first_chunk_s)
-        return after_prefill_s(
-            self.work, len(req.hash_ids), q, share=share, tail=tail, overlap_s=overlap
-        )
+        return after_prefill_s(self.work, blocks, q, share=share, tail=tail, overlap_s=overlap)
+
+    def _decode_held(self, out: Outcome) -> int:
+        """Decode-side reuse: the prompt's leading blocks its decode instance caches, which
+        do not move (one block always does, as live)."""
+        pool = self.decodes[out.decode_id].pool
+        hashes = out.request.hash_ids
+        if not self.cfg.decode_reuse or pool is None or not hashes:
+            return 0
+        held = min(pool.prefix_blocks(hashes), len(hashes) - 1)
+        self.handoff_held_blocks += held
+        return held
 
     def _admit(
         self, inst: PrefillInstance | ChunkedPrefillInstance, hashes: list[int], now: float

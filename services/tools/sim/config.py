@@ -55,6 +55,10 @@ class SimConfig:
     # The live prefill's default: a prompt longer than a chunk streams its KV to decode
     # while it is computed (handoff.py); False: all of it after the first token.
     streamed_handoff: bool = True
+    # The live prefill's default too (--decode-reuse): a decode instance caches the prompts
+    # it imported (a pool of cache_blocks), and a handoff moves only the blocks past the
+    # prefix it holds (at least one); False: every handoff moves the whole prompt.
+    decode_reuse: bool = True
     # The elastic P/D planner (services/conductor/planner.py), run every
     # planner.interval_s of simulated time from the num_prefill:num_decode split (elastic.py);
     # None: the split is fixed. In active mode an instance it switches drains, then after

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from services.conductor.costmodel import CostModel
 from services.conductor.views import InstanceView
+from services.kvmanager.pool import HashPool
 from services.tools.sim.cores import Cores
 from services.tools.sim.model import Outcome
 from shared.stats import slowest_tenth_mean
@@ -26,9 +27,16 @@ class DecodeInstance:
     """Continuous batching, advanced lazily: the loop calls `advance(t)` before it looks
     at or changes the instance, so steps cost no heap events (a run has ~10^6 of them)."""
 
-    def __init__(self, instance_id: str, cost: CostModel, cores: Cores | None = None) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        cost: CostModel,
+        cores: Cores | None = None,
+        pool: HashPool | None = None,
+    ) -> None:
         self.instance_id = instance_id
         self.cost = cost
+        self.pool = pool  # the prompts whose KV came here (decode-side reuse); None: not kept
         # Shared cores: the loop ends each step (end_shared_step) when `cores` says it is
         # done, since its length depends on what the other instances do meanwhile.
         self.cores = cores
@@ -76,6 +84,8 @@ class DecodeInstance:
         """The sequence's KV is in place at `now` (the loop advanced us to `now`)."""
         req = outcome.request
         seq = _Seq(outcome, req.input_length + 1)
+        if self.pool is not None:
+            self.pool.admit(req.hash_ids, now)
         self.assigned -= 1
         self.assigned_context -= seq.context
         self.waiting.append(seq)

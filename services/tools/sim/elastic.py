@@ -38,7 +38,6 @@ from services.kvmanager.pool import HashPool
 from services.tools.sim.cluster import Cluster, common_prefix
 from services.tools.sim.config import SimConfig
 from services.tools.sim.cores import BACKGROUND
-from services.tools.sim.decode import DecodeInstance
 from services.tools.sim.model import Outcome, SimRequest
 from services.tools.sim.outcomes import as_record
 from services.tools.sim.prefill import ChunkedPrefillInstance, PrefillInstance
@@ -87,7 +86,7 @@ class ElasticCluster(Cluster):
         for k in range(cfg.num_prefill + cfg.num_decode):
             slot = f"i{k:02d}"
             self.prefills[slot] = self._prefill(slot)
-            self.decodes[slot] = DecodeInstance(slot, self.work, self.cores)
+            self.decodes[slot] = self._decode(slot)
             self.role[slot] = "prefill" if k < cfg.num_prefill else "decode"
 
     def _relist(self) -> None:
