@@ -67,9 +67,9 @@ class KVHandoff(EngineCore):
         earlier turn's) are shared, not fetched again into new ones; a prefix pinned by
         hold_prefix stays, and only the rest is reserved."""
         self.check_fits(prompt_token_ids, params, output_token_ids)
-        args = (request_id, prompt_token_ids, output_token_ids, params, num_kv_tokens, salt)
+        seq = continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
         with self.book:
-            return self._reserve(*args) is not None
+            return self._reserve(seq, num_kv_tokens) is not None
 
     def hold_prefix(
         self,
@@ -87,65 +87,52 @@ class KVHandoff(EngineCore):
         and release gives the pin back. With `whole` the rest is reserved now too (a
         streamed handoff's opening): None, holding nothing, if the pool has no room."""
         self.check_fits(prompt_token_ids, params, output_token_ids)
-        args = (request_id, prompt_token_ids, output_token_ids, params, num_kv_tokens, salt)
+        seq = continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
         with self.book:
-            if request_id in self.requests or request_id in self.reserved:
-                raise ValueError(f"duplicate request id {request_id}")
             if whole:
-                seq = self._reserve(*args)
-                return None if seq is None else len(seq.block_hashes)
+                reserved = self._reserve(seq, num_kv_tokens)
+                return None if reserved is None else len(reserved.block_hashes)
+            self._check_new(request_id)
             if request_id not in self.held:
-                seq = self._matched(*args)
+                self._matched(seq, num_kv_tokens)
                 if not seq.block_table:
                     return 0
                 self.held[request_id] = seq
             return len(self.held[request_id].block_table)
 
-    def _reserve(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-        params: SamplingParams,
-        num_kv_tokens: int,
-        salt: str,
-    ) -> Sequence | None:
-        """reserve's work (the caller holds the lock): the reserved sequence, or None."""
+    def _check_new(self, request_id: str) -> None:
         if request_id in self.requests or request_id in self.reserved:
             raise ValueError(f"duplicate request id {request_id}")
-        held = self.held.pop(request_id, None)
-        seq = held or self._matched(
-            request_id, prompt_token_ids, output_token_ids, params, num_kv_tokens, salt
-        )
+
+    def _reserve(self, seq: Sequence, num_kv_tokens: int) -> Sequence | None:
+        """reserve's work (the caller holds the lock): the reserved sequence (the held one
+        if its prefix was pinned), or None."""
+        rid = seq.request_id
+        self._check_new(rid)
+        held = self.held.pop(rid, None)
+        if held is not None:
+            seq = held
+        else:
+            self._matched(seq, num_kv_tokens)
         if not self.blocks.allocate(seq, num_kv_tokens - seq.num_computed_tokens):
             if held is not None:
-                self.held[request_id] = held  # still pinned for the next try
+                self.held[rid] = held  # still pinned for the next try
             else:
                 self.blocks.free(seq)
             return None
         self.tier.spill()  # what the allocation evicted goes to disk before it is overwritten
-        self.reserved[request_id] = seq
+        self.reserved[rid] = seq
         return seq
 
-    def _matched(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-        params: SamplingParams,
-        num_kv_tokens: int,
-        salt: str,
-    ) -> Sequence:
-        """A continuation holding the cached blocks of its prefix, never past the KV that
-        will come (the caller holds the lock)."""
-        seq = continuation(request_id, prompt_token_ids, output_token_ids, params, salt)
+    def _matched(self, seq: Sequence, num_kv_tokens: int) -> None:
+        """Attach the cached blocks of `seq`'s prefix, never past the KV that will come
+        (the caller holds the lock)."""
         if not 0 < num_kv_tokens <= seq.num_tokens:
             raise ValueError(f"KV of {num_kv_tokens} tokens for a sequence of {seq.num_tokens}")
         self.blocks.match_prefix(seq)
         if seq.num_computed_tokens > num_kv_tokens:
             self.blocks.free(seq)
             seq.num_computed_tokens = seq.num_cached_tokens = 0
-        return seq
 
     def fill_reserved(self, request_id: str, kv: KVExport) -> int:
         """Write a streamed chunk of a reserved request's KV into its blocks (the request
