@@ -162,7 +162,7 @@ class Conductor:
             prefills = [p for p in prefills if p.info.colocated]
         if not prefills:
             raise errors.Unavailable("no live prefill and decode instances", retry_after_s=2.0)
-        view = await self._request_view(req, prefills)
+        view = await self._request_view(req, prefills, decodes)
         self.planning.note(req, view.prefix_blocks, now)
         while True:
             snap = self._snapshot(prefills, decodes, colocated)
@@ -206,11 +206,13 @@ class Conductor:
         )
 
     async def _request_view(
-        self, req: GenerateRequest, prefills: list[InstanceState]
+        self, req: GenerateRequest, prefills: list[InstanceState], decodes: list[InstanceState]
     ) -> RequestView:
         """The request as the policies see it: its prefix cached on each live holder (an
-        instance, or a group all of whose stages are alive), and of it, on disk."""
+        instance, or a group all of whose stages are alive), of it, on disk, and on each
+        decode instance (which a handoff there need not move)."""
         live = {p.info.instance_id for p in prefills}
+        decoding = {d.info.instance_id for d in decodes} - live
         reply = await self._prefix_matches(req)
         matches = {k: v for k, v in reply.matches.items() if holder_alive(k, live)}
         return snapshot.request_view(
@@ -219,6 +221,7 @@ class Conductor:
             self.settings.ttft_slo_ms / 1e3,
             self.settings.tbt_slo_ms / 1e3,
             {k: v for k, v in reply.on_disk.items() if k in matches},
+            {k: v for k, v in reply.matches.items() if k in decoding},
         )
 
     def _snapshot(

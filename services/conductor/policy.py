@@ -131,17 +131,24 @@ def has_room(d: InstanceView, blocks: int) -> bool:
 
 
 def select_decode(snap: Snapshot, req: RequestView) -> tuple[str, float]:
-    """The decode instance with the lowest predicted time between tokens once it joins,
-    among those with room for the request's KV (ties: the smaller id); ("", inf) when
-    none has room. One pass, no sort: this runs over every decode instance per request."""
+    """The decode instance where the request is predicted to finish soonest, among those
+    with room for its KV (ties: the smaller id): its handoff, of only the blocks past the
+    prefix that instance caches (decode-side reuse), then every token at the time between
+    tokens once it joins. With no prefix cached on any, that is the lowest TBT. Returns
+    the instance and its TBT; ("", inf) when none has room. One pass, no sort: this runs
+    over every decode instance per request."""
     need = kv_blocks_needed(snap, req)
-    best_id, best_tbt = "", float("inf")
+    blocks = -(-req.prompt_tokens // snap.cost.block_size)
+    tokens = max(1, req.max_tokens - 1)  # the first comes from prefill
+    best_id, best_tbt, best_s = "", float("inf"), float("inf")
     for d in snap.decodes:
         if not has_room(d, need):
             continue
         tbt = joined_tbt(snap, req, d)
-        if tbt < best_tbt or (tbt == best_tbt and best_id and d.instance_id < best_id):
-            best_id, best_tbt = d.instance_id, tbt
+        held = min(req.decode_blocks.get(d.instance_id, 0), blocks - 1)
+        finish_s = snap.cost.handoff_time_s(blocks - held) + tokens * tbt
+        if finish_s < best_s or (finish_s == best_s and best_id and d.instance_id < best_id):
+            best_id, best_tbt, best_s = d.instance_id, tbt, finish_s
     return best_id, best_tbt
 
 

@@ -86,6 +86,7 @@ def request_view(
     ttft_slo_s: float,
     tbt_slo_s: float,
     on_disk: dict[str, int] | None = None,
+    decode_blocks: dict[str, int] | None = None,
 ) -> RequestView:
     ttft = req.ttft_slo_ms / 1e3 if req.ttft_slo_ms else ttft_slo_s
     tbt = req.tbt_slo_ms / 1e3 if req.tbt_slo_ms else tbt_slo_s
@@ -97,4 +98,5 @@ def request_view(
         tbt,
         req.sampling.max_tokens,
         on_disk or {},
+        decode_blocks or {},
     )

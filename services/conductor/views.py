@@ -32,6 +32,9 @@ class RequestView:
     # instance -> of its cached leading blocks, those on its disk tier only (read back
     # before reuse; never pulled: an export comes from DRAM)
     disk_blocks: dict[str, int] = field(default_factory=dict)
+    # decode instance -> leading blocks of this prompt its cache holds: a handoff there
+    # moves only the rest (decode-side reuse)
+    decode_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from shared import bus, errors, subjects
 from shared.messages import (
     Ack,
     InstanceInfo,
+    KVMatchReply,
     Placement,
     PrefillJob,
     Role,
@@ -80,6 +81,32 @@ async def test_places_and_dispatches(cluster):
     assert (placement.prefill_id, placement.decode_id) == ("p0", "d0")
     assert [j.request.request_id for j in jobs] == ["r1"] and jobs[0].decode_id == "d0"
     await sub.unsubscribe()
+
+
+async def test_a_prompt_goes_to_the_decode_instance_that_caches_it(cluster):
+    """The KV manager's match names a decode instance holding 5 of the prompt's 6 blocks
+    (it served the conversation's turn before): of two idle decode instances, that one
+    gets the request, whose handoff there moves one block; with no match, the tie goes to
+    the smaller id."""
+    nc, conductor = cluster
+    held: dict[str, int] = {"d1": 5}
+
+    async def on_match(msg):
+        await bus.respond(msg, KVMatchReply(matches={"p0": 0, **held}))
+
+    subs = [await fake_prefill(nc, "p0", []), await nc.subscribe(subjects.KV_MATCH, cb=on_match)]
+    for iid, role in (("p0", Role.PREFILL), ("d0", Role.DECODE), ("d1", Role.DECODE)):
+        await beat(nc, iid, role)
+    await heard(conductor, "p0", "d0", "d1")
+    turn = request("t2", prompt=list(range(1, 97)), block_hashes=list(range(11, 17)))
+    placement = await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, turn, Placement, 3)
+    assert placement.decode_id == "d1"
+    held.clear()
+    other = turn.model_copy(update={"request_id": "t3"})
+    placement = await bus.request(nc, subjects.CONDUCTOR_SCHEDULE, other, Placement, 3)
+    assert placement.decode_id == "d0"
+    for sub in subs:
+        await sub.unsubscribe()
 
 
 async def test_refusing_prefill_falls_back_to_the_next(cluster):

@@ -100,6 +100,17 @@ def test_decode_goes_where_the_predicted_step_is_shortest():
     assert d.decode_id == "d1" and d.tbt_s == pytest.approx(0.01 + 5e-3)
 
 
+@pytest.mark.parametrize(("max_tokens", "chosen"), [(32, "d1"), (1000, "d0")])
+def test_decode_weighs_the_handoff_a_held_prefix_saves_against_the_slower_steps(max_tokens, chosen):
+    """d1 caches 90 of the prompt's 100 blocks (a turn before): its handoff moves 10 (20
+    ms, against 200), but its steps are 1 ms slower. For 31 tokens to come it finishes
+    first (0.516 s against 0.665); for 999 the steps outweigh the handoff."""
+    view = replace(req(), max_tokens=max_tokens, decode_blocks={"d1": 90})
+    s = snap([("a", 0.0)], decodes=[("d0", 4), ("d1", 5)])
+    assert make_policy("kvcentric").decide(s, view).decode_id == chosen
+    assert make_policy("kvcentric").decide(s, replace(view, decode_blocks={})).decode_id == "d0"
+
+
 def test_a_dead_instance_is_never_a_candidate():
     reg = Registry(expiry_s=3)
     reg.seen(InstanceInfo(instance_id="a", role=Role.PREFILL), now=100)

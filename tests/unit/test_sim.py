@@ -117,6 +117,23 @@ def test_decode_reuse_moves_only_the_blocks_the_decode_instance_lacks():
     assert outs[2].tbt_s == pytest.approx(1.0 + 0.1) and cluster.handoff_held_blocks == 3 + 3
 
 
+def test_a_next_turn_goes_to_the_decode_instance_that_holds_its_prompt():
+    """r1 goes to d01 (d00 still decodes r0); at r2, r1's next turn, both are idle, and
+    d01 holds 3 of its 4 blocks: the handoff there moves one. Without reuse the tie goes
+    to the smaller id."""
+    c = cost(decode=(0.1, 0.05, 0.0), block_bytes=1)  # a step: 0.1 s + 0.05 a sequence
+    reqs = [
+        req(0, 0.0, [1, 2, 3], output=20),
+        req(1, 0.1, [7, 8, 9], output=2),
+        req(2, 30.0, [7, 8, 9, 10], output=2),
+    ]
+    outs, _, _ = simulate(reqs, cfg(cost=c, num_decode=2), "kvcentric")
+    assert [o.decode_id for o in outs] == ["d00", "d01", "d01"]
+    assert outs[2].tbt_s == pytest.approx(1.0 + 0.15)
+    outs, _, _ = simulate(reqs, cfg(cost=c, num_decode=2, decode_reuse=False), "kvcentric")
+    assert [o.decode_id for o in outs] == ["d00", "d01", "d00"]
+
+
 def test_shared_cores_split_the_rate_among_the_busy():
     cores = Cores(1)
     cores.begin("a", 0.0, 1.0)

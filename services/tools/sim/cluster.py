@@ -123,6 +123,7 @@ class Cluster:
             self.cfg.ttft_slo_s,
             self.cfg.tbt_slo_s,
             req.output_length,
+            decode_blocks=self._decode_blocks(req.hash_ids),
         )
         decision = self.policy.decide(snap, view)
         out = Outcome(req, predicted_ttft_s=decision.ttft_s)
@@ -254,6 +255,13 @@ class Cluster:
         tail = min(blocks, tail_blocks(req.input_length, chunk_sizes(new, chunk)[-1], bt))
         overlap = max(0.0, now - out.prefill_start_s - first_chunk_s)
         return after_prefill_s(self.work, blocks, q, share=share, tail=tail, overlap_s=overlap)
+
+    def _decode_blocks(self, hashes: list[int]) -> dict[str, int]:
+        """What placement sees of the decode instances' caches (decode-side reuse)."""
+        if not self.cfg.decode_reuse:
+            return {}
+        pools = ((d.instance_id, d.pool) for d in self.live_decodes if d.pool is not None)
+        return {i: n for i, pool in pools if (n := pool.prefix_blocks(hashes))}
 
     def _decode_held(self, out: Outcome) -> int:
         """Decode-side reuse: the prompt's leading blocks its decode instance caches, which
