@@ -5,7 +5,7 @@ asks (KVHold) which leading blocks of the prompt this instance caches already, f
 earlier turn of the same conversation or a sibling sample. Those blocks are pinned here
 until the handoff comes, and prefill sends only the rest.
 
-A streamed handoff (services/prefill/streaming.py) opens with a whole hold: the prompt's
+A streamed handoff (services/prefill/kv_stream.py) opens with a whole hold: the prompt's
 other blocks are reserved too, each chunk is written into them as it comes, and the
 handoff after the first token brings what was not acked. A hold whose prefill goes quiet
 gives its blocks back after the transfer timeout.
@@ -70,9 +70,6 @@ class Holds:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.pending
-
-    def streams(self) -> int:
-        return sum(p.whole for p in self.pending.values())
 
     def take(self, request_id: str) -> Pending | None:
         """The handoff came: its hold, if it still has one (the reservation stays)."""
