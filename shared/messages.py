@@ -413,18 +413,6 @@ class KVExportReply(Message):
     num_blocks: int
 
 
-class KVMatchRequest(Message):
-    block_hashes: list[Hash64]
-
-
-class KVMatchReply(Message):
-    """Longest cached prefix (in blocks) per instance, and of it the blocks past its DRAM
-    run, on its disk tier (read back before reuse; never pulled: exports read DRAM)."""
-
-    matches: dict[str, int] = Field(default_factory=dict)
-    on_disk: dict[str, int] = Field(default_factory=dict)
-
-
 class CancelRequest(Message):
     request_id: RequestId
     reason: str = "client disconnected"

@@ -87,6 +87,7 @@ def request_view(
     tbt_slo_s: float,
     on_disk: dict[str, int] | None = None,
     decode_blocks: dict[str, int] | None = None,
+    hot: tuple[int, float] = (0, 0.0),
 ) -> RequestView:
     ttft = req.ttft_slo_ms / 1e3 if req.ttft_slo_ms else ttft_slo_s
     tbt = req.tbt_slo_ms / 1e3 if req.tbt_slo_ms else tbt_slo_s
@@ -99,4 +100,5 @@ def request_view(
         req.sampling.max_tokens,
         on_disk or {},
         decode_blocks or {},
+        *hot,
     )

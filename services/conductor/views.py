@@ -35,6 +35,10 @@ class RequestView:
     # decode instance -> leading blocks of this prompt its cache holds: a handoff there
     # moves only the rest (decode-side reuse)
     decode_blocks: dict[str, int] = field(default_factory=dict)
+    # The leading run of its blocks the KV manager counts as hot, and that run's hits a
+    # second (replication.py copies a hot prefix to more holders)
+    hot_blocks: int = 0
+    heat_rps: float = 0.0
 
 
 @dataclass(slots=True)

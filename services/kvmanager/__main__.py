@@ -24,7 +24,7 @@ async def serve(settings: KVManagerSettings) -> None:
         engine = make_engine(settings.database_url)
         rt.stack.push_async_callback(engine.dispose)
         records = KVBlockWriter(engine, settings.metadata_flush_s)
-        manager = KVManager(records)
+        manager = KVManager(records, settings.hot_rps, settings.heat_half_life_s)
         try:
             manager.restore(await load_blocks(engine))
         except Exception as exc:  # noqa: BLE001 - the stream alone can rebuild the index

@@ -14,6 +14,12 @@ class KVManagerSettings(BaseSettings, DatabaseSettings):
     stream_max_age_s: float = Field(24 * 3600.0, gt=0, description="KV event stream retention")
     stream_max_bytes: int = Field(1 << 30, gt=0, description="KV event stream size limit")
     metadata_flush_s: float = Field(1.0, gt=0, description="seconds between kv_blocks SQL flushes")
+    hot_rps: float = Field(
+        0.5, gt=0, description="a cached prefix hit this often a second is hot (replicated)"
+    )
+    heat_half_life_s: float = Field(
+        5.0, gt=0, description="half-life of a prefix's hit count, seconds (heat.py)"
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> KVManagerSettings:

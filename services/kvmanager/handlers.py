@@ -7,18 +7,28 @@ import time
 
 from nats.aio.msg import Msg
 
+from services.kvmanager.heat import PrefixHeat
 from services.kvmanager.index import KVIndex, PrefixMatch
 from shared import bus, errors
 from shared.db.kv_records import KVBlockWriter
 from shared.groups import groups_with
-from shared.messages import KVEvent, KVEventKind, KVMatchReply, KVMatchRequest
+from shared.kv_messages import KVMatchReply, KVMatchRequest
+from shared.messages import KVEvent, KVEventKind
 
 log = logging.getLogger(__name__)
 
 
 class KVManager:
-    def __init__(self, records: KVBlockWriter | None = None) -> None:
+    def __init__(
+        self,
+        records: KVBlockWriter | None = None,
+        hot_rps: float = 0.5,
+        heat_half_life_s: float = 5.0,
+    ) -> None:
         self.index = KVIndex()
+        # Hits per cached prefix: the conductor copies a hot one to more holders.
+        self.heat = PrefixHeat(heat_half_life_s)
+        self.hot_rps = hot_rps
         self.records = records
         self.events_applied = 0
         self.match_queries = 0
@@ -76,16 +86,20 @@ class KVManager:
         best, n = match.best()
         self.match_blocks += len(req.block_hashes)
         self.match_hit_blocks += n
+        now = time.time()
         if best is not None and n:
-            now = time.time()
             self.index.touch(req.block_hashes[:n], now)
+            self.heat.hit(req.block_hashes[:n], now)
             if self.records:
                 self.records.hit(best, "dram", req.block_hashes[:n], now)
+        hot, rps = self.heat.hot_run(req.block_hashes[:n], now, self.hot_rps)
         await bus.respond(
             msg,
             KVMatchReply(
                 matches={str(k): v for k, v in match.per_instance.items()},
                 on_disk=on_disk(match),
+                hot_blocks=hot,
+                heat_rps=rps,
             ),
         )
 

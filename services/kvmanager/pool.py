@@ -85,8 +85,9 @@ class HashPool:
 
     # ---- mutations --------------------------------------------------------------------
 
-    def admit(self, hashes: Sequence[int], now: float) -> AdmitResult:
-        """Use a chain: its cached blocks are touched, the others inserted."""
+    def admit(self, hashes: Sequence[int], now: float, replica: bool = False) -> AdmitResult:
+        """Use a chain: its cached blocks are touched, the others inserted (as replicas,
+        evicted first, when they are copies of a prefix held elsewhere)."""
         self.blocks.now = now
         result = AdmitResult()
         held: list[int] = []
@@ -101,6 +102,8 @@ class HashPool:
                 result.inserted.append(h)
             held.append(block_id)
         self._release(held)
+        if replica:
+            self.blocks.mark_replicas(result.inserted)
         result.evicted = self.blocks.drain_events()[1]
         return result
 

@@ -14,3 +14,4 @@ class Block:
     hits: int = 0  # prefix-cache hits since the block was cached
     pinned_until: float = 0.0  # soft pin: evicted only when nothing unpinned is left
     parent_hash: int | None = None  # the chain before it (cached full blocks)
+    replica: bool = False  # a copy of a prefix another instance holds: evicted first

@@ -6,6 +6,9 @@ sequence with the same prefix reuses it instead of recomputing. A block nobody u
 (ref count 0) goes to the free list but keeps its hash until the block is handed out
 again: freed blocks stay cached until evicted, least recently freed first. A finished
 sequence frees its blocks tail first, so a chain's tail is evicted before its parents.
+Replicas (blocks copied here from another holder of a hot prefix, `mark_replicas`) are
+evicted before any other cached block: another copy exists, while this pool may hold the
+last copy of the rest.
 
 A prompt that ends inside a block reuses that block's agreeing tokens too, copied on
 write (partial_blocks.py: the token-exact part).
@@ -18,6 +21,7 @@ services/kvmanager/pool.py) use the same pool through `take_cached` / `take_new`
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import OrderedDict
 from typing import Iterable
@@ -53,6 +57,7 @@ class BlockManager(PartialBlocks):
         self.now = 0.0  # set by the engine each step: bookkeeping never reads the clock
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_replicas: OrderedDict[int, None] = OrderedDict()  # of _free, least recent first
         self._num_empty = num_blocks  # free blocks holding no cached data
         self._by_hash: dict[int, int] = {}
         self.num_evictions = 0
@@ -172,7 +177,7 @@ class BlockManager(PartialBlocks):
             parent = h
         return new
 
-    def cached_chain(self, hashes: list[int]) -> list[int]:
+    def cached_chain(self, hashes: Iterable[int]) -> list[int]:
         """Block ids of the longest leading run of `hashes` this pool has cached."""
         out: list[int] = []
         for h in hashes:
@@ -218,6 +223,8 @@ class BlockManager(PartialBlocks):
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                if block.replica:
+                    self._free_replicas[block_id] = None
                 if self._is_empty(block):
                     # Nothing cached in it: hand it out before any block that is, so a
                     # partial tail freed now never costs a cached prefix its place.
@@ -259,6 +266,20 @@ class BlockManager(PartialBlocks):
                 n += 1
         return n
 
+    def mark_replicas(self, hashes: Iterable[int]) -> int:
+        """These cached blocks came as copies of a prefix another instance holds: evict
+        them before any other cached block. Returns how many were found."""
+        n = 0
+        for h in hashes:
+            block_id = self._by_hash.get(h)
+            if block_id is None:
+                continue
+            self.blocks[block_id].replica = True
+            if block_id in self._free:
+                self._free_replicas[block_id] = None
+            n += 1
+        return n
+
     def evict_to_watermark(self, high: float, ratio: float) -> int:
         """Mooncake Store's policy: once the blocks holding data (in use or cached) reach
         `high` of the pool, evict least recently freed cached blocks (unpinned, unleased:
@@ -269,7 +290,7 @@ class BlockManager(PartialBlocks):
         if held < trigger:
             return 0
         evicted = 0
-        for block_id in self._free:  # _evict_hash leaves the free list as it is
+        for block_id in itertools.chain(list(self._free_replicas), self._free):  # replicas first
             if held <= target:
                 break
             block = self.blocks[block_id]
@@ -277,13 +298,21 @@ class BlockManager(PartialBlocks):
                 self._drop_partial(block_id)
                 held -= 1
             elif block.block_hash is not None and block.pinned_until <= self.now:
+                # _evict_hash leaves the free list as it is; a replica seen twice is empty
                 self._evict_hash(block_id)
                 held -= 1
                 evicted += 1
         return evicted
 
     def _victim(self) -> int:
-        """Least recently freed block, passing over soft-pinned ones while others exist."""
+        """An empty block; else the least recently freed replica; else the least recently
+        freed block; passing over soft-pinned ones while others exist."""
+        first = next(iter(self._free))
+        if self._is_empty(self.blocks[first]):
+            return first
+        for block_id in self._free_replicas:
+            if self.blocks[block_id].pinned_until <= self.now:
+                return block_id
         for block_id in self._free:
             if self.blocks[block_id].pinned_until <= self.now:
                 return block_id
@@ -304,6 +333,7 @@ class BlockManager(PartialBlocks):
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self._free[block_id]
+            self._free_replicas.pop(block_id, None)
             self._num_empty -= self._is_empty(block)
         block.ref_count += 1
 
@@ -311,7 +341,8 @@ class BlockManager(PartialBlocks):
         self._drop_partial(block_id)
         block = self.blocks[block_id]
         if block.block_hash is not None:
-            block.hits, block.pinned_until = 0, 0.0
+            block.hits, block.pinned_until, block.replica = 0, 0.0, False
+            self._free_replicas.pop(block_id, None)
             self._num_empty += block.ref_count == 0  # evicted from the free list
             if block.parent_hash is not None and self._children.get(block.parent_hash) == block_id:
                 del self._children[block.parent_hash]
@@ -342,6 +373,9 @@ class BlockManager(PartialBlocks):
         empty = sum(1 for b in self._free if self._is_empty(self.blocks[b]))
         if empty != self._num_empty:
             raise RuntimeError(f"{empty} empty free blocks, counted {self._num_empty}")
+        for block_id in self._free_replicas:
+            if block_id not in self._free or not self.blocks[block_id].replica:
+                raise RuntimeError(f"block {block_id} listed as a free replica")
         for h, block_id in self._by_hash.items():
             if self.blocks[block_id].block_hash != h:
                 raise RuntimeError(f"hash map points at block {block_id} holding another hash")

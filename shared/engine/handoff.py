@@ -235,11 +235,15 @@ class KVHandoff(EngineCore):
                 self.kv, req.seq, first_block, self.lm.name, self.config.quantization
             )
 
-    def import_prefix(self, token_ids: list[int], export: KVExport, salt: str = "") -> int:
+    def import_prefix(
+        self, token_ids: list[int], export: KVExport, salt: str = "", replica: bool = False
+    ) -> int:
         """Add pulled prefix blocks to this pool's prefix cache; returns the tokens they cover.
 
         The hashes must be those of `token_ids` (same tokens, same tenant): blocks from
         elsewhere are never trusted blindly. 0 when the pool has no room right now.
+        `replica`: a hot prefix's copy (conductor/replication.py); the blocks it adds are
+        evicted before the pool's others.
         """
         self.check_kv(export.meta)
         n_tokens = export.meta.num_blocks * self.config.block_size
@@ -254,7 +258,10 @@ class KVHandoff(EngineCore):
             salt,
         )
         with self.book:  # the allocation may evict a block an export is about to copy
+            had = len(self.blocks.cached_chain(expected))
             if not import_sequence(self.kv, self.blocks, seq, export, on_allocate=self.tier.spill):
                 return 0
             self.blocks.free(seq)  # unreferenced but cached: the next match_prefix finds them
+            if replica:
+                self.blocks.mark_replicas(expected[had:])
         return n_tokens

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from shared import errors, subjects
 from shared.bus import decode_reply
 from shared.handoff_messages import KVHeld, KVHold
+from shared.kv_messages import KVMatchReply, KVMatchRequest
 from shared.messages import (
     Ack,
     CancelRequest,
@@ -44,8 +45,6 @@ from shared.messages import (
     KVExportReply,
     KVExportRequest,
     KVHandle,
-    KVMatchReply,
-    KVMatchRequest,
     Message,
     Placement,
     PrefillJob,

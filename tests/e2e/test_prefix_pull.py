@@ -25,7 +25,7 @@ from shared.db.schema import RequestRecord
 from shared.db.session import make_engine, sessionmaker
 from shared.engine.runner import load_model
 from shared.hashing import block_hashes
-from shared.messages import KVMatchReply, KVMatchRequest
+from shared.kv_messages import KVMatchReply, KVMatchRequest
 from tests.conftest import make_database
 from tests.e2e.conftest import children_of, start_stack, stop_stack
 from tests.waiting import until

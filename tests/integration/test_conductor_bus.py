@@ -14,10 +14,10 @@ import pytest
 from services.conductor.args import ConductorSettings
 from services.conductor.handlers import Conductor
 from shared import bus, errors, subjects
+from shared.kv_messages import KVMatchReply
 from shared.messages import (
     Ack,
     InstanceInfo,
-    KVMatchReply,
     Placement,
     PrefillJob,
     Role,

@@ -11,7 +11,8 @@ import pytest
 from services.kvmanager.handlers import KVManager
 from services.kvmanager.stream import STREAM, ensure_stream, replay_and_follow
 from shared import bus, subjects
-from shared.messages import KVEvent, KVEventKind, KVMatchReply, KVMatchRequest
+from shared.kv_messages import KVMatchReply, KVMatchRequest
+from shared.messages import KVEvent, KVEventKind
 from tests.waiting import until
 
 

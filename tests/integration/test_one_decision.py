@@ -28,10 +28,10 @@ from shared import bus, subjects
 from shared.db.records import RecordWriter
 from shared.db.schema import DecisionRecord
 from shared.db.session import make_engine, sessionmaker
+from shared.kv_messages import KVMatchReply
 from shared.messages import (
     Ack,
     InstanceInfo,
-    KVMatchReply,
     Placement,
     PrefillJob,
     Role,

@@ -14,14 +14,13 @@ import pytest
 from prometheus_client import REGISTRY, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.kv_messages import KVMatchReply, KVMatchRequest
 from shared.messages import (
     FinishReason,
     InstanceInfo,
     KVEvent,
     KVEventKind,
     KVHandle,
-    KVMatchReply,
-    KVMatchRequest,
     Role,
     SamplingParams,
     TokenEvent,
