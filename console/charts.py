@@ -192,6 +192,29 @@ def kv_blocks_by_tier(rows: list[dict[str, Any]]) -> go.Figure:
     return _layout(fig, "Cached KV blocks per instance and tier", "instance", "blocks")
 
 
+def replicated_bytes(
+    series: dict[str, Any], bucket_s: float, x_range: tuple[float, float] | None = None
+) -> go.Figure:
+    """MiB of hot prefixes copied per bucket (console.queries.replication_series), stacked
+    by the instance they were copied to; each bar covers its bucket, as requests_by_status."""
+    mid = _times([t + bucket_s / 2 for t in series["t"]])
+    fig = go.Figure(
+        [
+            go.Bar(
+                name=target,
+                x=mid,
+                y=[b / 2**20 for b in nbytes],
+                width=900.0 * bucket_s,
+                marker_color=PALETTE[i % len(PALETTE)],
+            )
+            for i, (target, nbytes) in enumerate(series["by_target"].items())
+        ]
+    )
+    fig.update_layout(barmode="stack")
+    title = f"Hot prefixes replicated: MiB per {bucket_s:g} s by target"
+    return _layout(fig, title, "time", "MiB", x_range)
+
+
 def candidate_costs(rows: list[dict[str, Any]], request_id: str) -> go.Figure:
     """The conductor's predicted TTFT per candidate, split into its parts."""
     names = [str(r.get("instance")) + (" (chosen)" if r.get("chosen") else "") for r in rows]

@@ -22,12 +22,14 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from console import history, planner
-from shared.db.schema import InstanceRecord, RequestRecord, RequestStatus
+from shared.db.schema import InstanceRecord, ReplicationRecord, RequestRecord, RequestStatus
 from shared.db.session import make_engine, resolve_url
+from shared.hashing import from_signed
 
 DB_TIMEOUT_S = 10.0  # a blackholed database host must not hang the page for a minute
 STATUSES = [s.value for s in RequestStatus]
 MAX_ROWS = 50_000  # newest first; the console is for operations, not for archives
+MAX_REPLICATIONS = 10_000  # newest first, in the window
 WINDOWS: dict[str, float | None] = {
     "last 5 min": 300.0,
     "last 1 h": 3600.0,
@@ -51,6 +53,9 @@ class Snapshot:
     samples: list[dict[str, Any]] = field(default_factory=list)  # load samples, oldest first
     kv_tiers: list[dict[str, Any]] = field(default_factory=list)  # blocks per instance, tier
     hot_blocks: list[dict[str, Any]] = field(default_factory=list)  # most hit first
+    # Hot-prefix replications in the window, newest first (prefix_hash unsigned); None: the
+    # database has no kv_replications table (migration 0008 has not run).
+    replications: list[dict[str, Any]] | None = None
 
 
 # -- SQL ------------------------------------------------------------------------------
@@ -100,12 +105,29 @@ async def _connected(url: str, read: Read[T]) -> T:
         await engine.dispose()
 
 
+def _schema(sync_conn: Any) -> tuple[set[str], bool]:
+    """(the requests table's columns, whether kv_replications exists) in this database."""
+    found = inspect(sync_conn)
+    columns = {col["name"] for col in found.get_columns(RequestRecord.__tablename__)}
+    return columns, found.has_table(ReplicationRecord.__tablename__)
+
+
+async def read_replications(conn: AsyncConnection, since: float | None) -> list[dict[str, Any]]:
+    """The window's replications, newest first (MAX_REPLICATIONS at most), with the prefix
+    hash back in its unsigned form."""
+    t = ReplicationRecord.__table__
+    query = select(t).order_by(t.c.created.desc(), t.c.id.desc()).limit(MAX_REPLICATIONS)
+    if since is not None:
+        query = query.where(t.c.created >= since)
+    rows = [dict(r._mapping) for r in await conn.execute(query)]
+    return [{**r, "prefix_hash": int(from_signed(r["prefix_hash"]))} for r in rows]
+
+
 async def _read(conn: AsyncConnection, since: float | None, now: float) -> Snapshot:
     t = RequestRecord.__table__
-    # The columns this database has: one a later migration adds is left out until it runs.
-    have = await conn.run_sync(
-        lambda c: {col["name"] for col in inspect(c).get_columns(RequestRecord.__tablename__)}
-    )
+    # The columns and tables this database has: what a later migration adds is left out
+    # until it runs.
+    have, replicated = await conn.run_sync(_schema)
     columns = [c for c in t.columns if c.name in have]
     query = select(*columns).order_by(t.c.arrival_time.desc()).limit(MAX_ROWS + 1)
     if since is not None:
@@ -114,6 +136,7 @@ async def _read(conn: AsyncConnection, since: float | None, now: float) -> Snaps
     instances = [dict(r._mapping) for r in await conn.execute(select(InstanceRecord.__table__))]
     samples = await history.read_samples(conn, since)
     kv_tiers, hot_blocks = await history.read_kv(conn)
+    replications = await read_replications(conn, since) if replicated else None
     return Snapshot(
         now=now,
         requests=requests[:MAX_ROWS],
@@ -122,6 +145,7 @@ async def _read(conn: AsyncConnection, since: float | None, now: float) -> Snaps
         samples=samples,
         kv_tiers=kv_tiers,
         hot_blocks=hot_blocks,
+        replications=replications,
     )
 
 
@@ -265,10 +289,12 @@ def bucket_seconds(
     return 86400.0 * 7
 
 
-def _buckets(rows: list[dict[str, Any]], bucket_s: float) -> dict[float, list[dict[str, Any]]]:
+def _buckets(
+    rows: list[dict[str, Any]], bucket_s: float, key: str = "arrival_time"
+) -> dict[float, list[dict[str, Any]]]:
     groups: dict[float, list[dict[str, Any]]] = {}
     for r in rows:
-        start = math.floor(r["arrival_time"] / bucket_s) * bucket_s
+        start = math.floor(r[key] / bucket_s) * bucket_s
         groups.setdefault(start, []).append(r)
     return dict(sorted(groups.items()))
 
@@ -307,6 +333,36 @@ def hit_rate_series(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, An
             for n in names
         },
     }
+
+
+def replication_series(rows: list[dict[str, Any]], bucket_s: float) -> dict[str, Any]:
+    """Bytes replicated per bucket (by `created`), one list per target instance."""
+    groups = _buckets(rows, bucket_s, key="created")
+    targets = sorted({r["target"] for r in rows})
+    return {
+        "t": list(groups),
+        "by_target": {
+            n: [sum(r["nbytes"] for r in g if r["target"] == n) for g in groups.values()]
+            for n in targets
+        },
+    }
+
+
+def replication_rows(rows: list[dict[str, Any]], limit: int = 200) -> list[dict[str, Any]]:
+    """The table of the newest `limit` replications (rows newest first, as read)."""
+    return [
+        {
+            "time": r["created"],
+            "prefix": f"{r['prefix_hash']:016x}",
+            "blocks": r["blocks"],
+            "MiB": r["nbytes"] / 2**20,
+            "copy": f"{r['source']} → {r['target']}",
+            "heat_rps": r["heat_rps"],
+            "holders": r["holders"],
+            "reason": r["reason"],
+        }
+        for r in rows[:limit]
+    ]
 
 
 def filter_requests(

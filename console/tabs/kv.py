@@ -1,5 +1,5 @@
-"""KV cache: hit rates, the hottest cached prefixes, and block churn and transfers over
-the window."""
+"""KV cache: hit rates, the hottest cached prefixes, block churn and transfers over the
+window, and the hot prefixes the conductor replicated to more prefill instances."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def kv_page(view: View) -> None:
     _hit_rates(view)
     _cache_contents(view)
     _kv_activity(view)
+    _replications(view)
 
 
 def _hit_rates(view: View) -> None:
@@ -105,3 +106,35 @@ def _kv_activity(view: View) -> None:
             ),
             "kv_bytes_t",
         )
+
+
+def _replications(view: View) -> None:
+    assert view.snap is not None
+    st.subheader("Replication")
+    rows = view.snap.replications
+    if rows is None:
+        st.info(
+            "This database has no replication record (kv_replications table): run the "
+            "migrations (`halfmoon db upgrade`)."
+        )
+        return
+    if not rows:
+        st.info("No hot prefixes replicated in this time window.")
+        return
+    st.caption(
+        "The conductor copies a prefix that more requests hit than its holders can serve to "
+        "another prefill instance. Heat: the prefix's hit rate when copied; holders: the "
+        "prefill instances that held it before."
+    )
+    cols = st.columns(3)
+    cols[0].metric("Replications", f"{len(rows):,}")
+    cols[1].metric("Blocks replicated", f"{sum(r['blocks'] for r in rows):,}")
+    cols[2].metric("MiB replicated", f"{sum(r['nbytes'] for r in rows) / 2**20:,.1f}")
+    now = view.snap.now
+    bucket = queries.bucket_seconds(view.window_s, rows, now, key="created")
+    span = queries.time_range(view.window_s, rows, now, key="created")
+    series = queries.replication_series(rows, bucket)
+    chart(charts.replicated_bytes(series, bucket, span), "kv_replicated_t")
+    table = queries.replication_rows(rows)
+    frame = pd.DataFrame(table).assign(time=[when(r["time"]) for r in table])
+    st.dataframe(frame, hide_index=True)

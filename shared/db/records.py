@@ -1,5 +1,6 @@
-"""Write paths: request records, instance rows, load samples, and the P/D planner's
-decisions and role switches, batched and off the request path.
+"""Write paths: request records, instance rows, load samples, the P/D planner's decisions
+and role switches, and the KV pool's hot-prefix replications, batched and off the request
+path.
 
 Callers enqueue plain dict updates; one task writes them in small transactions. A
 request row is inserted once and then only updated, and a terminal status is written
@@ -29,10 +30,12 @@ from shared.db.schema import (
     InstanceRecord,
     LoadSample,
     PlanDecisionRecord,
+    ReplicationRecord,
     RequestRecord,
     RoleSwitchRecord,
 )
 from shared.db.session import sessionmaker
+from shared.hashing import to_signed
 from shared.messages import InstanceInfo
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,8 @@ PRUNE_EVERY_S = 60.0  # old load samples are deleted at most this often
 
 @dataclass
 class _Op:
-    kind: str  # insert | update | terminal | instance | decision | load | prune | plan | switch
+    # insert | update | terminal | instance | decision | load | prune | plan | switch | replication
+    kind: str
     values: dict[str, Any]
     done: asyncio.Future | None = field(default=None)
 
@@ -106,6 +110,35 @@ class RecordWriter:
         finished_at, drain_s, detail)."""
         self._queue.put_nowait(_Op("switch", values))
 
+    # -- the KV pool --------------------------------------------------------------------
+    def replication(
+        self,
+        created: float,
+        prefix_hash: int,
+        blocks: int,
+        nbytes: int,
+        source: str,
+        target: str,
+        heat_rps: float,
+        holders: int,
+        reason: str,
+    ) -> None:
+        """One hot-prefix replication the conductor ordered (a ReplicationRecord row),
+        inserted: `prefix_hash` (the copied prefix's last block) is stored as kv_blocks
+        stores block hashes, in BIGINT's signed range (shared.hashing.to_signed)."""
+        values = {
+            "created": created,
+            "prefix_hash": to_signed(prefix_hash),
+            "blocks": blocks,
+            "nbytes": nbytes,
+            "source": source,
+            "target": target,
+            "heat_rps": heat_rps,
+            "holders": holders,
+            "reason": reason,
+        }
+        self._queue.put_nowait(_Op("replication", values))
+
     # -- load samples ---------------------------------------------------------------
     def load_sample(
         self,
@@ -117,8 +150,9 @@ class RecordWriter:
     ) -> None:
         """Call on every heartbeat: one row per instance per interval is kept, and rows
         older than retention_s are deleted now and then so the table stays bounded; so
-        are finished requests, their decisions, dead instances' rows, plan decisions and
-        finished role switches older than request_retention_s (0: kept for ever)."""
+        are finished requests, their decisions, dead instances' rows, plan decisions,
+        finished role switches and replications older than request_retention_s (0: kept
+        for ever)."""
         row = self._sampler.sample(info, now, interval_s)
         if row is None:
             return
@@ -209,6 +243,8 @@ class RecordWriter:
             await session.execute(insert(PlanDecisionRecord).values(**_finite_json(op.values)))
         elif op.kind == "switch":
             await _upsert_switch(session, op.values)
+        elif op.kind == "replication":
+            await session.execute(insert(ReplicationRecord).values(**op.values))
         elif op.kind == "prune":
             await session.execute(delete(LoadSample).where(LoadSample.t < op.values["before"]))
             before = op.values.get("requests_before")
@@ -218,10 +254,10 @@ class RecordWriter:
 
 async def _prune_records(session: AsyncSession, before: float) -> None:
     """Finished requests that arrived before `before`, decisions made before it, rows of
-    instances dead since before it, plan decisions and finished role switches. A request
-    still running, or a switch still draining, is kept however old."""
+    instances dead since before it, plan decisions, finished role switches and replications.
+    A request still running, or a switch still draining, is kept however old."""
     r, d, i = RequestRecord, DecisionRecord, InstanceRecord
-    p, s = PlanDecisionRecord, RoleSwitchRecord
+    p, s, k = PlanDecisionRecord, RoleSwitchRecord, ReplicationRecord
     await session.execute(
         delete(r).where(r.arrival_time < before, r.status.in_(list(TERMINAL_STATUSES)))
     )
@@ -229,6 +265,7 @@ async def _prune_records(session: AsyncSession, before: float) -> None:
     await session.execute(delete(i).where(i.status == "dead", i.last_heartbeat < before))
     await session.execute(delete(p).where(p.created < before))
     await session.execute(delete(s).where(s.requested_at < before, s.status != "draining"))
+    await session.execute(delete(k).where(k.created < before))
 
 
 def _insert(session: AsyncSession, table: Any) -> Any:
@@ -239,6 +276,8 @@ def _insert(session: AsyncSession, table: Any) -> Any:
 
 def _key(op: _Op) -> str:
     v = op.values
+    if op.kind == "replication":
+        return f"{v.get('source')} -> {v.get('target')}"[:80]
     return str(v.get("id") or v.get("request_id") or v.get("instance_id") or "-")[:80]
 
 

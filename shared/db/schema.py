@@ -90,6 +90,24 @@ class KVBlockRecord(Base):
     hit_count: Mapped[int] = mapped_column(Integer, default=0)
 
 
+class ReplicationRecord(Base):
+    """One hot-prefix replication the conductor ordered: a prefix's blocks copied from one
+    prefill instance to another, because more requests hit it than its holders carry."""
+
+    __tablename__ = "kv_replications"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created: Mapped[float] = mapped_column(Float, index=True)  # unix seconds
+    prefix_hash: Mapped[int] = mapped_column(BigInteger)  # the last block's; to_signed
+    blocks: Mapped[int] = mapped_column(Integer)  # copied
+    nbytes: Mapped[int] = mapped_column(BigInteger)  # copied
+    source: Mapped[str] = mapped_column(String(128))  # instance id copied from
+    target: Mapped[str] = mapped_column(String(128))  # instance id copied to
+    heat_rps: Mapped[float] = mapped_column(Float)  # the prefix's hit rate, requests/s
+    holders: Mapped[int] = mapped_column(Integer)  # prefill instances holding it before
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+
 class DecisionRecord(Base):
     """Why the conductor placed (or refused) a request: every candidate's predictions."""
 

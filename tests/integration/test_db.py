@@ -1,15 +1,20 @@
-"""Migrations and the record write path on real databases (SQLite; PostgreSQL if given)."""
+"""Migrations and the record write path on real databases (SQLite; PostgreSQL if given),
+the KV pool's replications read back through the console's query."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Any
 
 import pytest
 from sqlalchemy import inspect, select
 
+from console import queries
 from shared.db import session as db
 from shared.db.records import RecordWriter
-from shared.db.schema import DecisionRecord, InstanceRecord, RequestRecord
+from shared.db.schema import DecisionRecord, InstanceRecord, ReplicationRecord, RequestRecord
+from shared.messages import InstanceInfo, Role
 
 
 async def _tables(url: str) -> set[str]:
@@ -128,6 +133,86 @@ async def test_one_bad_write_loses_only_itself_and_a_request_placed_twice_keeps_
         async with engine.connect() as conn:
             rows = (await conn.execute(select(DecisionRecord))).all()
         assert [(r.request_id, r.prefill_instance) for r in rows] == [("b", "p1")]
+    finally:
+        await writer.close()
+        await engine.dispose()
+
+
+def replication(created: float, **changes: Any) -> dict[str, Any]:
+    """A replication as the conductor orders it: RecordWriter.replication's arguments."""
+    row: dict[str, Any] = {
+        "created": created,
+        "prefix_hash": 0xFEDC_BA98_7654_3210,  # past 2**63: stored signed, read back unsigned
+        "blocks": 12,
+        "nbytes": 12 * 3 * 2**20,  # 36 MiB
+        "source": "prefill-0",
+        "target": "prefill-1",
+        "heat_rps": 4.5,
+        "holders": 1,
+        "reason": "4.5 req/s on 1 holder, over 2.0 req/s each",
+    }
+    return {**row, **changes}
+
+
+async def test_migration_0008_adds_and_drops_kv_replications(db_url):
+    assert "kv_replications" in await _tables(db_url)
+    await asyncio.to_thread(db.downgrade, db_url, "0007")
+    tables = await _tables(db_url)
+    assert "kv_replications" not in tables and "plan_decisions" in tables
+    await db.upgrade_async(db_url)
+    assert "kv_replications" in await _tables(db_url)
+
+
+async def test_a_replication_lands_and_the_console_reads_it_back(db_url):
+    engine = db.make_engine(db_url)
+    writer = RecordWriter(engine, flush_interval_s=0.2)  # room for one batch to gather
+    await writer.start()
+    try:
+        now = time.time()
+        small = dict(prefix_hash=0x1234, blocks=2, nbytes=2 * 2**20, holders=2, heat_rps=9.0)
+        writer.replication(**replication(now - 30))
+        writer.replication(**replication(now - 10, target="prefill-2", **small))
+        writer.replication(**replication(now - 7200))  # outside an hour's window
+        await writer.flush()
+        assert writer.failures == 0
+        async with engine.connect() as conn:
+            stored = [dict(r._mapping) for r in await conn.execute(select(ReplicationRecord))]
+        assert len({r["id"] for r in stored}) == 3  # ids given by the database
+        assert {r["prefix_hash"] for r in stored} == {0x1234, 0xFEDC_BA98_7654_3210 - 2**64}
+        snap = await asyncio.to_thread(queries.load_snapshot, db_url, 3600.0)
+        assert snap.replications is not None
+        got = [{k: v for k, v in r.items() if k != "id"} for r in snap.replications]
+        assert got == [  # newest first, the hash unsigned again
+            replication(now - 10, target="prefill-2", **small),
+            replication(now - 30),
+        ]
+        table = queries.replication_rows(snap.replications)
+        assert [(r["prefix"], r["copy"], r["MiB"]) for r in table] == [
+            ("0000000000001234", "prefill-0 → prefill-2", 2.0),
+            ("fedcba9876543210", "prefill-0 → prefill-1", 36.0),
+        ]
+        everything = await asyncio.to_thread(queries.load_snapshot, db_url, None)
+        assert len(everything.replications or []) == 3
+    finally:
+        await writer.close()
+        await engine.dispose()
+
+
+async def test_replications_past_retention_are_pruned(db_url):
+    engine = db.make_engine(db_url)
+    writer = RecordWriter(engine, flush_interval_s=0.0)
+    await writer.start()
+    try:
+        now = time.time()
+        writer.replication(**replication(now - 900))
+        writer.replication(**replication(now - 60))
+        await writer.flush()
+        info = InstanceInfo(instance_id="d1", role=Role.DECODE)
+        writer.load_sample(info, now, 5.0, 3600.0, request_retention_s=600.0)  # prunes
+        await writer.flush()
+        async with engine.connect() as conn:
+            kept = [r.created for r in await conn.execute(select(ReplicationRecord.created))]
+        assert writer.failures == 0 and kept == [now - 60]
     finally:
         await writer.close()
         await engine.dispose()

@@ -1,7 +1,8 @@
 """Console: pure queries and charts, then the app through Streamlit's AppTest over a SQLite
 database seeded by the real write paths (Alembic; RecordWriter for requests; the conductor's
 heartbeat hook for instance rows, load samples and decisions; the KV manager's handlers for
-kv_blocks), then `serve` for real."""
+kv_blocks; RecordWriter.replication for the hot-prefix replications), then `serve` for
+real."""
 
 from __future__ import annotations
 
@@ -30,14 +31,13 @@ from shared.db.kv_records import KVBlockWriter
 from shared.db.load_samples import LoadSampler
 from shared.db.records import RecordWriter
 from shared.db.session import make_engine, upgrade
+from shared.kv_messages import KVMatchReply, KVMatchRequest
 from shared.messages import (
     GenerateRequest,
     InstanceInfo,
     KVActivity,
     KVEvent,
     KVEventKind,
-    KVMatchReply,
-    KVMatchRequest,
     Role,
     SamplingParams,
 )
@@ -98,6 +98,14 @@ TOTALS = {
 }
 H1, H2, H3, H4 = 0xA1, 0xB2, 0xC3, 0xD4  # block hashes (chained in real life)
 HOUR_HIT = (512 + 1536) / (1000 + 1000 + 2048)  # completed requests of the last hour
+# Hot-prefix replications the conductor ordered: (offset s, prefix hash, blocks, MiB, source,
+# target, heat req/s, holders). The big hash is past 2**63 (stored signed, shown unsigned).
+BIG = 0xFEDC_BA98_7654_3210
+REPLICATIONS = [
+    (-7000, H1, 1, 1, "prefill-0", "prefill-1", 3.0, 1),  # outside the last hour
+    (-50, H3, 3, 12, "prefill-0", "prefill-1", 6.5, 1),
+    (-20, BIG, 8, 32, "prefill-1", "prefill-0", 2.25, 2),
+]
 ALL_HIT = (512 + 1536 + 100) / (1000 + 1000 + 2048 + 100)
 
 
@@ -179,6 +187,7 @@ async def _seed(url: str) -> None:
         )
     await _heartbeats(writer, now)
     await _kv_blocks(engine, now)
+    _replications(writer, now)
     for iid, queue, running in [
         ("prefill-0", 2, 1),
         ("prefill-1", 0, 3),
@@ -242,6 +251,22 @@ async def _heartbeats(writer: RecordWriter, now: float) -> None:
         r5["arrival_time"],
     )
     await writer.flush()
+
+
+def _replications(writer: RecordWriter, now: float) -> None:
+    """Hot-prefix replications as the conductor records them."""
+    for offset, h, blocks, mib, source, target, heat, holders in REPLICATIONS:
+        writer.replication(
+            created=now + offset,
+            prefix_hash=h,
+            blocks=blocks,
+            nbytes=mib * MIB,
+            source=source,
+            target=target,
+            heat_rps=heat,
+            holders=holders,
+            reason=f"{heat} req/s on {holders} holder(s)",
+        )
 
 
 def _request(rid: str, row: dict) -> GenerateRequest:
@@ -568,6 +593,34 @@ def test_snapshot_reads_load_history_and_cache_contents(seeded_url):
     assert queries.load_decision(seeded_url, "r1") is None
 
 
+def test_snapshot_reads_replications_or_none_before_their_migration(seeded_url, tmp_path):
+    rows = queries.load_snapshot(seeded_url, 3600.0).replications
+    assert rows is not None
+    assert [(r["prefix_hash"], r["blocks"], r["source"], r["target"]) for r in rows] == [
+        (BIG, 8, "prefill-1", "prefill-0"),  # newest first, the hash unsigned again
+        (H3, 3, "prefill-0", "prefill-1"),
+    ]
+    assert len(queries.load_snapshot(seeded_url, None).replications or []) == 3
+    table = queries.replication_rows(rows)
+    assert [(r["prefix"], r["MiB"], r["copy"], r["heat_rps"], r["holders"]) for r in table] == [
+        (f"{BIG:016x}", 32.0, "prefill-1 → prefill-0", 2.25, 2),
+        (f"{H3:016x}", 12.0, "prefill-0 → prefill-1", 6.5, 1),
+    ]
+    assert table[0]["reason"] == "2.25 req/s on 2 holder(s)"
+    series = queries.replication_series(rows, 3600.0)
+    assert {k: sum(v) for k, v in series["by_target"].items()} == {
+        "prefill-0": 32 * MIB,
+        "prefill-1": 12 * MIB,
+    }
+    old = f"sqlite+aiosqlite:///{tmp_path / 'old.db'}"
+    upgrade(old, "0007")  # before kv_replications: no table, no error, the rest is read
+    snap = queries.load_snapshot(old, None)
+    assert snap.replications is None and snap.requests == []
+    fresh = f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}"
+    upgrade(fresh)
+    assert queries.load_snapshot(fresh, None).replications == []
+
+
 def test_pool_rows_from_live_and_sql():
     state = {
         "instances": [
@@ -768,6 +821,34 @@ def test_app_kv_cache_page(app_env):
     assert sum(transfers["prefill-0 in"]) == 0
     mib = _traces(figs["KV MiB transferred per 60 s"])
     assert sum(mib["decode-0 in"]) == pytest.approx(10.0)
+
+
+def test_app_kv_replication(app_env):
+    kv = _tab(_run_app(), "KV cache")
+    m = _metrics(kv)
+    assert (m["Replications"], m["Blocks replicated"], m["MiB replicated"]) == ("2", "11", "44.0")
+    fig = _figures(kv)["Hot prefixes replicated: MiB per 60 s by target"]
+    assert {k: sum(v) for k, v in _traces(fig).items()} == {"prefill-0": 32.0, "prefill-1": 12.0}
+    table = kv.dataframe[1].value  # after the hottest prefixes
+    assert list(table["prefix"]) == [f"{BIG:016x}", f"{H3:016x}"]
+    assert list(table["copy"]) == ["prefill-1 → prefill-0", "prefill-0 → prefill-1"]
+    assert (list(table["blocks"]), list(table["MiB"]), list(table["holders"])) == (
+        [8, 3],
+        [32.0, 12.0],
+        [2, 1],
+    )
+
+
+def test_app_kv_replication_before_its_migration(monkeypatch, tmp_path):
+    url = f"sqlite+aiosqlite:///{tmp_path / 'old.db'}"
+    upgrade(url, "0007")
+    monkeypatch.setenv("HALFMOON_DATABASE_URL", url)
+    monkeypatch.setenv("HALFMOON_GATEWAY_URL", UNREACHABLE_GATEWAY)
+    at = _run_app()
+    assert not at.error  # no page failed
+    kv = _tab(at, "KV cache")
+    assert any("kv_replications" in i.value for i in kv.info)
+    assert not kv.dataframe and "Replications" not in _metrics(kv)
 
 
 def test_app_requests_filter_and_timeline(app_env):
