@@ -51,6 +51,11 @@ def prefill_hop(instance_id: str) -> str:
     return f"{PREFIX}.prefill.{instance_id}.hop"
 
 
+def prefill_replicate(instance_id: str) -> str:
+    """Publish: copy a hot prefix here ahead of demand (KVReplicate)."""
+    return f"{PREFIX}.prefill.{instance_id}.replicate"
+
+
 def decode_submit(instance_id: str) -> str:
     return f"{PREFIX}.decode.{instance_id}.submit"
 

@@ -7,6 +7,7 @@ from typing import Literal, Sequence
 from pydantic import Field, model_validator
 
 from services.conductor.planner import PlannerSettings
+from services.conductor.replication import ReplicationSettings
 from shared.settings import BaseSettings, DatabaseSettings, parse_settings
 
 
@@ -73,6 +74,22 @@ class ConductorSettings(BaseSettings, DatabaseSettings):
     )
     planner_horizon_s: float = Field(
         60.0, gt=0, description="how long a switch's gain is weighed against its drain"
+    )
+    replicate: bool = Field(
+        True, description="copy hot prefixes to more prefill instances ahead of demand"
+    )
+    replicate_max_busy: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="a hot prefix gets another holder once its load would keep its "
+        "holders busier than this share of their time",
+    )
+    replicate_blocks_per_s: float = Field(
+        2048.0, gt=0, description="replication budget: KV blocks copied per second"
+    )
+    replicate_mib_per_s: float = Field(
+        512.0, gt=0, description="replication budget: MiB of KV copied per second"
     )
     switch_drain_timeout_s: float = Field(
         300.0,
@@ -143,6 +160,15 @@ def parse_args(argv: Sequence[str] | None = None) -> ConductorSettings:
         argv,
         "halfmoon serve conductor",
         "Conductor: instance registry and request placement.",
+    )
+
+
+def replication_settings(s: ConductorSettings) -> ReplicationSettings:
+    return ReplicationSettings(
+        enabled=s.replicate,
+        max_busy=s.replicate_max_busy,
+        blocks_per_s=s.replicate_blocks_per_s,
+        bytes_per_s=s.replicate_mib_per_s * 2**20,
     )
 
 

@@ -13,24 +13,24 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.conductor import snapshot
-from services.conductor.args import ConductorSettings, planner_settings
+from services.conductor.args import ConductorSettings, planner_settings, replication_settings
 from services.conductor.calibration import Calibrator
 from services.conductor.costmodel import CostModel, load_cost_model, prior_for
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.planning import PlannerLoop
 from services.conductor.policy import follow, make_policy
 from services.conductor.registry import InstanceState, Registry
+from services.conductor.replicas import Replicas
 from services.conductor.roles import RoleSwitches
 from services.conductor.views import Candidate, Decision, RequestView, Snapshot
 from shared import bus, errors, subjects
 from shared.db.records import RecordWriter
 from shared.groups import holder_alive
+from shared.kv_messages import KVMatchReply, KVMatchRequest
 from shared.messages import (
     Ack,
     GenerateRequest,
     InstanceInfo,
-    KVMatchReply,
-    KVMatchRequest,
     Placement,
     PrefillJob,
     Role,
@@ -61,6 +61,9 @@ class Conductor:
         self.leading: Callable[[], bool] = lambda: True
         self.roles = RoleSwitches(self)
         self.planning = PlannerLoop(self, self.roles, planner_settings(settings))
+        self.replicas = Replicas(
+            replication_settings(settings), nc, records, self.metrics, time.time()
+        )
 
     async def on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -197,6 +200,7 @@ class Conductor:
                 if not prefills:
                     raise
         self._record(req, decision, now)
+        await self.replicas.consider(req, view, snap, now)
         return Placement(
             request_id=req.request_id,
             prefill_id=decision.prefill.instance_id,
@@ -222,6 +226,7 @@ class Conductor:
             self.settings.tbt_slo_ms / 1e3,
             {k: v for k, v in reply.on_disk.items() if k in matches},
             {k: v for k, v in reply.matches.items() if k in decoding},
+            (reply.hot_blocks, reply.heat_rps),
         )
 
     def _snapshot(

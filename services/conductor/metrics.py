@@ -49,6 +49,21 @@ class ConductorMetrics:
             buckets=DECISION_BUCKETS,
             registry=r,
         )
+        self.replications = Counter(
+            "halfmoon_conductor_replications",
+            "Copies of hot prefixes ordered to more prefill instances (replication.py)",
+            registry=r,
+        )
+        self.replicated_bytes = Counter(
+            "halfmoon_conductor_replicated_bytes",
+            "KV bytes those copies move (predicted from the cost model's block size)",
+            registry=r,
+        )
+        self.replications_throttled = Counter(
+            "halfmoon_conductor_replications_throttled",
+            "Copies of hot prefixes held back by the replication budget",
+            registry=r,
+        )
         r.register(ScrapeCollector(self.collect))
 
     def placed(self, policy: str, seconds: float) -> None:

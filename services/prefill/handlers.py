@@ -22,7 +22,7 @@ from services.prefill.args import PrefillSettings
 from services.prefill.decode_submit import submit_decode
 from services.prefill.kv_stream import KVStreams, hold_at
 from services.prefill.offers import KVOffers
-from services.prefill.prefix_pull import pull_prefix
+from services.prefill.prefix_pull import pull_prefix, replicate
 from services.prefill.stages import Stages
 from services.prefill.streaming import Outgoing, worth_streaming
 from services.worker.instance import EngineInstance, Stream
@@ -33,6 +33,7 @@ from shared.engine.params import SamplingParams
 from shared.engine.runner import LoadedModel
 from shared.handoff_messages import KVHold
 from shared.kv_load import KVLoadError
+from shared.kv_messages import KVReplicate
 from shared.messages import (
     Ack,
     CostSample,
@@ -228,6 +229,17 @@ class PrefillInstance(EngineInstance):
         handle = await self.offers.offer(PREFIX, export)
         await bus.respond(msg, KVExportReply(handle=handle, num_blocks=export.meta.num_blocks))
 
+    async def on_replicate(self, msg: Msg) -> None:
+        """The conductor wants a hot prefix copied here (a publish: nobody waits)."""
+        try:
+            order = KVReplicate.model_validate_json(msg.data)
+        except ValueError as exc:
+            log.warning("malformed replicate order dropped: %s", exc)
+            return
+        task = asyncio.create_task(replicate(self, self.receiver, order))
+        self._transfers.add(task)
+        task.add_done_callback(self._transfers.discard)
+
     async def after_step(self) -> None:
         await self.kv_streams.send_ready()
 
@@ -346,7 +358,7 @@ class PrefillInstance(EngineInstance):
             f"{n} {what}"
             for n, what in (
                 (len(self.intake), "jobs not in the engine yet"),
-                (len(self._transfers), "prefix pulls"),
+                (len(self._transfers), "prefix pulls and replicas"),
                 (len(self.kv_streams.tasks), "KV chunks"),
                 (len(self._handing_off), "handoffs"),
                 (len(self.stages.runs), "pipeline stages"),

@@ -112,6 +112,7 @@ class RoleHost:
             pairs = [
                 (subjects.prefill_submit(iid), inst.on_submit),
                 (subjects.kv_export(iid), inst.on_export),
+                (subjects.prefill_replicate(iid), inst.on_replicate),
                 (subjects.prefill_stage(iid), inst.stages.on_stage),
                 (subjects.prefill_hop(iid), inst.stages.on_hop),
                 (subjects.prefill_stage_close(iid), inst.stages.on_close),
