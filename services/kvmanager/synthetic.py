@@ -31,8 +31,9 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, replace
-from typing import Sequence, TypeVar
+from typing import Any, Sequence, TypeVar
 
+from services.kvmanager.hot_prefix import HotPrefixShape, hot_prefix_trace, hot_requests
 from services.kvmanager.phase_shift import PhaseShape, phase_shift_trace
 from services.kvmanager.traces import TraceRequest, write_trace
 
@@ -130,17 +131,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="mooncake: the paper's synthetic mix; long-documents: 8k-32k-token documents "
         "asked about several times each, no chats (%(default)s)",
     )
-    p.add_argument(
+    other = p.add_mutually_exclusive_group()
+    other.add_argument(
         "--shift",
         action="store_true",
         help="instead: the phase-shifting workload (phase_shift.py): a prompt-heavy first "
         "half (documents, short answers), an output-heavy second half (chats, long "
         "answers), Poisson at one rate, every request fresh (for `halfmoon plan`)",
     )
+    other.add_argument(
+        "--hot",
+        action="store_true",
+        help="instead: the skewed hot-prefix workload (hot_prefix.py): Poisson arrivals, a "
+        "share of the requests starting with one shared prefix, the rest fresh prompts of "
+        "the same length (for hot-prefix replication)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (%(default)s)")
     p.add_argument("--requests", type=int, help="requests (default: the shape's)")
     p.add_argument("--rate", type=float, help="arrivals per second (default: the shape's)")
+    _add_hot_args(p)
     return p
+
+
+# --hot's flags: HotPrefixShape's fields, (flag, type, help); each defaults to the shape's.
+_HOT_FLAGS = (
+    ("--hot-share", float, "share of requests that start with the hot prefix"),
+    ("--hot-prefix-tokens", int, "tokens of the hot prefix, whole 512-token blocks"),
+    ("--own-tokens", int, "tokens of each request's own fresh suffix"),
+    ("--output-tokens", int, "output tokens of every request"),
+    ("--hot-start-s", float, "seconds before which only --warm-share start with the prefix"),
+    ("--warm-share", float, "share of requests with the prefix before --hot-start-s"),
+)
+
+
+def _add_hot_args(p: argparse.ArgumentParser) -> None:
+    defaults = HotPrefixShape()
+    for flag, kind, text in _HOT_FLAGS:
+        default = getattr(defaults, _field(flag))
+        note = f"with --hot: {text} ({default})"
+        p.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=note)
 
 
 _Shape = TypeVar("_Shape", SyntheticShape, PhaseShape)
@@ -161,6 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.shift:
         return _shift(args)
+    if args.hot:
+        return _hot(args)
+    given = [flag for flag, _, _ in _HOT_FLAGS if getattr(args, _field(flag)) is not None]
+    if given:
+        print(f"halfmoon kv synth: {', '.join(given)}: only with --hot")
+        return 2
     shape = _sized(SHAPES[args.shape], args)
     if shape.requests < 1 or not shape.rate_per_s > 0:
         print("halfmoon kv synth: --requests must be >= 1 and --rate > 0")
@@ -198,4 +233,31 @@ def _shift(args: argparse.Namespace) -> int:
             f"{statistics.mean(r.input_length for r in part):,.0f} tokens, output "
             f"{statistics.mean(r.output_length for r in part):,.0f}"
         )
+    return 0
+
+
+def _field(flag: str) -> str:
+    """The shape's field (and the Namespace's attribute) a flag sets: --hot-share, hot_share."""
+    return flag[2:].replace("-", "_")
+
+
+def _hot(args: argparse.Namespace) -> int:
+    from services.kvmanager.replay import replay_requests
+
+    fields: dict[str, Any] = {"requests": args.requests, "rate": args.rate}
+    fields.update((_field(flag), getattr(args, _field(flag))) for flag, _, _ in _HOT_FLAGS)
+    try:
+        shape = HotPrefixShape(**{k: v for k, v in fields.items() if v is not None})
+    except ValueError as e:
+        print(f"halfmoon kv synth: --hot: {e}")
+        return 2
+    trace = hot_prefix_trace(shape, args.seed)
+    write_trace(args.out, trace)
+    hit = replay_requests(trace, None, block_tokens=shape.block_tokens).hit_ratio
+    start = f" from {shape.hot_start_s:g} s" if shape.hot_start_s else ""
+    print(
+        f"{args.out}: {len(trace)} requests over {trace[-1].timestamp_ms / 1e3:.0f} s, "
+        f"{hot_requests(trace) / len(trace):.1%} with the hot prefix (asked "
+        f"{shape.hot_share:.0%}{start}), ideal prefix hit ratio {hit:.1%}"
+    )
     return 0

@@ -10,16 +10,17 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Sequence
 
 from services.conductor.costmodel import CostModel, load_cost_model
 from services.conductor.policy import POLICIES
+from services.conductor.replication import ReplicationSettings
 from services.kvmanager.replay import parse_capacity
 from services.kvmanager.traces import default_trace, load_trace, replicate
 from services.tools.sim import report
-from services.tools.sim.model import PRESETS, with_block_tokens
+from services.tools.sim.model import PRESETS, SimRequest, with_block_tokens
 from services.tools.sim.results import SimResult, run_policy
 from services.tools.sim.run import LOCAL, SimConfig, to_sim_requests
 
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "DIR/report.json and DIR/report.html (services/tools/sim/report.py)",
     )
     _cluster_flags(p)
+    _replication_flags(p)
     _cost_flags(p)
     _slo_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -124,6 +126,48 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_TIME_SCALE,
         help="arrival = trace timestamp x this; 1 = real time, 0.5 = twice the "
         "request rate (%(default)s)",
+    )
+
+
+def _replication_flags(p: argparse.ArgumentParser) -> None:
+    """Hot-prefix replication: the conductor's plan (replication.py) on the KV manager's
+    heat (heat.py), at their live defaults."""
+    g = p.add_argument_group("hot-prefix replication")
+    g.add_argument(
+        "--hot-replicas",
+        choices=("off", "on", "both"),
+        default="off",
+        help="copy hot prefixes to more prefill instances ahead of demand; both: each "
+        "policy without, then with (its row named POLICY+replicas) (%(default)s)",
+    )
+    d = ReplicationSettings()
+    g.add_argument("--hot-rps", type=float, default=0.5, help="hits/s that make a prefix hot")
+    g.add_argument("--heat-half-life-s", type=float, default=5.0, help="heat's half-life")
+    g.add_argument(
+        "--replicate-max-busy",
+        type=float,
+        default=d.max_busy,
+        help="holders a hot prefix wants: its load over this share of one (%(default)s)",
+    )
+    g.add_argument(
+        "--replicate-mib-per-s",
+        type=float,
+        default=d.bytes_per_s / 2**20,
+        help="replication budget, MiB/s (%(default)s)",
+    )
+    g.add_argument(
+        "--replicate-blocks-per-s",
+        type=float,
+        default=d.blocks_per_s,
+        help="replication budget, blocks/s (%(default)s)",
+    )
+
+
+def replication_from_args(args: argparse.Namespace) -> ReplicationSettings:
+    return ReplicationSettings(
+        max_busy=args.replicate_max_busy,
+        blocks_per_s=args.replicate_blocks_per_s,
+        bytes_per_s=args.replicate_mib_per_s * 2**20,
     )
 
 
@@ -223,6 +267,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         pipeline_min_tokens=args.pipeline_min_tokens,
         streamed_handoff=not args.no_streamed_handoff,
         decode_reuse=not args.no_decode_reuse,
+        replication=replication_from_args(args) if args.hot_replicas == "on" else None,
+        hot_rps=args.hot_rps,
+        heat_half_life_s=args.heat_half_life_s,
     )
 
 
@@ -236,17 +283,18 @@ def ttft_ratio(results: Sequence[SimResult]) -> float | None:
 
 def format_table(results: Sequence[SimResult]) -> str:
     head = (
-        f"{'policy':>14} {'reqs':>6} {'reject':>6} {'avgTTFT':>8} {'p50':>7} {'p90':>7} "
+        f"{'policy':>23} {'reqs':>6} {'reject':>6} {'avgTTFT':>8} {'p50':>7} {'p90':>7} "
         f"{'p99':>7} {'avgTBTms':>8} {'p99TBTms':>8} {'hit %':>6} {'pulled':>7} "
-        f"{'piped':>6} {'makespan':>9} {'wall s':>7}"
+        f"{'piped':>6} {'copies':>6} {'copyMiB':>8} {'makespan':>9} {'wall s':>7}"
     )
     rows = [head, "-" * len(head)]
     for r in results:
         rows.append(
-            f"{r.policy:>14} {r.requests:6d} {r.rejected:6d} {r.avg_ttft_s:8.2f} "
+            f"{r.policy:>23} {r.requests:6d} {r.rejected:6d} {r.avg_ttft_s:8.2f} "
             f"{r.p50_ttft_s:7.2f} {r.p90_ttft_s:7.2f} {r.p99_ttft_s:7.2f} "
             f"{1e3 * r.avg_tbt_s:8.1f} {1e3 * r.p99_tbt_s:8.1f} {100 * r.hit_ratio:6.2f} "
-            f"{r.pulled_blocks:7d} {r.pipelined:6d} {r.makespan_s:9.1f} {r.wall_s:7.1f}"
+            f"{r.pulled_blocks:7d} {r.pipelined:6d} {r.copies:6d} "
+            f"{r.replicated_bytes / 2**20:8.0f} {r.makespan_s:9.1f} {r.wall_s:7.1f}"
         )
     ratio = ttft_ratio(results)
     if ratio is not None:
@@ -297,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.json:
         print(_describe(args, cfg, len(requests)), flush=True)
-    results = [run_policy(requests, cfg, name) for name in names]
+    results = _run(requests, cfg, names, args)
     if args.json:
         cfg_out = {**asdict(cfg), "cost": asdict(cfg.cost)}
         print(
@@ -314,6 +362,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(format_table(results))
     return 0
+
+
+def _run(
+    requests: Sequence[SimRequest], cfg: SimConfig, names: list[str], args: argparse.Namespace
+) -> list[SimResult]:
+    """Each policy in turn; with --hot-replicas both, each without then with replication."""
+    if args.hot_replicas != "both":
+        return [run_policy(requests, cfg, n) for n in names]
+    on = replace(cfg, replication=replication_from_args(args))
+    return [r for n in names for r in (run_policy(requests, cfg, n), run_policy(requests, on, n))]
 
 
 def _json_default(x: object) -> object:

@@ -25,7 +25,9 @@ from typing import Sequence, cast
 
 from services.conductor.pipeline import balanced_split, chunk_sizes, chunk_work, pipelined
 from services.conductor.policy import Policy
+from services.conductor.replication import Copy, Replicator
 from services.conductor.views import Candidate, RequestView, Snapshot
+from services.kvmanager.heat import PrefixHeat
 from services.kvmanager.index import KVIndex
 from services.kvmanager.pool import HashPool
 from services.kvmanager.replay import kept_runs
@@ -39,7 +41,7 @@ from services.tools.sim.prefill import ChunkedPrefillInstance, PrefillInstance, 
 from shared.groups import group_holder
 
 _TIER = "dram"
-_PREFILL_DONE, _KV_ARRIVED = 0, 1
+_PREFILL_DONE, _KV_ARRIVED, _COPY_LANDED = 0, 1, 2
 
 
 class Cluster:
@@ -71,6 +73,12 @@ class Cluster:
         self.outcomes: list[Outcome] = []
         self.num_placed_over_slo = 0  # rejected by the policy but placed (reject=False)
         self.handoff_held_blocks = 0  # prompt blocks decode held already (decode_reuse)
+        # Hot-prefix replication: the KV manager's heat, the conductor's plan, the copies
+        # ordered (by number: the heap's tie-breaker) and those that found no source.
+        self.heat = PrefixHeat(cfg.heat_half_life_s)
+        self.replicator = Replicator(cfg.replication) if cfg.replication else None
+        self.copies: list[Copy] = []
+        self.copies_failed = 0
 
     def _make_instances(self) -> None:
         cfg = self.cfg
@@ -107,6 +115,9 @@ class Cluster:
         if self.hidden:
             matches = {i: b for i, b in matches.items() if i not in self.hidden}
         self.matched_blocks = max(matches.values(), default=0)
+        hits = req.hash_ids[: self.matched_blocks]  # as the KV manager counts them
+        self.heat.hit(hits, now)
+        hot = self.heat.hot_run(hits, now, self.cfg.hot_rps)
         snap = Snapshot(
             [p.view(now) for p in self.live_prefills],
             [d.view() for d in self.live_decodes],
@@ -124,6 +135,8 @@ class Cluster:
             self.cfg.tbt_slo_s,
             req.output_length,
             decode_blocks=self._decode_blocks(req.hash_ids),
+            hot_blocks=hot[0],
+            heat_rps=hot[1],
         )
         decision = self.policy.decide(snap, view)
         out = Outcome(req, predicted_ttft_s=decision.ttft_s)
@@ -148,6 +161,26 @@ class Cluster:
             )
         )
         self._start(inst, now)
+        self._replicate(snap, view, req.hash_ids, now)
+
+    def _replicate(self, snap: Snapshot, view: RequestView, hashes: list[int], now: float) -> None:
+        """After a placement, as the live conductor: the copy the hot prefix needs, landing
+        on its target once its transfer is done (prefill/prefix_pull.py's replicate)."""
+        copy = self.replicator.plan(snap, view, hashes, now) if self.replicator else None
+        if copy is None:
+            return
+        self.copies.append(copy)
+        landed = now + self.work.transfer_s(copy.blocks)
+        heapq.heappush(self.events, (landed, _COPY_LANDED, len(self.copies) - 1, copy.target, None))
+
+    def _land(self, copy: Copy, now: float) -> None:
+        """A copy arrives: its blocks join the target's pool as replicas, unless the source
+        evicted them meanwhile (the live export then fails, and nothing lands)."""
+        hashes = list(copy.block_hashes)
+        if self.prefills[copy.source].pool.prefix_blocks(hashes) < len(hashes):
+            self.copies_failed += 1
+            return
+        self._admit_to(copy.target, self.prefills[copy.target].pool, hashes, now, replica=True)
 
     def _start_group(self, out: Outcome, chosen: Candidate, now: float) -> None:
         """Each stage holds its (idle) instance until its part of the flow shop ends, as
@@ -192,9 +225,11 @@ class Cluster:
             if done is not None and done[0] <= t and (not events or done[0] <= events[0][0]):
                 self._shared_done(*done)
             elif events and events[0][0] <= t:
-                when, kind, _, where, out = heapq.heappop(events)
+                when, kind, seq, where, out = heapq.heappop(events)
                 if kind == _PREFILL_DONE:
                     self._prefill_done(self.prefills[where], when)
+                elif kind == _COPY_LANDED:
+                    self._land(self.copies[seq], when)
                 else:
                     assert out is not None
                     dec = self.decodes[where]
@@ -281,8 +316,10 @@ class Cluster:
         change into the index (a block may be inserted then evicted in one admit)."""
         self._admit_to(inst.instance_id, inst.pool, hashes, now)
 
-    def _admit_to(self, holder: str, pool: HashPool, hashes: list[int], now: float) -> None:
-        res = pool.admit(hashes, now)
+    def _admit_to(
+        self, holder: str, pool: HashPool, hashes: list[int], now: float, replica: bool = False
+    ) -> None:
+        res = pool.admit(hashes, now, replica)
         gone = [h for h in res.evicted if h not in pool]
         if gone:
             self.index.removed(holder, _TIER, gone)

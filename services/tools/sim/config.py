@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from services.conductor.costmodel import CostModel
 from services.conductor.planner import PlannerSettings
+from services.conductor.replication import ReplicationSettings
 
 
 @dataclass
@@ -65,6 +66,12 @@ class SimConfig:
     # switch_s (re-registering in its new role: about a heartbeat) serves the other role.
     planner: PlannerSettings | None = None
     switch_s: float = 1.0
+    # Hot-prefix replication (services/conductor/replication.py, the live conductor's
+    # code), fed by the KV manager's heat (kvmanager/heat.py) at these settings; None:
+    # prefixes are copied only when kvcentric pulls one for a request.
+    replication: ReplicationSettings | None = None
+    hot_rps: float = 0.5
+    heat_half_life_s: float = 5.0
 
     def __post_init__(self) -> None:
         # The policies size a prefix with cost.block_size, the pools count trace blocks:

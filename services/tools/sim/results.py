@@ -35,6 +35,12 @@ class SimResult:
     # With SimConfig.planner: every decision, and the switches carried out (active mode).
     plan: tuple[PlanDecision, ...] = ()
     switches: tuple[SwitchRecord, ...] = ()
+    # With SimConfig.replication: hot-prefix copies ordered, their blocks and bytes, and
+    # those that found their source's blocks evicted.
+    copies: int = 0
+    replicated_blocks: int = 0
+    replicated_bytes: int = 0
+    copies_failed: int = 0
 
 
 def summarize(
@@ -79,4 +85,14 @@ def run_policy(requests: Sequence[SimRequest], cfg: SimConfig, policy: str) -> S
     result = summarize(policy, outcomes, wall_s, cfg.block_tokens, cluster.num_placed_over_slo)
     if isinstance(cluster, ElasticCluster):
         result = replace(result, plan=tuple(cluster.plan), switches=tuple(cluster.switches))
+    if cluster.replicator is not None:
+        rep = cluster.replicator
+        result = replace(
+            result,
+            policy=f"{policy}+replicas",
+            copies=rep.copies,
+            replicated_blocks=rep.copied_blocks,
+            replicated_bytes=rep.copied_bytes,
+            copies_failed=cluster.copies_failed,
+        )
     return result
