@@ -42,6 +42,7 @@ async def replicate(inst: EngineInstance, receiver: KVReceiver, order: KVReplica
     except (errors.HalfmoonError, TransferFailed, ValueError) as exc:
         log.warning("replica of a hot prefix from %s failed (%s)", order.source, exc)
         return
+    await inst.publish_dram_changes()  # the index learns of the new holder now
     log.info(
         "replicated %d tokens of a hot prefix (%.2f req/s) from %s", n, order.heat_rps, order.source
     )

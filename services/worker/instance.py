@@ -398,6 +398,21 @@ class EngineInstance:
             (KVEventKind.STORED, "disk", step.disk_stored),
             (KVEventKind.REMOVED, "disk", step.disk_removed),
         ]
+        await self._publish_kv(changes)
+
+    async def publish_dram_changes(self) -> None:
+        """Blocks stored or evicted off the step loop (a replica imported into an idle
+        engine), published now: the next step, which would publish them, may be far off."""
+        stored, evicted = await self.run_engine(self.engine.blocks.drain_events)
+        self.kv_activity.blocks_stored += len(stored)
+        self.kv_activity.blocks_evicted += len(evicted)
+        await self._publish_kv(
+            [(KVEventKind.STORED, "dram", stored), (KVEventKind.REMOVED, "dram", evicted)]
+        )
+
+    async def _publish_kv(
+        self, changes: list[tuple[KVEventKind, Literal["dram", "disk"], list[int]]]
+    ) -> None:
         for kind, tier, hashes in changes:
             if hashes:
                 event = KVEvent(
