@@ -129,6 +129,8 @@ class KVActivity(BaseModel):
     handoffs: int = 0  # decode: handoffs fetched, their bytes, and the bytes of prompt...
     handoff_bytes: int = 0
     handoff_held_bytes: int = 0  # ...blocks it held already (decode-side reuse), not fetched
+    replicas: int = 0  # prefill: hot prefixes copied in ahead of demand, and their bytes
+    replica_bytes: int = 0
 
 
 class CostSample(BaseModel):

@@ -112,6 +112,11 @@ def _info(
         "planner_min_gain",
         "planner_cooldown_s",
         "planner_horizon_s",
+        # hot-prefix replication's: the simulator runs the same plan
+        "replicate",
+        "replicate_max_busy",
+        "replicate_blocks_per_s",
+        "replicate_mib_per_s",
     }
 
     def info() -> InstanceInfo:

@@ -11,7 +11,9 @@ trace isolates that case:
   `hot_prefix_tokens` tokens (whole blocks, the same hash ids in every such request),
   then its own fresh suffix of `own_tokens` tokens (a trailing partial block is fresh too);
 - the other requests are fresh prompts of the same length (`hot_prefix_tokens +
-  own_tokens`), so the two kinds differ only in the prefix they share;
+  own_tokens`), so the two kinds differ only in the prefix they share, or of
+  `fresh_tokens` (as short as a hot request's own part, say, so that a small machine can
+  carry them beside a hot prefix that overloads one instance);
 - every output is `output_tokens` long, so decode does not blur what the prefix does;
 - before `hot_start_s` only a share `warm_share` (none by default) starts with it: a prefix
   that turns hot suddenly (a new system prompt deployed, or a lukewarm one that goes
@@ -46,6 +48,7 @@ class HotPrefixShape:
     block_tokens: int = 512
     hot_start_s: float = 0.0  # before this, would-be hot requests are fresh
     warm_share: float = 0.0  # of requests before hot_start_s: start with the prefix
+    fresh_tokens: int = 0  # the other requests' length (0: hot_prefix_tokens + own_tokens)
 
     def __post_init__(self) -> None:
         if self.requests < 1:
@@ -65,6 +68,8 @@ class HotPrefixShape:
             raise ValueError(f"own_tokens must be >= 1, got {self.own_tokens}")
         if self.output_tokens < 1:
             raise ValueError(f"output_tokens must be >= 1, got {self.output_tokens}")
+        if self.fresh_tokens < 0:
+            raise ValueError(f"fresh_tokens must be >= 0, got {self.fresh_tokens}")
         if not 0.0 <= self.warm_share <= self.hot_share:
             raise ValueError(f"warm_share must be in [0, hot_share], got {self.warm_share}")
         if not (math.isfinite(self.hot_start_s) and self.hot_start_s >= 0):
@@ -76,6 +81,7 @@ def hot_prefix_trace(shape: HotPrefixShape = HotPrefixShape(), seed: int = 0) ->
     rng = random.Random(seed)
     bt = shape.block_tokens
     n = shape.hot_prefix_tokens + shape.own_tokens
+    n_fresh = shape.fresh_tokens or n
     next_id = 0
     hot_ids: list[int] = []  # numbered at the first hot request, in order of first use
 
@@ -97,8 +103,8 @@ def hot_prefix_trace(shape: HotPrefixShape = HotPrefixShape(), seed: int = 0) ->
             hot_ids = hot_ids or fresh(shape.hot_prefix_tokens // bt)
             ids = hot_ids + fresh(-(-shape.own_tokens // bt))
         else:
-            ids = fresh(-(-n // bt))
-        out.append(TraceRequest(ms, n, shape.output_tokens, ids))
+            ids = fresh(-(-n_fresh // bt))
+        out.append(TraceRequest(ms, n if hot else n_fresh, shape.output_tokens, ids))
     return out
 
 

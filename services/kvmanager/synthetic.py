@@ -161,6 +161,7 @@ _HOT_FLAGS = (
     ("--output-tokens", int, "output tokens of every request"),
     ("--hot-start-s", float, "seconds before which only --warm-share start with the prefix"),
     ("--warm-share", float, "share of requests with the prefix before --hot-start-s"),
+    ("--fresh-tokens", int, "tokens of the other requests (0: as long as the hot ones)"),
 )
 
 

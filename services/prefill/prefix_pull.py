@@ -22,7 +22,7 @@ async def pull_prefix(inst: EngineInstance, receiver: KVReceiver, job: PrefillJo
     req = job.request
     hashes = req.block_hashes[: job.prefix_blocks]
     try:
-        n = await pull_blocks(
+        n, _ = await pull_blocks(
             inst, receiver, job.prefix_from, hashes, req.prompt_token_ids, req.tenant
         )
     except (errors.HalfmoonError, TransferFailed, ValueError) as exc:
@@ -36,12 +36,17 @@ async def replicate(inst: EngineInstance, receiver: KVReceiver, order: KVReplica
     like a request's prefix and kept as a replica. A failure only logs: no request waits
     on it, and the conductor forgets a copy that never shows up in the index."""
     try:
-        n = await pull_blocks(
+        n, nbytes = await pull_blocks(
             inst, receiver, order.source, order.block_hashes, order.token_ids, order.tenant, True
         )
     except (errors.HalfmoonError, TransferFailed, ValueError) as exc:
         log.warning("replica of a hot prefix from %s failed (%s)", order.source, exc)
         return
+    if not n:
+        log.warning("replica of a hot prefix from %s: no room in the pool now", order.source)
+        return
+    inst.kv_activity.replicas += 1
+    inst.kv_activity.replica_bytes += nbytes
     await inst.publish_dram_changes()  # the index learns of the new holder now
     log.info(
         "replicated %d tokens of a hot prefix (%.2f req/s) from %s", n, order.heat_rps, order.source
@@ -56,9 +61,10 @@ async def pull_blocks(
     token_ids: list[int],
     tenant: str,
     replica: bool = False,
-) -> int:
-    """Fetch `source`'s cached blocks of `hashes` over the data plane and import them;
-    the tokens they cover. Raises what the export, the fetch or the import raised."""
+) -> tuple[int, int]:
+    """Fetch `source`'s cached blocks of `hashes` over the data plane and import them:
+    (the tokens they cover, the bytes fetched). Raises what the export, the fetch or the
+    import raised."""
     reply = await bus.request(
         inst.nc,
         subjects.kv_export(source),
@@ -71,4 +77,5 @@ async def pull_blocks(
     )
     export = KVExport.from_bytes(KVMeta.model_validate_json(meta_bytes), payload)
     inst.count_transfer(True, len(payload))
-    return await inst.run_engine(inst.engine.import_prefix, token_ids, export, tenant, replica)
+    n = await inst.run_engine(inst.engine.import_prefix, token_ids, export, tenant, replica)
+    return n, len(payload)

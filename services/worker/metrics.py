@@ -15,6 +15,7 @@ from prometheus_client.core import Metric
 
 from shared.engine.llm_engine import EngineStats, StepStats
 from shared.kv_load import KINDS, OUTCOMES
+from shared.messages import KVActivity
 from shared.metrics import FAST_BUCKETS, ScrapeCollector, counter, gauge, new_registry
 from shared.transfer.base import TransferState
 
@@ -143,22 +144,7 @@ class EngineMetrics:
             labels=("direction",),
             samples=[(("in",), a.transfers_in), (("out",), a.transfers_out)],
         )
-        yield counter(
-            "halfmoon_kv_handoffs",
-            "Handoffs whose KV this decode instance fetched",
-            a.handoffs,
-        )
-        yield counter(
-            "halfmoon_kv_handoff_bytes",
-            "KV bytes those handoffs moved (streamed chunks included)",
-            a.handoff_bytes,
-        )
-        yield counter(
-            "halfmoon_kv_handoff_held_bytes",
-            "KV bytes of those handoffs' prompts this pool held already and did not fetch "
-            "(decode-side reuse)",
-            a.handoff_held_bytes,
-        )
+        yield from _handoff_families(a)
         failures = inst.engine.kv_load_failures
         yield counter(
             "halfmoon_kv_load_failures",
@@ -222,3 +208,33 @@ class EngineMetrics:
         yield gauge(
             "halfmoon_kv_capacity_bytes", "KV capacity by tier", labels=("tier",), samples=capacity
         )
+
+
+def _handoff_families(a: KVActivity) -> Iterable[Metric]:
+    """What handoffs moved and decode held, and the hot-prefix copies a prefill took in."""
+    yield counter(
+        "halfmoon_kv_handoffs",
+        "Handoffs whose KV this decode instance fetched",
+        a.handoffs,
+    )
+    yield counter(
+        "halfmoon_kv_handoff_bytes",
+        "KV bytes those handoffs moved (streamed chunks included)",
+        a.handoff_bytes,
+    )
+    yield counter(
+        "halfmoon_kv_handoff_held_bytes",
+        "KV bytes of those handoffs' prompts this pool held already and did not fetch "
+        "(decode-side reuse)",
+        a.handoff_held_bytes,
+    )
+    yield counter(
+        "halfmoon_kv_replicas",
+        "Hot prefixes copied into this prefill instance ahead of demand",
+        a.replicas,
+    )
+    yield counter(
+        "halfmoon_kv_replica_bytes",
+        "KV bytes those copies moved",
+        a.replica_bytes,
+    )

@@ -8,9 +8,9 @@ Or, starting a fresh local cluster per configuration and putting them side by si
     halfmoon bench replay --config "a=--prefill 2 --decode 1" --config "b=--colocated 3"
     halfmoon bench replay --compare fleet       # Halfmoon 1P+1D vs 2 llama-servers + router
     halfmoon bench replay --fleet "rr=--servers 2 --route round_robin"
-    halfmoon bench replay --compare elastic --trace SHIFT.jsonl ...  # the P/D planner
-                                                # vs fixed 2P+1D and 1P+2D (elastic.py)
+    halfmoon bench replay --compare elastic --trace SHIFT.jsonl ...  # planner (elastic.py)
     halfmoon bench replay --compare decode-reuse  # 2P+1D with and without (reuse.py)
+    halfmoon bench replay --compare hot-replicas --trace HOT.jsonl ...  # (replicas.py)
 Writes report.json and report.html (plotly) to --out.
 """
 
@@ -28,8 +28,15 @@ from typing import Any, Sequence
 from services.kvmanager.traces import default_trace, load_trace
 from services.tools.bench import llama_cpp
 from services.tools.bench.fleet import FleetConfig, local_fleet
-from services.tools.bench.fleet.verdict import fleet_comparison
-from services.tools.bench.replay import elastic, machine, report, reuse, sim_compare
+from services.tools.bench.replay import (
+    elastic,
+    machine,
+    replicas,
+    report,
+    reuse,
+    sim_compare,
+    verdicts,
+)
 from services.tools.bench.replay.cluster import ClusterConfig, local_cluster
 from services.tools.bench.replay.prompts import (
     PromptMaker,
@@ -69,12 +76,8 @@ PRESETS: dict[str, tuple[ClusterConfig | FleetConfig, ...]] = {
     "all": LAYOUT + POLICIES,
     "fleet": FLEET,
     "decode-reuse": reuse.PRESET,
+    "hot-replicas": replicas.PRESET,
 }
-# (what, summary path, numerator, denominator, target ratio): the issue's acceptance lines.
-TARGETS = (
-    ("TBT p99, disaggregated / colocated", ("tbt", "p99_ms"), "disaggregated", "colocated", 0.6),
-    ("mean TTFT, kvcentric / least_loaded", ("ttft", "mean_ms"), "kvcentric", "least_loaded", 0.8),
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -345,24 +348,6 @@ async def fleet_run(
     return {**run, "config": cfg.describe(), "fleet": True}
 
 
-def comparisons(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_name = {r["name"]: r["summary"] for r in runs}
-    out = []
-    for what, path, num, den, target in TARGETS:
-        if num in by_name and den in by_name:
-            a, b = report.lookup(by_name[num], path), report.lookup(by_name[den], path)
-            ratio = a / b if a is not None and b else None
-            ok = ratio is not None and ratio <= target
-            text = (
-                f"{what}: {a:.0f} / {b:.0f} ms = {ratio:.2f}x (target <= {target}x: "
-                f"{'met' if ok else 'NOT met'})"
-                if ratio is not None
-                else f"{what}: n/a"
-            )
-            out.append({"what": what, "ratio": ratio, "target": target, "met": ok, "text": text})
-    return out
-
-
 async def main_async(args: argparse.Namespace) -> int:
     configs: list[ClusterConfig | FleetConfig] = [ClusterConfig.parse(c) for c in args.config]
     configs += [FleetConfig.parse(f) for f in args.fleet] + list(PRESETS.get(args.compare, ()))
@@ -406,10 +391,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "description": desc,
         "args": vars(args),
         "runs": runs,
-        "comparisons": comparisons(runs)
-        + fleet_comparison(runs)
-        + elastic.comparison(runs)
-        + reuse.comparison(runs),
+        "comparisons": verdicts.every(runs),
     }
     print("\n" + desc + "\n" + report.table(runs))
     for c in doc["comparisons"]:

@@ -11,7 +11,7 @@ that share; TTFT, TBT and the outputs are in each run's summary beside them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, Sequence
 
 from services.tools.bench.replay import machine
@@ -35,29 +35,30 @@ class Handoffs:
     handoffs: int = 0
     nbytes: int = 0  # fetched
     held_bytes: int = 0  # held already, not fetched
+    # and the prefill instances': hot prefixes copied in ahead of demand (replicas.py)
+    replicas: int = 0
+    replica_bytes: int = 0
 
     @classmethod
     def of(cls, state: dict[str, Any]) -> Handoffs:
-        """From /admin/state: every decode instance's KV activity, added up."""
+        """From /admin/state: every engine's KV activity, added up."""
         total = cls()
         for info in state.get("instances", []):
-            if info.get("role") != "decode":
-                continue
             a = info.get("kv_activity", {})
-            total = total + cls(
-                a.get("handoffs", 0), a.get("handoff_bytes", 0), a.get("handoff_held_bytes", 0)
-            )
+            if info.get("role") == "decode":
+                total = total + cls(
+                    a.get("handoffs", 0), a.get("handoff_bytes", 0), a.get("handoff_held_bytes", 0)
+                )
+            elif info.get("role") == "prefill":
+                copies = a.get("replicas", 0), a.get("replica_bytes", 0)
+                total = total + cls(replicas=copies[0], replica_bytes=copies[1])
         return total
 
     def __add__(self, o: Handoffs) -> Handoffs:
-        return Handoffs(
-            self.handoffs + o.handoffs, self.nbytes + o.nbytes, self.held_bytes + o.held_bytes
-        )
+        return Handoffs(*(a + b for a, b in zip(astuple(self), astuple(o))))
 
     def __sub__(self, o: Handoffs) -> Handoffs:
-        return Handoffs(
-            self.handoffs - o.handoffs, self.nbytes - o.nbytes, self.held_bytes - o.held_bytes
-        )
+        return Handoffs(*(a - b for a, b in zip(astuple(self), astuple(o))))
 
     def per_handoff(self) -> float | None:
         return self.nbytes / self.handoffs if self.handoffs else None
@@ -74,6 +75,8 @@ class Handoffs:
             "held_bytes": self.held_bytes,
             "bytes_per_handoff": self.per_handoff(),
             "held_share": self.held_share(),
+            "replicas": self.replicas,
+            "replica_bytes": self.replica_bytes,
         }
 
 
@@ -91,12 +94,17 @@ def moved(name: str, before: Handoffs, after: Handoffs) -> dict[str, Any]:
 
 def describe(name: str, moved: Handoffs) -> str:
     per, share = moved.per_handoff(), moved.held_share()
+    copies = (
+        f"; {moved.replicas} hot-prefix copies moved {moved.replica_bytes / 2**20:,.1f} MiB"
+        if moved.replicas
+        else ""
+    )
     if per is None:
-        return f"[{name}] no handoff was recorded"
+        return f"[{name}] no handoff was recorded{copies}"
     return (
         f"[{name}] {moved.handoffs} handoffs moved {moved.nbytes / 2**20:,.1f} MiB of KV "
         f"({per / 2**10:,.0f} KiB each); decode held {moved.held_bytes / 2**20:,.1f} MiB "
-        f"more ({share:.1%} of the prompts' KV)"
+        f"more ({share:.1%} of the prompts' KV){copies}"
     )
 
 

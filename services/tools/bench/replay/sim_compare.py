@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 from services.conductor.costmodel import CostModel
 from services.conductor.planner import PlannerSettings
+from services.conductor.replication import ReplicationSettings
 from services.tools.bench.replay import report
 from services.tools.bench.replay.machine import split_of
 from services.tools.bench.replay.prompts import PromptPlan
@@ -82,6 +83,18 @@ def planner_of(placement: dict[str, Any]) -> PlannerSettings | None:
         min_gain=float(placement["planner_min_gain"]),
         cooldown_s=float(placement["planner_cooldown_s"]),
         horizon_s=float(placement["planner_horizon_s"]),
+    )
+
+
+def replication_of(placement: dict[str, Any]) -> ReplicationSettings | None:
+    """The live conductor's hot-prefix replication, as its heartbeat reports it (None: off,
+    or a conductor from before it)."""
+    if not placement.get("replicate"):
+        return None
+    return ReplicationSettings(
+        max_busy=float(placement["replicate_max_busy"]),
+        blocks_per_s=float(placement["replicate_blocks_per_s"]),
+        bytes_per_s=float(placement["replicate_mib_per_s"]) * 2**20,
     )
 
 
@@ -179,6 +192,7 @@ def replay_config(facts: ClusterFacts, block_tokens: int, slos: Slos, send_slos:
         # The live engine's steps: its scheduler packs this many prompt tokens per step.
         prefill_chunk_tokens=SchedulerConfig().max_num_batched_tokens,
         planner=planner,
+        replication=replication_of(p),
     )
 
 
