@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from shared import errors, subjects
 from shared.bus import decode_reply
 from shared.handoff_messages import KVHeld, KVHold
-from shared.kv_messages import KVMatchReply, KVMatchRequest
+from shared.kv_messages import KVMatchReply, KVMatchRequest, KVReplicate
 from shared.messages import (
     Ack,
     CancelRequest,
@@ -148,6 +148,11 @@ def templates(prefill: str, decode: str, rid: str) -> dict[str, tuple[Message, t
             StageOpened,
         ),
         subjects.prefill_hop(prefill): (StageHop(request_id=rid, hidden=handle), Ack),
+        # A hot prefix's copy from an instance that is nowhere: the pull fails and logs.
+        subjects.prefill_replicate(prefill): (
+            KVReplicate(source="fuzz-phantom", block_hashes=[7], token_ids=[30] * 16),
+            None,
+        ),
         subjects.prefill_stage_close(prefill): (StageClose(request_id=rid), Ack),
         subjects.CANCEL: (CancelRequest(request_id=rid), None),
         subjects.KV_EVENTS: (
