@@ -23,6 +23,12 @@ class PrefillSettings(WorkerSettings):
         "prompt it caches already (an earlier turn's) and send only the rest (off: the "
         "whole prompt's KV moves)",
     )
+    hold_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="how long a handoff waits for decode to say which blocks it holds "
+        "(decode-side reuse) before it sends them all",
+    )
     stage_kv_gb: float = Field(
         0.25,
         ge=0,

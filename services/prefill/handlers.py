@@ -49,8 +49,6 @@ from shared.transfer import KVReceiver, KVSender
 from shared.transfer.base import HANDOFF, PREFIX
 
 log = logging.getLogger(__name__)
-# How long a handoff waits for decode to say what it holds before it sends everything.
-HOLD_TIMEOUT_S = 2.0
 
 
 class PrefillInstance(EngineInstance):
@@ -254,7 +252,7 @@ class PrefillInstance(EngineInstance):
             output_token_ids=out.new_token_ids,
             num_kv_tokens=out.handoff.meta.num_tokens,
         )
-        return await hold_at(self.nc, decode_id, hold, HOLD_TIMEOUT_S) or 0
+        return await hold_at(self.nc, decode_id, hold, self.settings.hold_timeout_s) or 0
 
     async def on_output(self, out: RequestOutput) -> None:
         decode_id = self.decode_for.get(out.request_id, "")
