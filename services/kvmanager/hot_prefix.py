@@ -34,7 +34,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from services.kvmanager.traces import TraceRequest
+from services.kvmanager.traces import FreshIds, TraceRequest
 
 
 @dataclass(frozen=True)
@@ -82,14 +82,8 @@ def hot_prefix_trace(shape: HotPrefixShape = HotPrefixShape(), seed: int = 0) ->
     bt = shape.block_tokens
     n = shape.hot_prefix_tokens + shape.own_tokens
     n_fresh = shape.fresh_tokens or n
-    next_id = 0
+    fresh = FreshIds().take
     hot_ids: list[int] = []  # numbered at the first hot request, in order of first use
-
-    def fresh(blocks: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + blocks))
-        next_id += blocks
-        return ids
 
     out: list[TraceRequest] = []
     t = 0.0

@@ -35,7 +35,7 @@ from typing import Any, Sequence, TypeVar
 
 from services.kvmanager.hot_prefix import HotPrefixShape, hot_prefix_trace, hot_requests
 from services.kvmanager.phase_shift import PhaseShape, phase_shift_trace
-from services.kvmanager.traces import TraceRequest, write_trace
+from services.kvmanager.traces import FreshIds, TraceRequest, write_trace
 
 # The paper's table (Mooncake, FAST'25, §5.1): what a generated trace must reproduce.
 PAPER_MEAN_INPUT = 15_325
@@ -85,14 +85,8 @@ def _lognormal(rng: random.Random, shape: tuple[float, float], lo: int, hi: int)
 def synthetic_trace(shape: SyntheticShape = SyntheticShape(), seed: int = 0) -> list[TraceRequest]:
     rng = random.Random(seed)
     bt = shape.block_tokens
-    next_id = 0
+    fresh = FreshIds().take
     documents: list[tuple[int, list[int]]] = []  # (tokens, ids of its whole blocks)
-
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + n))
-        next_id += n
-        return ids
 
     out: list[TraceRequest] = []
     t = 0.0

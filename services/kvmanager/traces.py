@@ -33,6 +33,19 @@ class TraceRequest:
     hash_ids: list[int]
 
 
+class FreshIds:
+    """Hash ids for blocks never seen before, numbered in order of first use (as the
+    released traces number them): the generators' one counter."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def take(self, n: int) -> list[int]:
+        ids = list(range(self.next, self.next + n))
+        self.next += n
+        return ids
+
+
 def default_trace() -> str:
     """HALFMOON_TRACE if set, else the repository's sample (never a path of one machine)."""
     return os.environ.get("HALFMOON_TRACE") or str(SAMPLE_TRACE)

@@ -36,6 +36,7 @@ from services.prefill.args import PrefillSettings
 from shared.db import session as db
 from shared.natsd import nats_server_binary
 from shared.settings import env_name
+from tests.unit import test_compose as compose
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "kubernetes"
@@ -46,27 +47,15 @@ KUBE_VERSIONS = ("1.30.0", "latest")
 IMAGE = "halfmoon"  # the name the base's manifests use; kustomize `images:` sets the rest
 OTHER_IMAGES = {"nats", "postgres"}
 
-SETTINGS = {
-    "gateway": GatewaySettings,
-    "conductor": ConductorSettings,
-    "kvmanager": KVManagerSettings,
-    "prefill": PrefillSettings,
-    "decode": DecodeSettings,
-}
-# Read by the console (console/settings.py, console/serve.py) and by every process.
-CONSOLE_ENV = {
-    "HALFMOON_DATABASE_URL",
-    "HALFMOON_GATEWAY_URL",
-    "HALFMOON_CONSOLE_REFRESH_S",
+# Read by the console and every process (compose's list), and the console's listening address.
+CONSOLE_ENV = compose.CONSOLE_ENV | {
     "HALFMOON_CONSOLE_HOST",
     "HALFMOON_CONSOLE_PORT",
-    "HALFMOON_LOG_LEVEL",
-    "HALFMOON_NATS_URL",
     "HALFMOON_ADMIN_KEY",
-    "HALFMOON_ADMIN_KEY_FILE",
 }
 # `halfmoon db upgrade`, `halfmoon model pull` and the wait_for_schema.py init container.
-ONE_SHOT_ENV = {"HALFMOON_DATABASE_URL", "HALFMOON_NATS_URL", "HALFMOON_LOG_LEVEL"}
+ONE_SHOT_ENV = compose.ONE_SHOT_ENV
+SETTINGS = compose.SETTINGS
 # Settings whose validators read a file: checked for their names, not their values here.
 FILE_SETTINGS = {"admin_key_file"}
 # The Secrets the manifests read, and their keys: docs/deploy.md tells how to make them.
