@@ -184,6 +184,12 @@ def _instances(argv: list[str]) -> int:
     return instances.main(argv)
 
 
+def _cluster(argv: list[str]) -> int:
+    from services.tools.hosts import run
+
+    return run.main(argv)
+
+
 def _up(argv: list[str]) -> int:
     from services import up
 
@@ -192,6 +198,7 @@ def _up(argv: list[str]) -> int:
 
 COMMANDS = {
     "up": _up,
+    "cluster": _cluster,
     "serve": _serve,
     "model": _model,
     "db": _db,
@@ -210,6 +217,7 @@ USAGE = """usage: halfmoon <command> [args]
 
 commands:
   up                 start the whole local cluster (embedded NATS + SQLite by default)
+  cluster up|down    the cluster on four hosts made of network namespaces here (root)
   serve <service>    run one service: gateway, conductor, kvmanager, prefill, decode, console
   model pull         provision the default model offline
   model import PATH  convert a GGUF file or transformers folder into the models cache

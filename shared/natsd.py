@@ -39,6 +39,15 @@ class EmbeddedNats:
     # >0: Go's profiling endpoint on 127.0.0.1 (/debug/pprof), for tools that read the
     # server's own memory accounting (halfmoon soak). Off by default: nothing needs it.
     prof_port: int = 0
+    # A node of a NATS cluster (services/tools/hosts): its address, its unique name (JetStream
+    # needs one per node), the cluster's name and port, the other nodes' route URLs, and a
+    # command it runs under (`ip netns exec NS`, so it listens on that host's network).
+    host: str = "127.0.0.1"
+    server_name: str = ""
+    cluster_name: str = ""
+    cluster_port: int = 6222
+    routes: tuple[str, ...] = ()
+    launcher: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
     url: str = ""
 
@@ -47,6 +56,17 @@ class EmbeddedNats:
         lines = [f"max_payload: {self.max_payload}"]
         if self.prof_port > 0:
             lines.append(f"prof_port: {self.prof_port}")
+        if self.server_name:
+            lines.append(f"server_name: {json.dumps(self.server_name)}")
+        if self.cluster_name:
+            routes = ", ".join(json.dumps(r) for r in self.routes)
+            lines += [
+                "cluster {",
+                f"  name: {json.dumps(self.cluster_name)}",
+                f"  listen: {json.dumps(f'{self.host}:{self.cluster_port}')}",
+                f"  routes: [{routes}]",
+                "}",
+            ]
         if self.tls_cert:
             lines += [
                 "tls {",
@@ -78,11 +98,12 @@ class EmbeddedNats:
         with open(self.workdir / "nats-server.log", "ab") as log:
             self.proc = subprocess.Popen(
                 [
+                    *self.launcher,
                     nats_server_binary(),
                     "-c",
                     str(conf),
                     "-a",
-                    "127.0.0.1",
+                    self.host,
                     "-p",
                     str(self.port),
                     "-js",

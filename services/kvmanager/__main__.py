@@ -33,7 +33,9 @@ async def serve(settings: KVManagerSettings) -> None:
         rt.stack.push_async_callback(records.close)
         await rt.serve_metrics(KVManagerMetrics(manager).registry)
         nc = await rt.connect()
-        await ensure_stream(nc, settings.stream_max_age_s, settings.stream_max_bytes)
+        await ensure_stream(
+            nc, settings.stream_max_age_s, settings.stream_max_bytes, settings.stream_replicas
+        )
         await replay_and_follow(nc, manager.on_event)
         await nc.subscribe(subjects.KV_MATCH, queue=subjects.KVMANAGER_QUEUE, cb=manager.on_match)
 

@@ -26,15 +26,19 @@ log = logging.getLogger(__name__)
 STREAM = "HALFMOON_KV"
 
 
-def stream_config(max_age_s: float, max_bytes: int) -> StreamConfig:
+def stream_config(max_age_s: float, max_bytes: int, replicas: int = 1) -> StreamConfig:
     return StreamConfig(
-        name=STREAM, subjects=[subjects.KV_EVENTS], max_age=max_age_s, max_bytes=max_bytes
+        name=STREAM,
+        subjects=[subjects.KV_EVENTS],
+        max_age=max_age_s,
+        max_bytes=max_bytes,
+        num_replicas=replicas,
     )
 
 
-async def ensure_stream(nc: NATS, max_age_s: float, max_bytes: int) -> None:
+async def ensure_stream(nc: NATS, max_age_s: float, max_bytes: int, replicas: int = 1) -> None:
     js = nc.jetstream()
-    config = stream_config(max_age_s, max_bytes)
+    config = stream_config(max_age_s, max_bytes, replicas)
     try:
         await js.add_stream(config)
     except BadRequestError:

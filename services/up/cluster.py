@@ -249,7 +249,7 @@ class LocalCluster:
         security = bus.security_options(
             settings_from(BaseSettings, overrides={"nats_url": self.nats_url})
         )
-        nc = await nats.connect(self.nats_url, **security)
+        nc = await nats.connect(self.nats_url.split(","), **security)
         try:
             await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
             deadline = time.monotonic() + self.s.ready_timeout_s

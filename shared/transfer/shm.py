@@ -58,7 +58,8 @@ _WRITE_STEP = 1 << 20  # fits in L2, so the hash pulls each piece in for the wri
 
 @functools.cache
 def host_id() -> str:
-    """Equal for two processes exactly when they see the same /dev/shm ("" if none)."""
+    """Equal for two processes exactly when they see the same /dev/shm and network ("" if
+    there is no /dev/shm)."""
     try:
         st = os.stat(SHM_DIR)
     except OSError:
@@ -69,8 +70,14 @@ def host_id() -> str:
     except OSError:
         boot = socket.gethostname()
     # Containers on one kernel share the boot id but may each mount their own /dev/shm;
-    # the tmpfs's device and inode tell those apart.
-    return f"{boot}:{st.st_dev}:{st.st_ino}"
+    # the tmpfs's device and inode tell those apart. Processes in different network
+    # namespaces are on different hosts as far as their peers know (the multi-host harness
+    # makes hosts that way): they talk TCP, as machines would.
+    try:
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        net = 0
+    return f"{boot}:{st.st_dev}:{st.st_ino}:{net}"
 
 
 def segments(pid: int | None = None) -> list[str]:

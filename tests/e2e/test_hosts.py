@@ -1,0 +1,186 @@
+"""Halfmoon on four hosts: network namespaces on this machine, each with its own address,
+a three-node NATS cluster with JetStream replicated, KV over TCP between hosts.
+
+Started the way a user starts it (`halfmoon cluster up`), served through both gateways, and
+compared token for token with the one-host stack. Needs root and iproute2: without them
+every test here skips and says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import nats
+import pytest
+
+from services.conductor.leader import BUCKET
+from services.kvmanager.stream import STREAM
+from services.tools.hosts.netns import Network, namespaces, unavailable
+from services.tools.hosts.topology import Topology, four_hosts
+from tests.conftest import POSTGRES_URL, drop_database, make_database
+from tests.e2e.conftest import ADMIT_ALL
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.model,
+    pytest.mark.skipif(bool(unavailable()), reason=f"no hosts here: {unavailable()}"),
+]
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the moon.",
+    "List three prime numbers.",
+    "Explain in one sentence what a KV cache is.",
+]
+
+
+@dataclass
+class Hosts:
+    topology: Topology
+    net: Network
+    proc: subprocess.Popen
+    lines: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def metrics_url(self, child: str) -> str:
+        """A child's /metrics URL, as the banner lists it."""
+        for line in self.lines:
+            if line.strip().startswith("metrics") and f"({child})" in line:
+                return line.split()[1]
+        raise KeyError(f"{child} not in the banner")
+
+
+def start_hosts(tmp: Path, model_dir: Path, database_url: str) -> Hosts:
+    run_id = f"t{random.randrange(16**4):04x}"
+    subnet = f"10.213.{random.randrange(256)}.0/24"
+    env = {**os.environ, "HALFMOON_HOME": str(tmp / "home"), "PYTHONUNBUFFERED": "1", **ADMIT_ALL}
+    cmd = [sys.executable, "-m", "services.cli", "cluster", "up", "--run-id", run_id]
+    cmd += ["--subnet", subnet, "--model", str(model_dir), "--dtype", "float32"]
+    cmd += ["--database-url", database_url]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    topology = four_hosts(run_id, subnet)
+    hosts = Hosts(topology, Network(topology), proc)
+    ready = threading.Event()
+
+    def pump() -> None:
+        with open(tmp / "hosts.log", "w") as out:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                hosts.lines.append(line)
+                out.write(line)
+                out.flush()
+                if "Ctrl-C stops everything." in line:
+                    ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + 300
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_hosts(hosts)
+            raise RuntimeError(f"hosts did not come up:\n{hosts.log()[-4000:]}")
+    return hosts
+
+
+def stop_hosts(hosts: Hosts) -> int:
+    if hosts.proc.poll() is None:
+        hosts.proc.send_signal(signal.SIGTERM)
+        try:
+            hosts.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            hosts.proc.kill()
+            hosts.proc.wait()
+    return hosts.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
+    tmp = tmp_path_factory.mktemp("hosts")
+    database_url, pg_name = make_database("postgresql" if POSTGRES_URL else "sqlite", tmp)
+    h = start_hosts(tmp, model_dir, database_url)
+    yield h
+    rc = stop_hosts(h)
+    left = [ns for ns in namespaces() if ns.startswith(f"hm-{h.topology.run_id}-")]
+    drop_database(pg_name)
+    assert rc == 0, f"halfmoon cluster up exited {rc}:\n{h.log()[-3000:]}"
+    assert not left, f"namespaces left behind: {left}"
+
+
+async def greedy_tokens(url: str, prompt: str) -> list[str]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+            data = await resp.json()
+            assert resp.status == 200, data
+    return [t["token"] for t in data["choices"][0]["logprobs"]["content"]]
+
+
+def test_both_gateways_serve_what_one_host_serves(hosts: Hosts, stack) -> None:
+    async def go() -> None:
+        for prompt in PROMPTS:
+            want = await greedy_tokens(stack.url, prompt)
+            assert want
+            for url in hosts.topology.gateway_urls():
+                assert await greedy_tokens(url, prompt) == want, (url, prompt)
+
+    asyncio.run(go())
+
+
+def host_id_on(hosts: Hosts, name: str) -> str:
+    code = "from shared.transfer.shm import host_id; print(host_id())"
+    launcher = hosts.net.launcher(hosts.topology.host(name))
+    return subprocess.run(
+        [*launcher, sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_kv_crosses_hosts_over_tcp(hosts: Hosts) -> None:
+    """Prefill on c and decode on d see different hosts (so no shared memory between them),
+    and every handoff so far moved its KV into decode over the network."""
+    assert host_id_on(hosts, "c") != host_id_on(hosts, "d")
+
+    async def go() -> None:
+        await greedy_tokens(hosts.topology.gateway_urls()[0], "Tell me about rivers.")
+        async with aiohttp.ClientSession() as http:
+            async with http.get(hosts.metrics_url("decode-d0")) as resp:
+                text = await resp.text()
+        inbound = 'halfmoon_kv_transfer_bytes_total{direction="in"}'
+        moved = [line for line in text.splitlines() if line.startswith(inbound)]
+        assert moved and float(moved[0].split()[-1]) > 0, moved
+
+    asyncio.run(go())
+
+
+def test_nats_is_a_three_node_cluster_with_replicated_state(hosts: Hosts) -> None:
+    async def go() -> None:
+        nc = await nats.connect(hosts.topology.nats_urls())
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info(STREAM)
+            assert info.config.num_replicas == 3
+            assert info.cluster is not None and len(info.cluster.replicas or []) == 2
+            lease = await js.stream_info(f"KV_{BUCKET}")
+            assert lease.config.num_replicas == 3
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
