@@ -37,6 +37,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import xxhash
@@ -47,7 +48,8 @@ from shared.transfer.tcp import TcpKVReceiver, TcpKVSender, connect, recv_into_e
 
 MODES = ("plain", "plain_reused", "tcp", "tcp_reused", "shm", "shm_copy")
 # name: (numerator mode, denominator mode, target or None); all of end_to_end_mib_s
-RATIOS: dict[str, tuple[str, str, float | None]] = {
+Ratios = dict[str, tuple[str, str, float | None]]
+RATIOS: Ratios = {
     "tcp_over_plain": ("tcp", "plain", 0.7),
     "tcp_reused_over_plain_reused": ("tcp_reused", "plain_reused", 0.7),
     "shm_over_tcp": ("shm", "tcp", 2.0),
@@ -60,10 +62,10 @@ RATIO_METRIC = "end_to_end_mib_s"
 # --- the child: holds the payload and sends ---------------------------------------------
 
 
-async def _serve_plain(payload: memoryview, frame: int) -> tuple[asyncio.Task, int]:
+async def _serve_plain(payload: memoryview, frame: int, host: str) -> tuple[asyncio.Task, int]:
     """A bare server: one copy of the payload per connection, after a 1-byte request."""
     loop = asyncio.get_running_loop()
-    listener = socket.create_server(("127.0.0.1", 0))
+    listener = socket.create_server((host, 0))
     listener.setblocking(False)
 
     async def one(conn: socket.socket) -> None:
@@ -85,16 +87,23 @@ async def _serve_plain(payload: memoryview, frame: int) -> tuple[asyncio.Task, i
     return asyncio.create_task(accept()), listener.getsockname()[1]
 
 
-async def child(mib: int, frame: int) -> int:
+async def child(mib: int, frame: int, host: str) -> int:
     payload = memoryview(os.urandom(mib << 20))
-    senders = {"tcp": TcpKVSender(), "shm": ShmKVSender()}
+    senders = {"tcp": TcpKVSender(host), "shm": ShmKVSender(host)}
     for s in senders.values():
         await s.start()
-    plain_task, plain_port = await _serve_plain(payload, frame)
+    plain_task, plain_port = await _serve_plain(payload, frame, host)
     loop = asyncio.get_running_loop()
     stdin = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
-    _say({"plain_port": plain_port, "xxh3": xxhash.xxh3_64_intdigest(payload), "pid": os.getpid()})
+    _say(
+        {
+            "host": host,
+            "plain_port": plain_port,
+            "xxh3": xxhash.xxh3_64_intdigest(payload),
+            "pid": os.getpid(),
+        }
+    )
     while line := (await stdin.readline()).decode().strip():
         kind, tid = line.split()
         t0 = time.perf_counter()
@@ -136,7 +145,7 @@ class Parent:
     async def plain(self, reuse: bool) -> tuple[float, float, bytes | bytearray]:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        sock = await connect("127.0.0.1", self.hello["plain_port"])
+        sock = await connect(self.hello["host"], self.hello["plain_port"])
         try:
             await loop.sock_sendall(sock, b"g")
             buf = self.reused if reuse else bytearray(self.nbytes)
@@ -179,10 +188,10 @@ def _summary(nbytes: int, offers: list[float], fetches: list[float]) -> dict[str
     }
 
 
-def _ratios(res: dict[str, dict]) -> dict[str, dict]:
+def _ratios(res: dict[str, dict], ratios: Ratios) -> dict[str, dict]:
     """best/best and median/median, end to end; a target counts as met on the medians."""
     out = {}
-    for name, (num, den, target) in RATIOS.items():
+    for name, (num, den, target) in ratios.items():
         r: dict[str, Any] = {
             k: res[num][RATIO_METRIC][k] / res[den][RATIO_METRIC][k] for k in ("best", "median")
         }
@@ -193,8 +202,23 @@ def _ratios(res: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-async def run(mib: int, rounds: int, frame: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Placement:
+    """Where the two ends run: by default both here, over loopback. Across hosts
+    (transfer_hosts.py), the sender runs under `launcher` and binds `host`."""
+
+    modes: tuple[str, ...] = MODES
+    ratios: Ratios = field(default_factory=lambda: dict(RATIOS))
+    launcher: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    link: str = "loopback TCP / this host's /dev/shm"
+
+
+async def run(mib: int, rounds: int, frame: int, where: Placement | None = None) -> dict[str, Any]:
+    where = where or Placement()
+    modes = where.modes
     proc = await asyncio.create_subprocess_exec(
+        *where.launcher,
         sys.executable,
         "-m",
         "services.tools.bench.transfer_bench",
@@ -203,15 +227,17 @@ async def run(mib: int, rounds: int, frame: int) -> dict[str, Any]:
         str(mib),
         "--frame-kib",
         str(frame >> 10),
+        "--bind",
+        where.host,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )  # -m: the child imports what this process imports
     assert proc.stdout is not None and proc.stdin is not None
     try:
         parent = Parent(proc, json.loads(await proc.stdout.readline()), mib << 20, frame)
-        times: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in MODES}
+        times: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in modes}
         for rnd in range(rounds + 1):  # round 0 warms both processes up and is not counted
-            for mode in MODES:
+            for mode in modes:
                 offer_s, fetch_s = await parent.once(mode, rnd)
                 if rnd:
                     times[mode][0].append(offer_s)
@@ -226,7 +252,7 @@ async def run(mib: int, rounds: int, frame: int) -> dict[str, Any]:
                     await proc.wait()
             except TimeoutError:
                 proc.kill()
-    results = {m: _summary(mib << 20, *times[m]) for m in MODES}
+    results = {m: _summary(mib << 20, *times[m]) for m in modes}
     return {
         "bench": "transfer",
         "mib": mib,
@@ -237,11 +263,11 @@ async def run(mib: int, rounds: int, frame: int) -> dict[str, Any]:
             "loadavg_at_start": os.getloadavg(),
             "sender": "child process",
             "receiver": "this process",
-            "link": "loopback TCP / this host's /dev/shm",
+            "link": where.link,
             "warmup_rounds": 1,
         },
         "results": results,
-        "ratios": _ratios(results),
+        "ratios": _ratios(results, where.ratios),
         "included": dict(_INCLUDED),
         "leftover_shm_segments": leftover,
     }
@@ -301,11 +327,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per mode")
     p.add_argument("--frame-kib", type=int, default=1024, help="plain copy's frame size")
     p.add_argument("--json-out", default="", help="also write the JSON document here")
+    p.add_argument(
+        "--across-hosts",
+        action="store_true",
+        help="sender and receiver on two hosts (network namespaces, root): TCP only",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--bind", default="127.0.0.1", help=argparse.SUPPRESS)
+    p.add_argument("--sender-netns", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return asyncio.run(child(args.mib, args.frame_kib << 10))
-    doc = asyncio.run(run(args.mib, max(1, args.rounds), args.frame_kib << 10))
+        return asyncio.run(child(args.mib, args.frame_kib << 10, args.bind))
+    if args.across_hosts and not args.sender_netns:  # make the hosts, then run in one
+        from services.tools.bench import transfer_hosts
+
+        return transfer_hosts.main(list(argv if argv is not None else sys.argv[1:]))
+    where = None
+    if args.sender_netns:
+        from services.tools.bench.transfer_hosts import across
+
+        where = across(args.sender_netns, args.bind)
+    doc = asyncio.run(run(args.mib, max(1, args.rounds), args.frame_kib << 10, where))
     text = json.dumps(doc, indent=2)
     print(text)
     print(render_table(doc), file=sys.stderr)

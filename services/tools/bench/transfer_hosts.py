@@ -1,0 +1,58 @@
+"""`halfmoon bench transfer --across-hosts`: the KV data plane between two hosts.
+
+Makes two hosts (network namespaces with their own addresses on a bridge, as
+`halfmoon cluster up` does), runs the bench's receiver on one and its sender on the other,
+and removes them. Only the TCP modes run (shared memory is one host's), against the same
+plain socket copy between the same two hosts, in the same rounds. Needs root.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+
+from services.tools.bench.transfer_bench import Placement, Ratios
+from services.tools.hosts.netns import Network, unavailable
+from services.tools.hosts.topology import Host, Topology
+
+MODES = ("plain", "plain_reused", "tcp", "tcp_reused")
+RATIOS: Ratios = {
+    "tcp_over_plain": ("tcp", "plain", 0.8),
+    "tcp_reused_over_plain_reused": ("tcp_reused", "plain_reused", 0.8),
+}
+
+
+def across(sender_netns: str, host: str) -> Placement:
+    """The receiver runs here (already on its host); the sender on `sender_netns`."""
+    return Placement(
+        MODES,
+        dict(RATIOS),
+        ("ip", "netns", "exec", sender_netns),
+        host,
+        f"TCP between two hosts (network namespaces, veth pairs on a bridge); sender {host}",
+    )
+
+
+def two_hosts() -> Topology:
+    run_id = f"x{secrets.token_hex(2)}"
+    subnet = f"10.214.{secrets.randbelow(256)}.0/24"
+    sender = Host("s", subnet.replace(".0/24", ".11"), ("sender",))
+    receiver = Host("r", subnet.replace(".0/24", ".12"), ("receiver",))
+    return Topology(run_id, subnet, (sender, receiver))
+
+
+def main(argv: list[str]) -> int:
+    if why := unavailable():
+        print(f"halfmoon bench transfer --across-hosts: {why}", file=sys.stderr)
+        return 1
+    t = two_hosts()
+    net = Network(t)
+    net.create()
+    try:
+        sender, receiver = t.host("s"), t.host("r")
+        cmd = [*net.launcher(receiver), sys.executable, "-m", "services.tools.bench.transfer_bench"]
+        cmd += [*argv, "--sender-netns", t.netns(sender), "--bind", sender.address]
+        return subprocess.run(cmd, check=False).returncode
+    finally:
+        net.destroy()
