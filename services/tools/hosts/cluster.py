@@ -175,6 +175,18 @@ class HostCluster(LocalCluster):
             return False
         return True
 
+    async def supervise(self, now: float) -> None:
+        """As LocalCluster's, and a NATS node that died starts again on its host (same
+        address and store): it rejoins the cluster and catches its streams up."""
+        await super().supervise(now)
+        for name, node in self.nodes.items():
+            if node.proc is not None and node.proc.poll() is not None:
+                log.error("NATS node on host %s exited; starting it again", name)
+                try:
+                    await asyncio.to_thread(node.start)
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    log.warning("NATS node on host %s did not start (%s); trying again", name, exc)
+
     async def stop(self) -> None:
         await super().stop()
         for node in self.nodes.values():

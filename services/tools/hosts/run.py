@@ -2,6 +2,7 @@
 
   halfmoon cluster up [flags]   make the hosts, start the cluster on them, run until Ctrl-C,
                                 then stop it and remove the hosts
+  halfmoon cluster chaos        up, then each fault of faults.py under load, measured
   halfmoon cluster down         remove hosts an earlier run left (hm-* namespaces, bridges)
 
 Needs root (namespaces). Tests and chaos runs start it the way a user does, and find the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Sequence
 
 from services.tools.hosts.cluster import HostCluster
@@ -26,10 +28,13 @@ from shared.model_store import ensure_model
 from shared.settings import parse_settings
 
 log = logging.getLogger("halfmoon.hosts")
-USAGE = "usage: halfmoon cluster {up,down} [--help]"
+USAGE = "usage: halfmoon cluster {up,down,chaos} [--help]"
+Body = Callable[[HostCluster], Awaitable[int]]
 
 
-async def run(s: HostsSettings) -> int:
+async def run(s: HostsSettings, body: Body | None = None) -> int:
+    """Make the hosts, start the cluster, then run `body` on it (by default: serve until
+    a signal), stop it and remove the hosts."""
     if why := unavailable():
         log.error("halfmoon cluster: %s", why)
         return 1
@@ -53,7 +58,15 @@ async def run(s: HostsSettings) -> int:
                 log.error("the cluster did not become ready; stopping")
             return 0 if stop.is_set() else 1
         print(banner(topology, cluster), flush=True)
-        rc = await cluster.watch(stop)
+        if body is None:
+            rc = await cluster.watch(stop)
+        else:  # the supervisor runs beside it: hosts a fault killed come back
+            watching = asyncio.create_task(cluster.watch(stop))
+            try:
+                rc = await body(cluster)
+            finally:
+                stop.set()
+                await watching
     except (RuntimeError, TimeoutError, OSError) as exc:  # a host, NATS or leader that failed
         log.error("the cluster did not start: %s", exc)
     finally:
@@ -83,6 +96,10 @@ def banner(t: Topology, cluster: HostCluster) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
+    if argv and argv[0] == "chaos":
+        from services.tools.hosts import chaos
+
+        return chaos.main(argv[1:])
     if not argv or argv[0] not in ("up", "down"):
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -1,0 +1,182 @@
+"""`halfmoon cluster chaos`: each fault of faults.py under a steady load on the hosts
+cluster, and a table of what it cost: time until whole again, and how requests ended.
+
+Requests are Poisson streaming chats spread over both gateways (a client per gateway, as
+behind a load balancer without retries). Each ends as one of:
+- completed: every token, then a finish;
+- error: a clear error reply or event from the gateway (its code is the reason);
+- cut: the connection to its gateway broke or was refused (that gateway's host died);
+- hung: no terminal event within the request deadline (must be 0);
+- inconsistent: finished with the wrong number of tokens (must be 0).
+Every request a gateway gave an id must end with one terminal SQL row: `lost` counts those
+that did not (must be 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from pydantic import Field, field_validator
+
+from services.tools.bench.client import Result
+from services.tools.chaos.audit import audit
+from services.tools.chaos.load import Load, outcome
+from services.tools.chaos.run import model_name
+from services.tools.hosts.cluster import HostCluster
+from services.tools.hosts.faults import FAULTS, Fault, faults, whole_again
+from services.tools.hosts.settings import HostsSettings
+from shared.lifecycle import setup_logging
+from shared.settings import parse_settings
+
+log = logging.getLogger("halfmoon.hosts")
+
+
+class HostsChaosSettings(HostsSettings):
+    faults: str = Field(",".join(FAULTS), description="comma separated: " + ", ".join(FAULTS))
+    rate: float = Field(1.0, gt=0, description="requests per second, over both gateways")
+    max_tokens: int = Field(16, gt=0, description="tokens each request streams (EOS ignored)")
+    before_s: float = Field(5.0, ge=0, description="load before each fault")
+    after_s: float = Field(5.0, ge=0, description="load after the service is whole again")
+    link_down_s: float = Field(5.0, gt=0, description="how long the link-down fault lasts")
+    recovery_limit_s: float = Field(240.0, gt=0, description="give up on a recovery then")
+    request_deadline_s: float = Field(180.0, gt=0, description="a request not ended by then hung")
+    json_out: str = Field("", description="also write the report here")
+
+    @field_validator("faults")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        unknown = [f for f in v.split(",") if f not in FAULTS]
+        if unknown:
+            raise ValueError(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
+        return v
+
+
+@dataclass
+class FaultReport:
+    fault: str
+    what: str
+    recovery_s: float | None
+    sent: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, int] = field(default_factory=dict)  # "outcome: reason" -> requests
+    sql_rows: dict[str, int] = field(default_factory=dict)  # terminal status -> rows
+    lost: int = 0
+
+
+def classify(res: Result, max_tokens: int) -> tuple[str, str]:
+    """(outcome, reason) of one request."""
+    kind = outcome(res, max_tokens)
+    if kind == "hung" and res.error and not res.error.startswith("TimeoutError"):
+        return "cut", res.error.split(":")[0]  # the exception's class: connection refused...
+    if kind == "error":
+        code = re.search(r"""['"]code['"]: ?['"]([^'"]+)""", res.error)
+        return kind, code.group(1) if code else res.error[:60]
+    return kind, ""
+
+
+async def one_fault(c: HostCluster, fault: Fault, s: HostsChaosSettings, model: str) -> FaultReport:
+    stop = asyncio.Event()
+    urls = c.t.gateway_urls()
+    loads = [
+        Load(url, model, s.rate / len(urls), s.max_tokens, s.request_deadline_s, random.Random(i))
+        for i, url in enumerate(urls)
+    ]
+    since = time.time()
+    sending = [asyncio.create_task(load.run(time.monotonic() + 3600, stop)) for load in loads]
+    await asyncio.sleep(s.before_s)
+    log.warning("fault %s: %s", fault.name, fault.what)
+    t0 = time.monotonic()
+    await fault.inject(c)
+    recovery = await whole_again(c, model, t0, s.recovery_limit_s)
+    log.warning("fault %s: whole again after %s s", fault.name, recovery)
+    await asyncio.sleep(s.after_s)
+    stop.set()
+    await asyncio.gather(*sending)
+    results = [r for load in loads for r in load.results]
+    ids = {r.request_id for r in results if r.request_id}
+    rows = await audit(c.database_url, since, ids)
+    kinds = [classify(r, s.max_tokens) for r in results]
+    return FaultReport(
+        fault.name,
+        fault.what,
+        None if recovery is None else round(recovery, 1),
+        len(results),
+        dict(Counter(k for k, _ in kinds)),
+        dict(Counter(f"{k}: {why}" for k, why in kinds if why)),
+        dict(rows.by_status),
+        rows.lost,
+    )
+
+
+async def chaos(c: HostCluster, s: HostsChaosSettings) -> list[FaultReport]:
+    model = await model_name(c.t.gateway_urls()[0])
+    table = faults(s.link_down_s)
+    reports = []
+    for name in s.faults.split(","):
+        reports.append(await one_fault(c, table[name], s, model))
+        if reports[-1].recovery_s is None:
+            log.error("fault %s: not whole again in %.0f s; stopping", name, s.recovery_limit_s)
+            break
+    return reports
+
+
+def render(reports: list[FaultReport]) -> str:
+    head = f"{'fault':<13}{'whole again s':>14}{'sent':>6}{'done':>6}{'error':>6}"
+    head += f"{'cut':>5}{'hung':>6}{'lost':>6}  reasons"
+    lines = [head]
+    for r in reports:
+        o = r.outcomes
+        rec = "never" if r.recovery_s is None else f"{r.recovery_s:.1f}"
+        reasons = "; ".join(f"{k} x{n}" for k, n in sorted(r.reasons.items())) or "-"
+        lines.append(
+            f"{r.fault:<13}{rec:>14}{r.sent:>6}{o.get('completed', 0):>6}{o.get('error', 0):>6}"
+            f"{o.get('cut', 0):>5}{o.get('hung', 0) + o.get('inconsistent', 0):>6}{r.lost:>6}"
+            f"  {reasons}"
+        )
+    return "\n".join(lines)
+
+
+def report(reports: list[FaultReport], s: HostsChaosSettings) -> int:
+    doc: dict[str, Any] = {"bench": "cluster chaos", "faults": [asdict(r) for r in reports]}
+    text = json.dumps(doc, indent=2)
+    print(text)
+    print(render(reports), file=sys.stderr)
+    if s.json_out:
+        with open(s.json_out, "w") as f:
+            f.write(text + "\n")
+    bad = any(
+        r.recovery_s is None or r.lost or r.outcomes.get("hung") or r.outcomes.get("inconsistent")
+        for r in reports
+    )
+    return 1 if bad or len(reports) < len(s.faults.split(",")) else 0
+
+
+def main(argv: Sequence[str]) -> int:
+    from services.tools.hosts.run import run
+
+    s = parse_settings(
+        HostsChaosSettings,
+        argv,
+        "halfmoon cluster chaos",
+        "Each fault of a cluster of hosts under load: time until whole, how requests ended.",
+    )
+    setup_logging(s.log_level, "cluster")
+    results: list[list[FaultReport]] = []
+
+    async def body(c: HostCluster) -> int:
+        results.append(await chaos(c, s))
+        return report(results[0], s)
+
+    try:
+        return asyncio.run(run(s, body))
+    except KeyboardInterrupt:
+        return 130
