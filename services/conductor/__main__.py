@@ -131,6 +131,7 @@ def _info(
             cost_samples_seen={
                 "prefill": conductor.calibrator.prefill.seen,
                 "decode": conductor.calibrator.decode.seen,
+                "handoff": conductor.calibrator.handoffs_seen,
             },
             cost_params=conductor.cost.params(),
             cpu_cost_params=conductor.calibrator.cpu_params(),

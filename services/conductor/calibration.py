@@ -35,6 +35,10 @@ from shared.messages import CostSample
 # The CPU-time fits' window: a whole benchmark run (a decode step is a sample; a 2-core
 # stack makes about 20 a second).
 RUN_WINDOW = 8192
+# A handoff sample's weight in the line halves every this many handoffs after it: the
+# prefill and decode fits' recency (OnlineFit's half_life), so a throttled link is followed
+# within about as many handoffs.
+HANDOFF_HALF_LIFE = 8.0
 # How finely the handoff's spread is kept: its ratio to the line at 0, 5%, ... 100%.
 SPREAD_POINTS = 21
 # Where the prior speaks: prompt lengths × cached tokens, and batch sizes × contexts.
@@ -126,15 +130,33 @@ def weighted_median(values: Any, weights: Any) -> float:
     return float(values[order][np.searchsorted(acc, acc[-1] / 2)])
 
 
-def robust_line(points: Iterable[tuple[int, float]]) -> tuple[float, float]:
+def robust_line(
+    points: Sequence[tuple[int, float]], half_life: float = math.inf
+) -> tuple[float, float]:
     """(a, b) of y = a + b·x, both >= 0, that one stall cannot move: Theil's slope (the
     median slope between the i-th point and the one half the sample later, by x) and the
-    median intercept. With every x equal it is (median y, 0)."""
-    pts = sorted(points)
-    h = len(pts) // 2
-    slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in zip(pts[:h], pts[h:]) if x2 > x1]
-    b = max(0.0, statistics.median(slopes)) if slopes else 0.0
-    return max(0.0, statistics.median(y - b * x for x, y in pts)), b
+    median intercept. With every x equal it is (median y, 0).
+
+    `points` in arrival order; with a finite `half_life` a point's weight halves every
+    that many points after it, so the line follows a link that got slower (or faster)
+    within a few handoffs instead of waiting for half the window to turn over."""
+    import numpy as np
+
+    n = len(points)
+    weights = [0.5 ** ((n - 1 - i) / half_life) for i in range(n)]
+    pts = sorted(zip(points, weights))
+    h = n // 2
+    pairs = [
+        ((y2 - y1) / (x2 - x1), (w1 + w2) / 2)
+        for ((x1, y1), w1), ((x2, y2), w2) in zip(pts[:h], pts[h:])
+        if x2 > x1
+    ]
+    b = 0.0
+    if pairs:
+        slopes, w = np.array(pairs).T
+        b = max(0.0, weighted_median(slopes, w))
+    ys = np.array([y - b * x for (x, y), _ in pts])
+    return max(0.0, weighted_median(ys, np.array([w for _, w in pts]))), b
 
 
 def spread_around(
@@ -172,8 +194,10 @@ class Calibrator:
         # engines run alone, and a recency-weighted fit then said the prefills cost 6%
         # more than the run's own samples added up to).
         self.prefill_cpu, self.decode_cpu = self._fits(prior, run_window, prior_weight, math.inf)
-        # Handoffs: (blocks, seconds beyond the transfer); the model fits a line robustly.
+        # Handoffs: (blocks, seconds beyond the transfer); the model fits a line robustly,
+        # recent ones weighing more (a link's speed changes with what else crosses it).
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=window)
+        self.handoffs_seen = 0
         # Dispatches (gateway arrival -> job on a prefill instance): overhead_s is their
         # median. The first token's way back (one bus hop to the gateway) is not in it.
         self.dispatches: deque[float] = deque(maxlen=window)
@@ -214,6 +238,7 @@ class Calibrator:
             elif s.kind == "handoff":
                 blocks = -(-s.tokens // self.prior.block_size)
                 self.handoffs.append((blocks, max(0.0, s.seconds - self.prior.transfer_s(blocks))))
+                self.handoffs_seen += 1
             else:
                 fit = self.prefill if s.kind == "prefill" else self.decode
                 fit.add(float(s.tokens), s.context, s.seconds)
@@ -226,7 +251,7 @@ class Calibrator:
         """The prior with both parts refit on what the instances reported so far."""
         if self._model is None:
             handoff, per_block = (
-                robust_line(self.handoffs)
+                robust_line(self.handoffs, HANDOFF_HALF_LIFE)
                 if self.handoffs
                 else (self.prior.handoff_s, self.prior.handoff_s_per_block)
             )

@@ -34,14 +34,18 @@ from services.tools.chaos.run import model_name
 from services.tools.hosts.cluster import HostCluster
 from services.tools.hosts.faults import FAULTS, Fault, faults, whole_again
 from services.tools.hosts.settings import HostsSettings
+from services.tools.hosts.throttle import ThrottleReport, throttle_run
 from shared.lifecycle import setup_logging
 from shared.settings import parse_settings
 
 log = logging.getLogger("halfmoon.hosts")
 
 
+CHOICES = (*FAULTS, "throttle")
+
+
 class HostsChaosSettings(HostsSettings):
-    faults: str = Field(",".join(FAULTS), description="comma separated: " + ", ".join(FAULTS))
+    faults: str = Field(",".join(CHOICES), description="comma separated: " + ", ".join(CHOICES))
     rate: float = Field(1.0, gt=0, description="requests per second, over both gateways")
     max_tokens: int = Field(16, gt=0, description="tokens each request streams (EOS ignored)")
     before_s: float = Field(5.0, ge=0, description="load before each fault")
@@ -49,14 +53,19 @@ class HostsChaosSettings(HostsSettings):
     link_down_s: float = Field(5.0, gt=0, description="how long the link-down fault lasts")
     recovery_limit_s: float = Field(240.0, gt=0, description="give up on a recovery then")
     request_deadline_s: float = Field(180.0, gt=0, description="a request not ended by then hung")
+    throttle_mbit: float = Field(100.0, gt=0, description="the throttle: host d's link rate")
+    throttle_requests: int = Field(16, ge=2, description="the throttle: requests, one at a time")
+    throttle_calibrate: int = Field(
+        10, ge=1, description="the throttle: requests before its predictions are scored"
+    )
     json_out: str = Field("", description="also write the report here")
 
     @field_validator("faults")
     @classmethod
     def _known(cls, v: str) -> str:
-        unknown = [f for f in v.split(",") if f not in FAULTS]
+        unknown = [f for f in v.split(",") if f not in CHOICES]
         if unknown:
-            raise ValueError(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
+            raise ValueError(f"unknown faults {unknown}; choose from {', '.join(CHOICES)}")
         return v
 
 
@@ -117,16 +126,29 @@ async def one_fault(c: HostCluster, fault: Fault, s: HostsChaosSettings, model: 
     )
 
 
-async def chaos(c: HostCluster, s: HostsChaosSettings) -> list[FaultReport]:
+@dataclass
+class Reports:
+    faults: list[FaultReport] = field(default_factory=list)
+    throttle: ThrottleReport | None = None
+
+
+async def chaos(c: HostCluster, s: HostsChaosSettings) -> Reports:
     model = await model_name(c.t.gateway_urls()[0])
     table = faults(s.link_down_s)
-    reports = []
+    out = Reports()
+    reports = out.faults
     for name in s.faults.split(","):
+        if name == "throttle":
+            log.warning("throttle: host d's link at %g Mbit/s", s.throttle_mbit)
+            out.throttle = await throttle_run(
+                c, model, s.throttle_mbit, s.throttle_requests, s.throttle_calibrate
+            )
+            continue
         reports.append(await one_fault(c, table[name], s, model))
         if reports[-1].recovery_s is None:
             log.error("fault %s: not whole again in %.0f s; stopping", name, s.recovery_limit_s)
             break
-    return reports
+    return out
 
 
 def render(reports: list[FaultReport]) -> str:
@@ -145,11 +167,33 @@ def render(reports: list[FaultReport]) -> str:
     return "\n".join(lines)
 
 
-def report(reports: list[FaultReport], s: HostsChaosSettings) -> int:
+def render_throttle(t: ThrottleReport) -> str:
+    lines = [f"throttle: host d's link at {t.mbit:g} Mbit/s, one request at a time"]
+    lines.append(f"{'#':>3}{'blocks':>8}{'predicted s':>13}{'measured s':>12}")
+    for i, r in enumerate(t.rows):
+        mark = "" if i >= t.calibrate else "  (calibrating)"
+        lines.append(
+            f"{i:>3}{r['blocks']:>8}{r['predicted_s']:>13.3f}{r['measured_s']:>12.3f}{mark}"
+        )
+    sm = t.summary()
+    lines.append(
+        f"after calibration: median |predicted/measured - 1| {sm['median_error']:.1%}, "
+        f"max {sm['max_error']:.1%}, target <= {sm['target']:.0%}: "
+        + ("met" if sm["met"] else "NOT met")
+    )
+    return "\n".join(lines)
+
+
+def report(out: Reports, s: HostsChaosSettings) -> int:
+    reports = out.faults
     doc: dict[str, Any] = {"bench": "cluster chaos", "faults": [asdict(r) for r in reports]}
+    if out.throttle is not None:
+        doc["throttle"] = {**asdict(out.throttle), **out.throttle.summary()}
     text = json.dumps(doc, indent=2)
     print(text)
     print(render(reports), file=sys.stderr)
+    if out.throttle is not None:
+        print(render_throttle(out.throttle), file=sys.stderr)
     if s.json_out:
         with open(s.json_out, "w") as f:
             f.write(text + "\n")
@@ -157,7 +201,8 @@ def report(reports: list[FaultReport], s: HostsChaosSettings) -> int:
         r.recovery_s is None or r.lost or r.outcomes.get("hung") or r.outcomes.get("inconsistent")
         for r in reports
     )
-    return 1 if bad or len(reports) < len(s.faults.split(",")) else 0
+    ran = len(reports) + (out.throttle is not None)
+    return 1 if bad or ran < len(s.faults.split(",")) else 0
 
 
 def main(argv: Sequence[str]) -> int:
@@ -170,7 +215,7 @@ def main(argv: Sequence[str]) -> int:
         "Each fault of a cluster of hosts under load: time until whole, how requests ended.",
     )
     setup_logging(s.log_level, "cluster")
-    results: list[list[FaultReport]] = []
+    results: list[Reports] = []
 
     async def body(c: HostCluster) -> int:
         results.append(await chaos(c, s))
