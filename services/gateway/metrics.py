@@ -15,6 +15,7 @@ from shared.metrics import FAST_BUCKETS, LATENCY_BUCKETS, new_registry
 
 # Reasons seen often enough to show as 0 before the first one happens.
 KNOWN_REJECTIONS = ("slo_unattainable", "rejected", "unavailable")
+RETRY_REASONS = ("no_conductor", "placement_timeout", "stream_lost")
 
 
 class GatewayMetrics:
@@ -54,6 +55,16 @@ class GatewayMetrics:
         )
         for reason in KNOWN_REJECTIONS:
             self.rejections.labels(reason)
+        self.retries = Counter(
+            "halfmoon_gateway_retries",
+            "Requests the gateway placed again after a fault, by why: no_conductor (no "
+            "leader for a moment: asked again), placement_timeout (a new attempt), "
+            "stream_lost (its instance died or went quiet: placed on another)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
         self.prompt_tokens = Counter(
             "halfmoon_prompt_tokens", "Prompt tokens of accepted requests", registry=r
         )

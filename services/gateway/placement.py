@@ -72,6 +72,7 @@ class ConductorPlacer:
         log.warning(
             "request %s: placement timed out; cancelled it, placing a new attempt", gen.request_id
         )
+        self.metrics.retries.labels("placement_timeout").inc()
         again = gen.model_copy(update={"request_id": f"{gen.request_id}-t1"})
         await retarget(again.request_id, 0)
         try:
@@ -107,6 +108,8 @@ class ConductorPlacer:
                         code="no_conductor",
                         retry_after_s=2.0,
                     ) from exc
+                if pause == first_pause:  # once per request
+                    self.metrics.retries.labels("no_conductor").inc()
                 # Once per request at INFO: during a failover every request passes here.
                 log.log(
                     logging.INFO if pause == first_pause else logging.DEBUG,
@@ -120,5 +123,6 @@ class ConductorPlacer:
 
     def placed_again(self, request_id: str, prefill_id: str, decode_id: str) -> None:
         """A fault moved the request (streams.Follower): its record names the new instances."""
+        self.metrics.retries.labels("stream_lost").inc()
         values = {"prefill_instance": prefill_id} if prefill_id else {}
         self.records.request_update(request_id, decode_instance=decode_id or prefill_id, **values)

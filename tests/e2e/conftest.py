@@ -70,16 +70,26 @@ def start_stack(
         *extra,
     ]
     log_path = tmp / "stack.log"
+    lines: list[str] = []
+    proc = until_banner(cmd, env, log_path, lines, timeout_s)
+    return Stack(f"http://127.0.0.1:{port}", database_url, proc, log_path, lines)
+
+
+def until_banner(
+    cmd: list[str], env: dict[str, str], log_path: Path, lines: list[str], timeout_s: float
+) -> subprocess.Popen:
+    """Start a command that prints a banner once ready (`halfmoon up`, `halfmoon cluster
+    up`); its output goes on into `lines` and `log_path`. Stopped, and a RuntimeError with
+    its last output, if it exits or is not ready in `timeout_s`."""
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    stack = Stack(f"http://127.0.0.1:{port}", database_url, proc, log_path)
     ready = threading.Event()
 
     def pump() -> None:
         with open(log_path, "w") as out:
             for line in proc.stdout:  # type: ignore[union-attr]
-                stack.lines.append(line)
+                lines.append(line)
                 out.write(line)
                 out.flush()
                 if "Ctrl-C stops everything." in line:  # the banner's last line
@@ -89,9 +99,21 @@ def start_stack(
     deadline = time.monotonic() + timeout_s
     while not ready.wait(0.2):
         if proc.poll() is not None or time.monotonic() > deadline:
-            stop_stack(stack)
-            raise RuntimeError(f"stack did not come up:\n{stack.log()[-4000:]}")
-    return stack
+            terminate(proc)
+            raise RuntimeError(f"{cmd[3]} did not come up:\n{''.join(lines)[-4000:]}")
+    return proc
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 60) -> int:
+    """SIGTERM, as Ctrl-C would; SIGKILL if it has not exited in `timeout_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def children_of(pid: int) -> list[int]:
@@ -117,13 +139,7 @@ def alive(pid: int) -> bool:
 def stop_stack(stack: Stack) -> int:
     """SIGTERM `halfmoon up` as Ctrl-C would; it must exit 0 and leave no process behind."""
     children = children_of(stack.proc.pid)
-    if stack.proc.poll() is None:
-        stack.proc.send_signal(signal.SIGTERM)
-        try:
-            stack.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            stack.proc.kill()
-            stack.proc.wait()
+    terminate(stack.proc)
     orphans = [pid for pid in children if alive(pid)]
     assert not orphans, f"processes left behind: {orphans}"
     return stack.proc.returncode

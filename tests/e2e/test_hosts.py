@@ -12,11 +12,8 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,20 +26,13 @@ from services.kvmanager.stream import STREAM
 from services.tools.hosts.netns import Network, namespaces, unavailable
 from services.tools.hosts.topology import Topology, four_hosts
 from tests.conftest import POSTGRES_URL, drop_database, make_database
-from tests.e2e.conftest import ADMIT_ALL
+from tests.e2e.conftest import ADMIT_ALL, terminate, until_banner
+from tests.e2e.test_chat import MODEL, PROMPTS
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.model,
     pytest.mark.skipif(bool(unavailable()), reason=f"no hosts here: {unavailable()}"),
-]
-
-MODEL = "SmolLM2-135M-Instruct"
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the moon.",
-    "List three prime numbers.",
-    "Explain in one sentence what a KV cache is.",
 ]
 
 
@@ -71,40 +61,10 @@ def start_hosts(tmp: Path, model_dir: Path, database_url: str) -> Hosts:
     cmd = [sys.executable, "-m", "services.cli", "cluster", "up", "--run-id", run_id]
     cmd += ["--subnet", subnet, "--model", str(model_dir), "--dtype", "float32"]
     cmd += ["--database-url", database_url]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
     topology = four_hosts(run_id, subnet)
-    hosts = Hosts(topology, Network(topology), proc)
-    ready = threading.Event()
-
-    def pump() -> None:
-        with open(tmp / "hosts.log", "w") as out:
-            for line in proc.stdout:  # type: ignore[union-attr]
-                hosts.lines.append(line)
-                out.write(line)
-                out.flush()
-                if "Ctrl-C stops everything." in line:
-                    ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 300
-    while not ready.wait(0.2):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_hosts(hosts)
-            raise RuntimeError(f"hosts did not come up:\n{hosts.log()[-4000:]}")
-    return hosts
-
-
-def stop_hosts(hosts: Hosts) -> int:
-    if hosts.proc.poll() is None:
-        hosts.proc.send_signal(signal.SIGTERM)
-        try:
-            hosts.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            hosts.proc.kill()
-            hosts.proc.wait()
-    return hosts.proc.returncode
+    lines: list[str] = []
+    proc = until_banner(cmd, env, tmp / "hosts.log", lines, 300)
+    return Hosts(topology, Network(topology), proc, lines)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +73,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
     database_url, pg_name = make_database("postgresql" if POSTGRES_URL else "sqlite", tmp)
     h = start_hosts(tmp, model_dir, database_url)
     yield h
-    rc = stop_hosts(h)
+    rc = terminate(h.proc, 90)
     left = [ns for ns in namespaces() if ns.startswith(f"hm-{h.topology.run_id}-")]
     drop_database(pg_name)
     assert rc == 0, f"halfmoon cluster up exited {rc}:\n{h.log()[-3000:]}"

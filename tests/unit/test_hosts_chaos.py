@@ -58,3 +58,11 @@ def test_exit_code_fails_on_a_hung_request_or_a_lost_row(capsys) -> None:
     never = FaultReport("nats-node", "x", None, 4, {"completed": 4})
     assert report(Reports([never]), s) == 1
     assert "nats-node" in capsys.readouterr().err
+
+
+def test_retries_count_from_zero_on_a_gateway_that_restarted() -> None:
+    from services.tools.hosts.chaos import retries_since
+
+    before = [{"stream_lost": 3.0, "no_conductor": 1.0}, {"stream_lost": 5.0}]
+    after = [{"stream_lost": 1.0, "no_conductor": 0.0}, {"stream_lost": 7.0}]
+    assert retries_since(before, after) == {"stream_lost": 3, "no_conductor": 0}

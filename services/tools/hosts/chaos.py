@@ -25,6 +25,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field, field_validator
 
 from services.tools.bench.client import Result
@@ -77,6 +79,7 @@ class FaultReport:
     sent: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     reasons: dict[str, int] = field(default_factory=dict)  # "outcome: reason" -> requests
+    retried: dict[str, int] = field(default_factory=dict)  # the gateways' retries, by why
     sql_rows: dict[str, int] = field(default_factory=dict)  # terminal status -> rows
     lost: int = 0
 
@@ -100,6 +103,7 @@ async def one_fault(c: HostCluster, fault: Fault, s: HostsChaosSettings, model: 
         for i, url in enumerate(urls)
     ]
     since = time.time()
+    retries_before = await gateway_retries(urls)
     sending = [asyncio.create_task(load.run(time.monotonic() + 3600, stop)) for load in loads]
     await asyncio.sleep(s.before_s)
     log.warning("fault %s: %s", fault.name, fault.what)
@@ -110,6 +114,7 @@ async def one_fault(c: HostCluster, fault: Fault, s: HostsChaosSettings, model: 
     await asyncio.sleep(s.after_s)
     stop.set()
     await asyncio.gather(*sending)
+    retried = retries_since(retries_before, await gateway_retries(urls))
     results = [r for load in loads for r in load.results]
     ids = {r.request_id for r in results if r.request_id}
     rows = await audit(c.database_url, since, ids)
@@ -118,11 +123,12 @@ async def one_fault(c: HostCluster, fault: Fault, s: HostsChaosSettings, model: 
         fault.name,
         fault.what,
         None if recovery is None else round(recovery, 1),
-        len(results),
-        dict(Counter(k for k, _ in kinds)),
-        dict(Counter(f"{k}: {why}" for k, why in kinds if why)),
-        dict(rows.by_status),
-        rows.lost,
+        sent=len(results),
+        outcomes=dict(Counter(k for k, _ in kinds)),
+        reasons=dict(Counter(f"{k}: {why}" for k, why in kinds if why)),
+        retried={k: v for k, v in retried.items() if v},
+        sql_rows=dict(rows.by_status),
+        lost=rows.lost,
     )
 
 
@@ -130,6 +136,37 @@ async def one_fault(c: HostCluster, fault: Fault, s: HostsChaosSettings, model: 
 class Reports:
     faults: list[FaultReport] = field(default_factory=list)
     throttle: ThrottleReport | None = None
+
+
+async def gateway_retries(urls: list[str]) -> list[dict[str, float]]:
+    """Each gateway's halfmoon_gateway_retries_total by reason ({} if it does not answer)."""
+    out: list[dict[str, float]] = []
+    for url in urls:
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as h:
+                async with h.get(f"{url}/metrics") as resp:
+                    text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError):
+            out.append({})
+            continue
+        counts: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "halfmoon_gateway_retries_total":
+                    counts[sample.labels["reason"]] = sample.value
+        out.append(counts)
+    return out
+
+
+def retries_since(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, int]:
+    """Retries between two readings, summed over gateways; a gateway that restarted in
+    between counts from zero."""
+    total: Counter[str] = Counter()
+    for b, a in zip(before, after):
+        restarted = any(a.get(k, 0) < v for k, v in b.items())
+        for reason, value in a.items():
+            total[reason] += int(value if restarted else value - b.get(reason, 0))
+    return dict(total)
 
 
 async def chaos(c: HostCluster, s: HostsChaosSettings) -> Reports:
@@ -158,7 +195,9 @@ def render(reports: list[FaultReport]) -> str:
     for r in reports:
         o = r.outcomes
         rec = "never" if r.recovery_s is None else f"{r.recovery_s:.1f}"
-        reasons = "; ".join(f"{k} x{n}" for k, n in sorted(r.reasons.items())) or "-"
+        reasons = "; ".join(f"{k} x{n}" for k, n in sorted(r.reasons.items()))
+        retried = "; ".join(f"retried: {k} x{n}" for k, n in sorted(r.retried.items()))
+        reasons = "; ".join(x for x in (reasons, retried) if x) or "-"
         lines.append(
             f"{r.fault:<13}{rec:>14}{r.sent:>6}{o.get('completed', 0):>6}{o.get('error', 0):>6}"
             f"{o.get('cut', 0):>5}{o.get('hung', 0) + o.get('inconsistent', 0):>6}{r.lost:>6}"
