@@ -185,9 +185,9 @@ def _instances(argv: list[str]) -> int:
 
 
 def _cluster(argv: list[str]) -> int:
-    from services.tools.hosts import run
+    from services.tools.hosts import cli
 
-    return run.main(argv)
+    return cli.main(argv)
 
 
 def _up(argv: list[str]) -> int:

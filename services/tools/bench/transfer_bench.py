@@ -214,6 +214,25 @@ class Placement:
     link: str = "loopback TCP / this host's /dev/shm"
 
 
+# Across two hosts (transfer_hosts.py): TCP only, against the plain copy between them.
+ACROSS_MODES = ("plain", "plain_reused", "tcp", "tcp_reused")
+ACROSS_RATIOS: Ratios = {
+    "tcp_over_plain": ("tcp", "plain", 0.8),
+    "tcp_reused_over_plain_reused": ("tcp_reused", "plain_reused", 0.8),
+}
+
+
+def across(sender_netns: str, host: str) -> Placement:
+    """The receiver runs here (already on its host); the sender on `sender_netns`."""
+    return Placement(
+        ACROSS_MODES,
+        dict(ACROSS_RATIOS),
+        ("ip", "netns", "exec", sender_netns),
+        host,
+        f"TCP between two hosts (network namespaces, veth pairs on a bridge); sender {host}",
+    )
+
+
 async def run(mib: int, rounds: int, frame: int, where: Placement | None = None) -> dict[str, Any]:
     where = where or Placement()
     modes = where.modes
@@ -342,11 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.tools.bench import transfer_hosts
 
         return transfer_hosts.main(list(argv if argv is not None else sys.argv[1:]))
-    where = None
-    if args.sender_netns:
-        from services.tools.bench.transfer_hosts import across
-
-        where = across(args.sender_netns, args.bind)
+    where = across(args.sender_netns, args.bind) if args.sender_netns else None
     doc = asyncio.run(run(args.mib, max(1, args.rounds), args.frame_kib << 10, where))
     text = json.dumps(doc, indent=2)
     print(text)

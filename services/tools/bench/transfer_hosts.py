@@ -12,26 +12,8 @@ import secrets
 import subprocess
 import sys
 
-from services.tools.bench.transfer_bench import Placement, Ratios
 from services.tools.hosts.netns import Network, unavailable
 from services.tools.hosts.topology import Host, Topology
-
-MODES = ("plain", "plain_reused", "tcp", "tcp_reused")
-RATIOS: Ratios = {
-    "tcp_over_plain": ("tcp", "plain", 0.8),
-    "tcp_reused_over_plain_reused": ("tcp_reused", "plain_reused", 0.8),
-}
-
-
-def across(sender_netns: str, host: str) -> Placement:
-    """The receiver runs here (already on its host); the sender on `sender_netns`."""
-    return Placement(
-        MODES,
-        dict(RATIOS),
-        ("ip", "netns", "exec", sender_netns),
-        host,
-        f"TCP between two hosts (network namespaces, veth pairs on a bridge); sender {host}",
-    )
 
 
 def two_hosts() -> Topology:

@@ -35,6 +35,7 @@ from services.tools.chaos.load import Load, outcome
 from services.tools.chaos.run import model_name
 from services.tools.hosts.cluster import HostCluster
 from services.tools.hosts.faults import FAULTS, Fault, faults, whole_again
+from services.tools.hosts.run import run
 from services.tools.hosts.settings import HostsSettings
 from services.tools.hosts.throttle import ThrottleReport, throttle_run
 from shared.lifecycle import setup_logging
@@ -245,8 +246,6 @@ def report(out: Reports, s: HostsChaosSettings) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    from services.tools.hosts.run import run
-
     s = parse_settings(
         HostsChaosSettings,
         argv,
