@@ -180,6 +180,8 @@ def test_each_fault_under_load_ends_every_request_and_recovers(tmp_path: Path, m
         assert f["outcomes"].get("completed", 0) > 0, (name, f)
         errors = f["outcomes"].get("error", 0) + f["outcomes"].get("cut", 0)
         assert sum(f["reasons"].values()) == errors, (name, f)  # each with its reason
+    # The request whose handoff the link cut caught ended, and said how.
+    assert faults["link-down"]["caught"].split(":")[0] in ("completed", "error", "cut")
     # The link throttled to 100 Mbit/s: after calibration the leader's handoff predictions
     # are within 25% of the handoffs measured (the first, made for the fast link, are not).
     throttle = doc["throttle"]

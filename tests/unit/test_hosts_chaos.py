@@ -57,6 +57,8 @@ def test_exit_code_fails_on_a_hung_request_or_a_lost_row(capsys) -> None:
     assert report(Reports([lost]), s) == 1
     never = FaultReport("nats-node", "x", None, 4, {"completed": 4})
     assert report(Reports([never]), s) == 1
+    caught_hung = FaultReport("nats-node", "x", 3.0, 4, {"completed": 4}, caught="hung")
+    assert report(Reports([caught_hung]), s) == 1
     assert "nats-node" in capsys.readouterr().err
 
 

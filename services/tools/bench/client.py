@@ -7,6 +7,7 @@ and errors — never raised, always recorded, so a run with failures still repor
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -48,7 +49,13 @@ class Result:
         return slowest_tenth_mean(gaps) if gaps else None
 
 
-async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Result:
+async def stream_chat(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    first_token: asyncio.Event | None = None,
+) -> Result:
+    """The request, streamed; `first_token` (if given) is set when its first token arrives."""
     res = Result(start=time.perf_counter())
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     try:
@@ -59,7 +66,7 @@ async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any
                 res.error = (await resp.text())[:300]
                 res.terminal = True
                 return res
-            await _read_stream(resp, res)
+            await _read_stream(resp, res, first_token)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     res.end_s = time.perf_counter() - res.start
@@ -67,7 +74,9 @@ async def stream_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any
     return res
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:
+async def _read_stream(
+    resp: aiohttp.ClientResponse, res: Result, first_token: asyncio.Event | None
+) -> None:
     chunks = 0
     async for raw in resp.content:
         line = raw.decode(errors="replace").strip()
@@ -92,7 +101,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:
             res.text += (choice.get("delta") or {}).get("content") or ""
             if (choice.get("delta") or {}).get("content"):
                 now = time.perf_counter() - res.start
-                res.ttft_s = now if res.ttft_s is None else res.ttft_s
+                if res.ttft_s is None:
+                    res.ttft_s = now
+                    if first_token is not None:
+                        first_token.set()
                 res.chunk_times.append(now)
                 chunks += 1
     res.completion_tokens = res.completion_tokens or chunks

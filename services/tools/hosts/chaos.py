@@ -34,7 +34,7 @@ from services.tools.chaos.audit import audit
 from services.tools.chaos.load import Load, outcome
 from services.tools.chaos.run import model_name
 from services.tools.hosts.cluster import HostCluster
-from services.tools.hosts.faults import FAULTS, Fault, faults, whole_again
+from services.tools.hosts.faults import CAUGHT_TOKENS, FAULTS, Fault, faults, whole_again
 from services.tools.hosts.run import run
 from services.tools.hosts.settings import HostsSettings
 from services.tools.hosts.throttle import ThrottleReport, throttle_run
@@ -81,6 +81,7 @@ class FaultReport:
     outcomes: dict[str, int] = field(default_factory=dict)
     reasons: dict[str, int] = field(default_factory=dict)  # "outcome: reason" -> requests
     retried: dict[str, int] = field(default_factory=dict)  # the gateways' retries, by why
+    caught: str = ""  # how the request the fault aimed at ended (link-down: mid-handoff)
     sql_rows: dict[str, int] = field(default_factory=dict)  # terminal status -> rows
     lost: int = 0
 
@@ -109,7 +110,7 @@ async def one_fault(c: HostCluster, fault: Fault, s: HostsChaosSettings, model: 
     await asyncio.sleep(s.before_s)
     log.warning("fault %s: %s", fault.name, fault.what)
     t0 = time.monotonic()
-    await fault.inject(c)
+    aimed = await fault.inject(c, model)
     recovery = await whole_again(c, model, t0, s.recovery_limit_s)
     log.warning("fault %s: whole again after %s s", fault.name, recovery)
     await asyncio.sleep(s.after_s)
@@ -128,6 +129,7 @@ async def one_fault(c: HostCluster, fault: Fault, s: HostsChaosSettings, model: 
         outcomes=dict(Counter(k for k, _ in kinds)),
         reasons=dict(Counter(f"{k}: {why}" for k, why in kinds if why)),
         retried={k: v for k, v in retried.items() if v},
+        caught=": ".join(x for x in classify(aimed, CAUGHT_TOKENS) if x) if aimed else "",
         sql_rows=dict(rows.by_status),
         lost=rows.lost,
     )
@@ -198,7 +200,8 @@ def render(reports: list[FaultReport]) -> str:
         rec = "never" if r.recovery_s is None else f"{r.recovery_s:.1f}"
         reasons = "; ".join(f"{k} x{n}" for k, n in sorted(r.reasons.items()))
         retried = "; ".join(f"retried: {k} x{n}" for k, n in sorted(r.retried.items()))
-        reasons = "; ".join(x for x in (reasons, retried) if x) or "-"
+        caught = f"caught mid-handoff: {r.caught}" if r.caught else ""
+        reasons = "; ".join(x for x in (reasons, retried, caught) if x) or "-"
         lines.append(
             f"{r.fault:<13}{rec:>14}{r.sent:>6}{o.get('completed', 0):>6}{o.get('error', 0):>6}"
             f"{o.get('cut', 0):>5}{o.get('hung', 0) + o.get('inconsistent', 0):>6}{r.lost:>6}"
@@ -238,7 +241,11 @@ def report(out: Reports, s: HostsChaosSettings) -> int:
         with open(s.json_out, "w") as f:
             f.write(text + "\n")
     bad = any(
-        r.recovery_s is None or r.lost or r.outcomes.get("hung") or r.outcomes.get("inconsistent")
+        r.recovery_s is None
+        or r.lost
+        or r.outcomes.get("hung")
+        or r.outcomes.get("inconsistent")
+        or r.caught.startswith(("hung", "inconsistent"))
         for r in reports
     )
     ran = len(reports) + (out.throttle is not None)
