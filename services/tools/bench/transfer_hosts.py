@@ -8,6 +8,7 @@ plain socket copy between the same two hosts, in the same rounds. Needs root.
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 import subprocess
 import sys
@@ -18,10 +19,10 @@ from services.tools.hosts.topology import Host, Topology
 
 def two_hosts() -> Topology:
     run_id = f"x{secrets.token_hex(2)}"
-    subnet = f"10.214.{secrets.randbelow(256)}.0/24"
-    sender = Host("s", subnet.replace(".0/24", ".11"), ("sender",))
-    receiver = Host("r", subnet.replace(".0/24", ".12"), ("receiver",))
-    return Topology(run_id, subnet, (sender, receiver))
+    net = ipaddress.ip_network(f"10.214.{secrets.randbelow(256)}.0/24")
+    sender = Host("s", str(net.network_address + 11), ("sender",))
+    receiver = Host("r", str(net.network_address + 12), ("receiver",))
+    return Topology(run_id, str(net), (sender, receiver))
 
 
 def main(argv: list[str]) -> int:

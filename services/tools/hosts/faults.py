@@ -50,13 +50,11 @@ async def _kill_nats_node(c: HostCluster, model: str) -> None:
     node = c.nodes["c"]
     if node.proc is not None:
         node.proc.kill()
-    return None
 
 
 def _kill_host(name: str) -> Inject:
     async def kill(c: HostCluster, model: str) -> None:
         await asyncio.to_thread(c.net.kill_host, c.t.host(name))
-        return None
 
     return kill
 

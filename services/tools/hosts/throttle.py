@@ -24,6 +24,7 @@ import aiohttp
 import nats
 from nats.aio.msg import Msg
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from services.conductor.costmodel import CostModel
 from services.tools.chaos.load import WORDS
@@ -99,26 +100,22 @@ async def chat(url: str, model: str, words: int, rng: random.Random) -> str:
             return str(resp.headers["X-Request-Id"])
 
 
-async def measured(database_url: str, request_id: str, block_size: int) -> tuple[float, int]:
+async def measured(engine: AsyncEngine, request_id: str, block_size: int) -> tuple[float, int]:
     """(seconds from prefill's first token to decode's, KV blocks decode fetched)."""
-    engine = make_engine(database_url)
-    try:
-        t = RequestRecord
-        async with sessionmaker(engine)() as s:
-            deadline = time.monotonic() + 30
-            while True:
-                row = (await s.execute(select(t).where(t.id == request_id))).scalar_one_or_none()
-                if row is not None and row.decode_first_token_time and row.ttft_ms:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no finished row for {request_id}")
-                await asyncio.sleep(0.3)
-                s.expire_all()
-        seconds = row.decode_first_token_time - row.arrival_time - row.ttft_ms / 1e3
-        held = (row.handoff_held_tokens or 0) // block_size
-        return seconds, -(-row.prompt_tokens // block_size) - held
-    finally:
-        await engine.dispose()
+    t = RequestRecord
+    async with sessionmaker(engine)() as s:
+        deadline = time.monotonic() + 30
+        while True:
+            row = (await s.execute(select(t).where(t.id == request_id))).scalar_one_or_none()
+            if row is not None and row.decode_first_token_time and row.ttft_ms:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no finished row for {request_id}")
+            await asyncio.sleep(0.3)
+            s.expire_all()
+    seconds = row.decode_first_token_time - row.arrival_time - row.ttft_ms / 1e3
+    held = (row.handoff_held_tokens or 0) // block_size
+    return seconds, -(-row.prompt_tokens // block_size) - held
 
 
 async def throttle_run(
@@ -130,17 +127,19 @@ async def throttle_run(
     report = ThrottleReport(mbit, calibrate)
     rng = random.Random(7)
     host = c.t.host("d")
+    engine = make_engine(c.database_url)  # one for the run: each request reads one row
     try:
         await watch.learned_more_than(-1)  # a leader's heartbeat, with its model
         c.net.throttle(host, mbit)
         for i in range(requests):
             seen, cost = watch.handoffs(), watch.model()
             rid = await chat(c.t.gateway_urls()[i % 2], model, rng.randint(150, 300), rng)
-            seconds, blocks = await measured(c.database_url, rid, cost.block_size)
+            seconds, blocks = await measured(engine, rid, cost.block_size)
             predicted = cost.handoff_time_s(blocks)
             report.rows.append({"blocks": blocks, "predicted_s": predicted, "measured_s": seconds})
             await watch.learned_more_than(seen)
     finally:
         c.net.unthrottle(host)
         await nc.close()
+        await engine.dispose()
     return report
