@@ -287,13 +287,26 @@ def _brief(exc: Exception) -> str:
 
 
 async def _upsert_instance(session: AsyncSession, values: dict[str, Any]) -> None:
-    # Portable upsert (SQLite and PostgreSQL): instance rows change rarely and one at a time.
-    existing = await session.get(InstanceRecord, values["id"])
-    if existing is None:
-        session.add(InstanceRecord(**values))
-    else:
-        for key, value in values.items():
-            setattr(existing, key, value)
+    # One statement, not a read then an insert: two conductors (a leader and its standby)
+    # both record every instance they hear, and a read-then-insert let both insert the same
+    # new id, one of them failing on the primary key.
+    # A row's first write carries every column; a later one may carry only what changed
+    # (a death), which is an UPDATE: an INSERT of it would break NOT NULL, conflict or not.
+    changed = {k: v for k, v in values.items() if k != "id"}
+    if not _REQUIRED_INSTANCE_COLUMNS <= values.keys():
+        t = InstanceRecord
+        await session.execute(update(t).where(t.id == values["id"]).values(**changed))
+        return
+    await session.execute(
+        _insert(session, InstanceRecord)
+        .values(**values)
+        .on_conflict_do_update(index_elements=["id"], set_=changed)
+    )
+
+
+_REQUIRED_INSTANCE_COLUMNS = frozenset(
+    c.name for c in InstanceRecord.__table__.columns if not c.nullable and c.default is None
+)
 
 
 async def _upsert_switch(session: AsyncSession, values: dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ the KV pool's replications read back through the console's query."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ from sqlalchemy import inspect, select
 
 from console import queries
 from shared.db import session as db
+from shared.db import records
 from shared.db.records import RecordWriter
 from shared.db.schema import DecisionRecord, InstanceRecord, ReplicationRecord, RequestRecord
 from shared.messages import InstanceInfo, Role
@@ -90,6 +92,43 @@ async def test_instances_upsert(db_url):
     finally:
         await writer.close()
         await engine.dispose()
+
+
+async def test_two_conductors_recording_the_same_new_instances_both_succeed(db_url, caplog):
+    """A leading conductor and its standby hear the same heartbeats and both record them:
+    every write of both lands in its batch, whichever inserts an instance's row first (a
+    read-then-insert failed one batch on the primary key, then wrote each alone)."""
+    caplog.set_level(logging.WARNING, logger=records.__name__)
+    engines = [db.make_engine(db_url) for _ in range(2)]
+    writers = [RecordWriter(e, flush_interval_s=0.0) for e in engines]
+    for w in writers:
+        await w.start()
+    try:
+        for beat in range(1, 6):
+            for n in range(8):  # new ids on the first beat, seen by both at once
+                for w in writers:
+                    w.instance_seen(
+                        id=f"prefill-{n}",
+                        role="prefill",
+                        host="h",
+                        status="ready",
+                        started_at=1.0,
+                        last_heartbeat=float(beat),
+                        info={"beat": beat},
+                    )
+            await asyncio.gather(*(w.flush() for w in writers))
+        assert [w.failures for w in writers] == [0, 0]
+        assert [r.getMessage() for r in caplog.records] == []
+        async with db.sessionmaker(engines[0])() as s:
+            rows = (await s.execute(select(InstanceRecord))).scalars().all()
+        assert sorted((r.id, r.last_heartbeat, r.info["beat"]) for r in rows) == [
+            (f"prefill-{n}", 5.0, 5) for n in range(8)
+        ]
+    finally:
+        for w in writers:
+            await w.close()
+        for e in engines:
+            await e.dispose()
 
 
 async def test_a_failed_batch_does_not_kill_the_writer(db_url):
