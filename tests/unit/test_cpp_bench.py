@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from services.tools.bench.cpp import LAYOUTS, prompts, render
+from services.tools.bench.cpp import LAYOUTS, idle_since, prompts, render
 from services.tools.decisions import stages_of
 
 
@@ -37,3 +37,11 @@ def test_the_placement_is_read_from_the_chosen_candidate_of_the_decision():
     assert stages_of(2005.4, [single, group]) == 1  # the column as SQLAlchemy reads it
     assert stages_of(999.0, record) == 0
     assert stages_of(None, "[]") == 0  # refused: no prediction recorded
+
+
+def test_a_prompt_waits_for_a_heartbeat_after_the_last_one_that_shows_the_instance_idle():
+    idle = {"sent_at": 10.5, "queue_depth": 0, "running": 0, "queue_prompts": []}
+    assert idle_since(idle, since=10.0)
+    assert not idle_since(idle, since=11.0)  # sent before: it may predate the last prompt
+    assert not idle_since({**idle, "running": 1}, since=10.0)
+    assert not idle_since({**idle, "queue_depth": 1, "queue_prompts": [900]}, since=10.0)

@@ -44,6 +44,8 @@ TRAINED = 8_192
 NEW_TOKENS = 2  # per request: the first token, and one more so decode takes it over
 HEARTBEAT_S: float = BaseSettings.model_fields["heartbeat_interval_s"].default
 WARM_TOKENS = 1_024
+# A prefill instance reports itself idle within a heartbeat or two of its last prompt.
+IDLE_WAIT_S = 30 * HEARTBEAT_S
 # The gateway's first-token wait (300 s by default) is shorter than one core's 16k
 # prefill on a slow CPU: the bench waits as long as its client does.
 LONG_WAITS = {"HALFMOON_FIRST_TOKEN_TIMEOUT_S": "3600"}
@@ -121,11 +123,38 @@ def placed_on(server: HalfmoonServer, request_id: str) -> int:
     return stages_of(*row) if row else 0
 
 
+def idle_since(info: dict[str, Any], since: float) -> bool:
+    """An instance's heartbeat (as GET /admin/state lists it) sent after `since` (wall
+    clock) with nothing queued or running: what the conductor needs to see before it
+    forms a group, since a group forms from idle instances only."""
+    quiet = info["queue_depth"] == 0 and info["running"] == 0 and not info["queue_prompts"]
+    return info["sent_at"] > since and quiet
+
+
+async def prefills_idle(url: str, since: float) -> None:
+    """Until every prefill instance has reported itself idle in a heartbeat sent after
+    `since`. The conductor hears the same heartbeat; should a prompt still reach it
+    first, the placement check refuses that prompt's figure."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(f"{url}/admin/state") as resp:
+                resp.raise_for_status()
+                instances = (await resp.json())["instances"]
+            prefills = [i for i in instances if i["role"] == "prefill"]
+            if prefills and all(idle_since(i, since) for i in prefills):
+                return
+            if time.monotonic() > deadline:
+                busy = [i["instance_id"] for i in prefills if not idle_since(i, since)]
+                raise RuntimeError(f"prefill instances not idle after {IDLE_WAIT_S:.0f} s: {busy}")
+            await asyncio.sleep(HEARTBEAT_S / 10)
+
+
 async def one(server: HalfmoonServer, model: str, ids: list[int], stages: int) -> float:
-    """A request's TTFT, once the conductor has seen every prefill instance idle (two
-    heartbeats after the one before ended: a group forms from idle instances only), and
-    checked to have run on `stages` instances: a figure from another layout is refused."""
-    await asyncio.sleep(2 * HEARTBEAT_S)
+    """A request's TTFT, once every prefill instance has reported itself idle after the
+    request before, and checked to have run on `stages` instances: a figure from another
+    layout is refused."""
+    await prefills_idle(server.url, time.time())
     seconds, rid = await ttft(server.url, model, ids)
     got = placed_on(server, rid)
     if got != stages:
