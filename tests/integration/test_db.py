@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import inspect, select
 
 from console import queries
-from shared.db import session as db
 from shared.db import records
+from shared.db import session as db
 from shared.db.records import RecordWriter
 from shared.db.schema import DecisionRecord, InstanceRecord, ReplicationRecord, RequestRecord
 from shared.messages import InstanceInfo, Role
