@@ -11,6 +11,7 @@ from typing import Awaitable, Callable, Sequence
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
+from services.conductor import orphans
 from services.conductor.args import ConductorSettings, parse_args
 from services.conductor.handlers import Conductor
 from services.conductor.leader import Election
@@ -27,6 +28,16 @@ async def _sweep(conductor: Conductor, stop: asyncio.Event, interval_s: float) -
     while not stop.is_set():
         conductor.sweep()
         await aio.wait_set(stop, interval_s)
+
+
+async def _settle_orphans(conductor: Conductor, stop: asyncio.Event, interval_s: float) -> None:
+    """Role switches left draining by a conductor that stopped (orphans.py), while leading."""
+    while not stop.is_set():
+        await aio.wait_set(stop, interval_s)
+        try:
+            await orphans.settle(conductor)
+        except Exception:  # a database fault must not end the loop: the next one retries
+            log.exception("settling orphaned role switches failed")
 
 
 class Intake:
@@ -163,6 +174,7 @@ async def serve(settings: ConductorSettings) -> None:
         conductor.leading = lambda: election is None or election.is_leader
         rt.heartbeat(info)
         rt.spawn(_sweep(conductor, rt.stop, settings.heartbeat_expiry_s / 3))
+        rt.spawn(_settle_orphans(conductor, rt.stop, settings.heartbeat_expiry_s))
         if settings.planner != "off":
             rt.spawn(conductor.planning.run(rt.stop))
         if election is None:

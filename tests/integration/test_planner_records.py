@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import inspect, select
 
 from console import queries
+from services.conductor import orphans
+from services.conductor.args import ConductorSettings
+from services.conductor.registry import Registry
+from services.conductor.roles import Pending
 from shared.db import session as db
 from shared.db.records import RecordWriter
 from shared.db.schema import PlanDecisionRecord, RoleSwitchRecord
@@ -163,6 +168,55 @@ async def test_planner_rows_past_retention_are_pruned_but_a_draining_switch_is_k
         switches = {r["id"] for r in await _rows(engine, RoleSwitchRecord)}
         assert decisions == [now - 60]
         assert switches == {"old-draining", "new"}
+    finally:
+        await writer.close()
+        await engine.dispose()
+
+
+async def test_switches_left_draining_by_a_stopped_conductor_are_settled_by_the_leader(db_url):
+    """A conductor killed mid-switch leaves its row "draining"; the leader settles it from
+    the heartbeats: done once the instance is ready in its new role, failed once it is gone
+    past the give-up time, and a switch the leader runs itself is left to it."""
+    engine = db.make_engine(db_url)
+    writer = RecordWriter(engine, flush_interval_s=0.0)
+    await writer.start()
+    settings = ConductorSettings()
+    registry = Registry(settings.heartbeat_expiry_s)
+    leading = [False]
+    mine = Pending("mine", 0.0, asyncio.get_running_loop().create_future())
+    conductor = SimpleNamespace(
+        records=writer,
+        settings=settings,
+        registry=registry,
+        leading=lambda: leading[0],
+        roles=SimpleNamespace(pending={"prefill-3": mine}),
+    )
+    try:
+        now = time.time()
+        late = orphans.give_up_s(settings.switch_drain_timeout_s, settings.heartbeat_expiry_s)
+        writer.role_switch(**switch("switched", now - 5, "draining", instance_id="prefill-1"))
+        writer.role_switch(**switch("gone", now - late - 1, "draining", instance_id="prefill-2"))
+        writer.role_switch(**switch("mine", now - late - 1, "draining", instance_id="prefill-3"))
+        writer.role_switch(**switch("running", now - 5, "draining", instance_id="prefill-4"))
+        await writer.flush()
+        registry.seen(InstanceInfo(instance_id="prefill-1", role=Role.DECODE), now)
+        registry.seen(
+            InstanceInfo(instance_id="prefill-4", role=Role.PREFILL, status="switching"), now
+        )
+        assert await orphans.settle(conductor) == 0  # a standby writes nothing
+        leading[0] = True
+        assert await orphans.settle(conductor) == 2
+        await writer.flush()
+        rows = {r["id"]: r for r in await _rows(engine, RoleSwitchRecord)}
+        assert {k: r["status"] for k, r in rows.items()} == {
+            "switched": "done",
+            "gone": "failed",
+            "mine": "draining",
+            "running": "draining",
+        }
+        assert "no conductor waited" in rows["switched"]["detail"]
+        assert "stopped before" in rows["gone"]["detail"]
+        assert rows["switched"]["finished_at"] >= now and rows["switched"]["from_role"] == "prefill"
     finally:
         await writer.close()
         await engine.dispose()
