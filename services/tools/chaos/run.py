@@ -123,7 +123,7 @@ async def chaos(
         s.long_words,
     )
     faults = Faults(s.target_list(), rng, victims or beats)
-    faults.begin_switch = Switcher(nc, beats, random.Random(s.seed + 1)).begin
+    faults.begin_switch = Switcher(nc, beats, random.Random(s.seed + 1), database_url).begin
     since = time.time()
     t0 = time.monotonic()
     until = t0 + s.duration_s
@@ -163,6 +163,7 @@ def _report(
             "by_status": dict(records.by_status),
             "not_terminal": records.not_terminal[:10],
             "missing": records.missing[:10],
+            "switches_draining": records.switches_draining[:10],
         },
         "errors": load.examples("error"),
         "hung_examples": load.examples("hung"),
@@ -177,6 +178,7 @@ def failed(report: dict) -> bool:
         report["hung"]
         or report["inconsistent"]
         or report["records_lost"]
+        or report["records"].get("switches_draining")
         or not report["recovery"]["recovered"]
     )
 
@@ -194,6 +196,8 @@ def summary(report: dict) -> str:
         f"  records lost       {report['records_lost']}  (SQL rows {report['records']['rows']}: "
         f"{report['records']['by_status']})",
         f"  pipelined prefill  {report.get('pipelined', 0)} requests placed on a group",
+        f"  switches draining  {len(report['records'].get('switches_draining', []))}  "
+        "(role switches that never ended)",
         f"  recovered          {'yes' if r['recovered'] else 'NO'} (all roles back after "
         f"{r['roles_back_s']}s, serving after {r['serving_again_s']}s)",
     ]
