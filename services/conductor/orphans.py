@@ -55,15 +55,12 @@ async def settle(c: Conductor) -> int:
     if c.records is None or not c.leading():
         return 0
     mine = {p.switch_id for p in c.roles.pending.values()}
+    t = RoleSwitchRecord
     async with sessionmaker(c.records.engine)() as session:
-        rows = (
-            await session.execute(
-                select(RoleSwitchRecord).where(RoleSwitchRecord.status == "draining")
-            )
-        ).scalars()
-        draining = [
-            (r.id, r.instance_id, r.to_role, r.requested_at) for r in rows if r.id not in mine
-        ]
+        rows = await session.execute(
+            select(t.id, t.instance_id, t.to_role, t.requested_at).where(t.status == "draining")
+        )
+        draining = [row for row in rows.tuples() if row[0] not in mine]
     now = time.time()
     expiry = c.settings.heartbeat_expiry_s
     heard = {

@@ -286,6 +286,12 @@ def _brief(exc: Exception) -> str:
     return str(getattr(exc, "orig", None) or exc).splitlines()[0][:300]
 
 
+# The columns an instance's first write must carry: a write without them is an update.
+_REQUIRED_INSTANCE_COLUMNS = frozenset(
+    c.name for c in InstanceRecord.__table__.columns if not c.nullable and c.default is None
+)
+
+
 async def _upsert_instance(session: AsyncSession, values: dict[str, Any]) -> None:
     # One statement, not a read then an insert: two conductors (a leader and its standby)
     # both record every instance they hear, and a read-then-insert let both insert the same
@@ -304,14 +310,11 @@ async def _upsert_instance(session: AsyncSession, values: dict[str, Any]) -> Non
     )
 
 
-_REQUIRED_INSTANCE_COLUMNS = frozenset(
-    c.name for c in InstanceRecord.__table__.columns if not c.nullable and c.default is None
-)
-
-
 async def _upsert_switch(session: AsyncSession, values: dict[str, Any]) -> None:
-    # Portable upsert, as for instances: a switch's row is written two or three times. A
-    # late "draining" (a retried first write) must not undo how the switch ended.
+    # A read, then an insert or an update: a switch's row is first written by the one
+    # conductor that runs it, then two or three times more by it or by the leader settling
+    # it (orphans.py). A late "draining" (a retried first write) must not undo how the
+    # switch ended.
     existing = await session.get(RoleSwitchRecord, values["id"])
     if existing is None:
         session.add(RoleSwitchRecord(**values))

@@ -178,7 +178,7 @@ def failed(report: dict) -> bool:
         report["hung"]
         or report["inconsistent"]
         or report["records_lost"]
-        or report["records"].get("switches_draining")
+        or report["records"]["switches_draining"]
         or not report["recovery"]["recovered"]
     )
 
@@ -196,7 +196,7 @@ def summary(report: dict) -> str:
         f"  records lost       {report['records_lost']}  (SQL rows {report['records']['rows']}: "
         f"{report['records']['by_status']})",
         f"  pipelined prefill  {report.get('pipelined', 0)} requests placed on a group",
-        f"  switches draining  {len(report['records'].get('switches_draining', []))}  "
+        f"  switches draining  {len(report['records']['switches_draining'])}  "
         "(role switches that never ended)",
         f"  recovered          {'yes' if r['recovered'] else 'NO'} (all roles back after "
         f"{r['roles_back_s']}s, serving after {r['serving_again_s']}s)",
