@@ -35,6 +35,7 @@ from services.decode.args import DecodeSettings
 from services.decode.holds import SWITCHING, Holds
 from services.worker.instance import EngineInstance, Stream
 from shared import bus, errors
+from shared.engine import omp
 from shared.engine.kv_transfer import KVExport, KVMeta
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
@@ -63,7 +64,10 @@ class DecodeInstance(EngineInstance):
         self.receiver = receiver
         self.queue: deque[DecodeJob] = deque()  # waiting for pool room: nothing fetched yet
         self._fetches: set[asyncio.Task] = set()
-        self._importer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
+        # Beside the step, alone: no OpenMP team of its own (omp.py).
+        self._importer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kv-import", initializer=omp.serial
+        )
         self._admitting = asyncio.Lock()  # one pass over the queue at a time, in order
         self.kv_holds = Holds(self)  # what this pool holds for handoffs yet to come
 

@@ -27,6 +27,7 @@ from services.prefill.stages import Stages
 from services.prefill.streaming import Outgoing, worth_streaming
 from services.worker.instance import EngineInstance, Stream
 from shared import bus, errors
+from shared.engine import omp
 from shared.engine.kv_transfer import skip_blocks
 from shared.engine.llm_engine import RequestOutput
 from shared.engine.params import SamplingParams
@@ -70,7 +71,10 @@ class PrefillInstance(EngineInstance):
         self.decode_for: dict[str, str] = {}
         self._transfers: set[asyncio.Task] = set()
         self._handing_off: set[asyncio.Task] = set()
-        self.exporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-export")
+        # Beside the step, alone: no OpenMP team of its own (omp.py).
+        self.exporter = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kv-export", initializer=omp.serial
+        )
         self.offers = KVOffers(
             sender, settings.transfer_timeout_s, lambda nbytes: self.count_transfer(False, nbytes)
         )

@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, TypeVar
 
-import torch
 from nats.aio.client import Client as NATS
 
 from services.worker.settings import WorkerSettings
 from shared import aio, subjects
-from shared.engine import cpu
+from shared.engine import cpu, omp
 from shared.engine.connector import KVConnector
 from shared.engine.llm_engine import EngineStats, LLMEngine, RequestOutput, StepTime
 from shared.engine.runner import LoadedModel
@@ -121,8 +120,16 @@ class EngineInstance:
             self.started_at = time.time()
             self.cancelled = CancelSet()
             self.finished = CancelSet()
-            self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-            self.engine = LLMEngine(lm, settings.engine_config(), connector=self.connector())
+            # Every step runs on this thread, the process's one OpenMP team (omp.py).
+            self._engine_thread = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="engine",
+                initializer=omp.engine_thread,
+                initargs=(settings.threads,),
+            )
+            self.engine = self._engine_thread.submit(  # its KV pool filled by the team
+                LLMEngine, lm, settings.engine_config(), connector=self.connector()
+            ).result()
             self.kv_activity = KVActivity()
         self._stats = self.engine.stats()
         # What the conductor's cost-model prior must match (see calibration.py).
@@ -130,7 +137,7 @@ class EngineInstance:
             lm.name,
             str(lm.dtype).removeprefix("torch."),
             settings.quantization,
-            torch.get_num_threads(),
+            self._engine_thread.submit(omp.team_size).result(),  # the steps' threads
         )
 
     def connector(self) -> KVConnector | None:
