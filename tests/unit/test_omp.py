@@ -44,9 +44,7 @@ def workers_started(fn):
 
 def run(body: str) -> str:
     code = textwrap.dedent(PRELUDE) + textwrap.dedent(body)
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
