@@ -21,7 +21,13 @@ from services.tools.bench.serve import cli as serve_cli
 from services.tools.bench.serve import report as serve_report
 from services.tools.bench.serve import systems as serve_systems
 from services.tools.bench.serve import workload as serve_workload
-from services.tools.bench.servers import HalfmoonServer, Server, TransformersServer, torch_launch
+from services.tools.bench.servers import (
+    HalfmoonServer,
+    LlamaCppServer,
+    Server,
+    TransformersServer,
+    torch_launch,
+)
 from shared.engine import cpu
 
 BLOCK = 16  # the gateway's default KV block size (services/gateway/args.py)
@@ -48,10 +54,32 @@ def test_defaults_are_fair():
     assert a.dtype == "auto"
     assert (a.concurrency, a.rounds, a.warmup) == (16, 3, 1)
     assert a.systems == "halfmoon,transformers-cb,transformers"
-    assert serve_workload.PROMPT_LABELS == {"fresh": "fresh", "fixed": "cache-friendly"}
+    assert a.speculation == "off"  # drafts only when asked, for every system alike
+    assert serve_workload.PROMPT_LABELS == {
+        "fresh": "fresh",
+        "fixed": "cache-friendly",
+        "grounded": "input-grounded",
+    }
 
 
 # --- prompts ----------------------------------------------------------------------------
+
+
+def test_grounded_prompts_carry_their_source_and_share_no_first_block(
+    maker: serve_workload.PromptMaker,
+):
+    tags = [serve_workload.prompt_tag("grounded", "s", 4, rnd) for rnd in range(2)]
+    rounds = [maker.round(tag, 4, "grounded") for tag in tags]
+    assert tags[0] != serve_workload.prompt_tag("fresh", "s", 4, 0)  # never fresh's cache
+    firsts = {tuple(maker.ids(m)[:16]) for r in rounds for m in r}
+    assert len(firsts) == 8  # each its own lead: no prefix cache serves any of them
+    # Each asks to repeat or to edit a standard-library function whose source it carries.
+    for m in (m for r in rounds for m in r):
+        assert "def " in m[-1]["content"]
+        assert m[-1]["content"].startswith(("Repeat this function", "Rename `"))
+    assert len({m[-1]["content"] for r in rounds for m in r}) > 1  # drawn, not one task
+    assert maker.longest("grounded") >= max(len(maker.ids(m)) for r in rounds for m in r)
+    assert maker.longest("grounded") > maker.longest("fresh") == maker.tokens
 
 
 def test_prompts_reach_the_length_and_fixed_ones_repeat(maker: serve_workload.PromptMaker):
@@ -203,6 +231,35 @@ def test_commands_and_environments(model_dir: Path):
     finally:
         for s in servers:
             s.stop()
+
+
+def test_speculation_both_runs_each_system_without_and_with_its_drafter(model_dir: Path):
+    args = args_for(
+        "--systems", "halfmoon-colocated,transformers-cb", "--speculation", "both",
+        "--spec-tokens", "6",
+    )  # fmt: skip
+    servers = serve_systems.servers_for(args.systems.split(","), model_dir, args)
+    try:
+        names = {s.name: s for s in servers}
+        # transformers serve has no drafter: it runs once, without.
+        assert set(names) == {
+            "halfmoon-colocated",
+            "halfmoon-colocated-spec",
+            "transformers-serve-cb",
+        }
+        spec = names["halfmoon-colocated-spec"].command()
+        assert spec[spec.index("--num-speculative-tokens") + 1] == "6"
+        assert "--num-speculative-tokens" not in names["halfmoon-colocated"].command()
+    finally:
+        for s in servers:
+            s.stop()
+    # llama-server gets its own n-gram drafter's flag after the bench's own.
+    where = Placement((0,), 1, 1)
+    llama = LlamaCppServer(
+        model_dir, Path("llama-server"), Path("m.gguf"), "f32", where, 384,
+        ["--spec-type", args.llama_cpp_spec],
+    )  # fmt: skip
+    assert llama.command()[-2:] == ["--spec-type", "ngram-simple"]
 
 
 def test_the_thread_budget_reaches_torch(model_dir: Path, tmp_path: Path):

@@ -237,8 +237,11 @@ class LlamaCppServer(Server):
         kind: str,
         placement: Placement,
         slot_ctx: int,
+        flags: list[str] | None = None,
     ) -> None:
+        """`flags`: more of llama-server's (speculation: --spec-type ngram-simple)."""
         self.exe, self.gguf, self.kind, self.slot_ctx = exe, gguf, kind, slot_ctx
+        self.flags = list(flags or [])
         self.name = f"llama.cpp-{kind}"
         self.parallel = 1
         super().__init__(model_dir, kind, placement)
@@ -254,7 +257,8 @@ class LlamaCppServer(Server):
         from services.tools.bench.llama_cpp import server_argv
 
         threads = self.placement.total_threads
-        return server_argv(self.exe, self.gguf, self.port, threads, self.parallel, self.slot_ctx)
+        argv = server_argv(self.exe, self.gguf, self.port, threads, self.parallel, self.slot_ctx)
+        return argv + self.flags
 
 
 # torch caps OMP_NUM_THREADS at the core count when it starts, but Halfmoon's engines may

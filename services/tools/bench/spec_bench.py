@@ -21,18 +21,16 @@ Targets (issue 30): grounded 1.5x or more; fresh at most 5% slower (0.95x).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import random
-import statistics
 import sys
-import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from services.tools.bench.grounded import grounded_prompts
 from services.tools.bench.serve.workload import WORDS
 from shared.engine import cpu
 from shared.engine.llm_engine import EngineConfig, LLMEngine
@@ -41,35 +39,7 @@ from shared.engine.runner import load_model
 from shared.engine.speculative import SpeculativeConfig
 from shared.model_store import ensure_model
 
-# Functions of the standard library of a few hundred tokens each (their source is the
-# prompt's text; what the model copies back).
-SOURCES: tuple[Callable[..., Any], ...] = (
-    textwrap.dedent,
-    textwrap.indent,
-    json.dumps,
-    statistics.median,
-    random.Random.choices,
-    inspect.cleandoc,
-)
 TARGETS = {"grounded": (1.5, False), "fresh": (0.95, False)}  # (target, lower is better)
-
-
-def grounded_prompts() -> list[list[dict[str, str]]]:
-    out = []
-    for fn in SOURCES:
-        src = inspect.getsource(fn)
-        out.append([{"role": "user", "content": f"Repeat this function exactly:\n\n{src}"}])
-        first = fn.__name__
-        out.append(
-            [
-                {
-                    "role": "user",
-                    "content": f"Rename `{first}` to `{first}_v2` in this function and "
-                    f"write the whole function:\n\n{src}",
-                }
-            ]
-        )
-    return out
 
 
 def fresh_prompts(n: int, seed: int = 30) -> list[list[dict[str, str]]]:

@@ -15,6 +15,13 @@ fixed` ("cache-friendly") sends the same N prompts every round, the warm-up incl
 a server with a prefix cache serves the repeats from it. `--prompts fresh,fixed` runs
 both, on each server as started (fresh first, at each level).
 
+`--prompts grounded` ("input-grounded") asks for answers that copy their prompt (repeat or
+edit a function of Python's standard library), each led by a system message of its own as
+fresh ones are; with `--speculation both`, Halfmoon and llama.cpp run without speculative
+decoding and again with it (each its own n-gram drafter: Halfmoon's prompt lookup,
+llama-server's `--spec-type ngram-simple`), to see what drafting gains where it finds drafts
+and what it costs on fresh prompts.
+
 Precisions (`--precisions fp32,int8`, default: `--dtype`'s): each system runs at each one
 it has, and the table compares each with Halfmoon at the same precision. Halfmoon: fp32,
 bf16, int8 (`--quantization int8`, fp32 activations); llama.cpp: the GGUF holding the same
@@ -103,6 +110,24 @@ def parser() -> argparse.ArgumentParser:
         default="ignore_eos",
         help="how --url servers are asked to ignore end of sequence",
     )
+    p.add_argument(
+        "--speculation",
+        choices=["off", "on", "both"],
+        default="off",
+        help="speculative decoding for Halfmoon and llama.cpp: off, on, or both (each "
+        "system without it and again with it, named -spec)",
+    )
+    p.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=4,
+        help="Halfmoon's prompt-lookup drafts per step with speculation (--num-speculative-tokens)",
+    )
+    p.add_argument(
+        "--llama-cpp-spec",
+        default="ngram-simple",
+        help="llama-server's --spec-type with speculation (its own n-gram drafter, its defaults)",
+    )
     p.add_argument("--json-out", default="")
     return p
 
@@ -113,8 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = prompt_modes(args.prompts)
     model_dir = ensure_model(args.model)
     levels = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.concurrency]
-    servers = servers_for([s for s in args.systems.split(",") if s], model_dir, args)
     maker = PromptMaker(model_dir, args.prompt_tokens)
+    longest = max(maker.longest(m) for m in modes)
+    servers = servers_for([s for s in args.systems.split(",") if s], model_dir, args, longest)
     report: dict[str, Any] = {
         "workload": {
             "prompt_tokens": args.prompt_tokens,

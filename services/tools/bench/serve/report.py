@@ -12,6 +12,12 @@ def _prompts_line(mode: str, seed: str) -> str:
             "fresh: every round and the warm-up send prompts never sent before "
             f"(seed {seed}); no prefix cache can serve them"
         )
+    if mode == "grounded":
+        return (
+            "grounded: answers that copy their prompt (repeat or edit a function of Python's "
+            "standard library), each prompt led by a system message of its own, so no prefix "
+            f"cache serves them (seed {seed}); where prompt-lookup speculation finds drafts"
+        )
     return (
         "fixed (cache-friendly): the same prompts every round, warm-up included, so a "
         "prefix cache serves the repeats"

@@ -78,11 +78,16 @@ def make_server(
     precision: str,
     model_dir: Path,
     args: argparse.Namespace,
-    halfmoon: Placement,
-    single: Placement,
+    where: tuple[Placement, Placement],
+    spec: bool = False,
+    prompt_tokens: int = 0,
 ) -> Server:
     """One system at one precision, on its placement (llama.cpp and transformers serve
-    are one process each: `single`, with Halfmoon's thread total)."""
+    are one process each: the second placement, with Halfmoon's thread total). `spec`:
+    with speculative decoding, each its own n-gram kind (Halfmoon's prompt lookup with
+    --spec-tokens drafts, llama-server's --llama-cpp-spec). `prompt_tokens`: the longest
+    prompt llama.cpp's slots must hold (default: --prompt-tokens)."""
+    halfmoon, single = where
     server: Server
     if system.startswith("halfmoon"):
         dtype, quantization = HALFMOON_PRECISION[precision]
@@ -90,6 +95,8 @@ def make_server(
         if system == "halfmoon-colocated":  # one engine with every thread of the layout
             extra += ["--colocated", "1"]
             placement = Placement(halfmoon.cpus, 1, halfmoon.total_threads)
+        if spec:
+            extra += ["--num-speculative-tokens", str(args.spec_tokens)]
         server = HalfmoonServer(model_dir, dtype, placement, extra, quantization=quantization)
         server.name = system
     elif system == "llama.cpp":
@@ -97,8 +104,10 @@ def make_server(
         kind = llama_cpp.GGUF_FOR_PRECISION[precision]
         source = llama_cpp.fetch_source(root, llama_cpp.LlamaCppSettings().llama_cpp_sdist)
         gguf = llama_cpp.make_gguf(root, source, model_dir, kind)  # made once, then reused
-        slot = llama_cpp.slot_tokens(args.prompt_tokens, args.output_tokens)
-        server = LlamaCppServer(model_dir, exe, gguf, kind, single, slot)
+        prompt = max(prompt_tokens, args.prompt_tokens)
+        slot = llama_cpp.slot_tokens(prompt, args.output_tokens)
+        flags = ["--spec-type", args.llama_cpp_spec] if spec else []
+        server = LlamaCppServer(model_dir, exe, gguf, kind, single, slot, flags)
     else:
         server = TransformersServer(
             model_dir, TRANSFORMERS_PRECISION[precision], single, system.endswith("-cb")
@@ -107,12 +116,23 @@ def make_server(
     return server
 
 
-def servers_for(names: list[str], model_dir: Path, args: argparse.Namespace) -> list[Server]:
+def speculation(args: argparse.Namespace, system: str) -> list[bool]:
+    """Without speculation, with it, or both (--speculation), for a system that has it
+    (transformers serve has none: it runs without)."""
+    if system.startswith("transformers"):
+        return [False]
+    return {"off": [False], "on": [True], "both": [False, True]}[args.speculation]
+
+
+def servers_for(
+    names: list[str], model_dir: Path, args: argparse.Namespace, prompt_tokens: int = 0
+) -> list[Server]:
     """Every system at each precision it has (transformers' own "auto" dtype means the
     checkpoint's, not this CPU's best: each gets a concrete one), on the same CPUs and
-    threads in total. With more than one precision, names carry it (halfmoon-int8)."""
+    threads in total. With more than one precision, names carry it (halfmoon-int8); with
+    speculation, a -spec suffix. `prompt_tokens`: the longest prompt (make_server)."""
     precisions = precisions_for(args)
-    halfmoon, single = placements(parse_cpus(args.cpus), args.halfmoon_args.split())
+    both = placements(parse_cpus(args.cpus), args.halfmoon_args.split())
     made: list[Server] = []
     for name in names:
         if name not in SYSTEMS:
@@ -120,10 +140,12 @@ def servers_for(names: list[str], model_dir: Path, args: argparse.Namespace) -> 
         for precision in precisions:
             if unavailable(name, precision):
                 continue
-            server = make_server(name, precision, model_dir, args, halfmoon, single)
-            if len(precisions) > 1 and name != "llama.cpp":  # llama.cpp's names the GGUF
-                server.name = f"{server.name}-{precision}"
-            made.append(server)
+            for spec in speculation(args, name):
+                server = make_server(name, precision, model_dir, args, both, spec, prompt_tokens)
+                if len(precisions) > 1 and name != "llama.cpp":  # llama.cpp's names the GGUF
+                    server.name = f"{server.name}-{precision}"
+                server.name += "-spec" if spec else ""
+                made.append(server)
     return made
 
 

@@ -1,5 +1,5 @@
-"""`bench serve`'s workload: the prompts (fresh or cache-friendly), the request each server
-is sent, one concurrency level's rounds and their figures."""
+"""`bench serve`'s workload: the prompts (fresh, cache-friendly or input-grounded), the
+request each server is sent, one concurrency level's rounds and their figures."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from typing import Any
 import aiohttp
 
 from services.tools.bench.client import Result, stream_chat
+from services.tools.bench.grounded import grounded_prompts
 from shared.stats import percentile
 
 WORDS = (
     "moon tide harbor lantern river stone garden winter signal orbit copper meadow "
     "engine archive bridge falcon canyon ember glacier harvest island jungle kettle"
 ).split()
-PROMPT_LABELS = {"fresh": "fresh", "fixed": "cache-friendly"}
+PROMPT_LABELS = {"fresh": "fresh", "fixed": "cache-friendly", "grounded": "input-grounded"}
 Messages = list[dict[str, str]]
 
 
@@ -29,9 +30,11 @@ Messages = list[dict[str, str]]
 
 
 def prompt_tag(mode: str, seed: str, concurrency: int, rnd: int) -> str:
-    """What makes a round's prompts its own: under fresh, the run's seed, the level and
-    the round (warm-up included); under fixed, only the seed."""
-    return f"{seed}-fixed" if mode == "fixed" else f"{seed}-c{concurrency}-r{rnd}"
+    """What makes a round's prompts its own: under fresh and grounded, the run's seed, the
+    level and the round (warm-up included); under fixed, only the seed."""
+    if mode == "fixed":
+        return f"{seed}-fixed"
+    return f"{seed}-{mode}-c{concurrency}-r{rnd}"
 
 
 def unique_lead(key: str) -> str:
@@ -57,8 +60,11 @@ class PromptMaker:
         encoded: Any = self.tok.apply_chat_template(messages, add_generation_prompt=True)
         return encoded["input_ids"]
 
-    def one(self, tag: str, i: int) -> Messages:
+    def one(self, tag: str, i: int, mode: str = "fresh") -> Messages:
         system = {"role": "system", "content": unique_lead(f"{tag}-{i}")}
+        if mode == "grounded":  # a task drawn per prompt; the lead makes it fresh
+            tasks = grounded_prompts()
+            return [system, *random.Random(f"{tag}-{i}").choice(tasks)]
         rng = random.Random(f"{tag}-{i}")
         words: list[str] = []
         while True:
@@ -68,11 +74,19 @@ class PromptMaker:
                 return messages
             words.extend(rng.choice(WORDS) for _ in range(max(1, short // 2)))
 
-    def round(self, tag: str, n: int) -> list[Messages]:
+    def round(self, tag: str, n: int, mode: str = "fresh") -> list[Messages]:
         """n prompts for one round; a fixed tag gives the same prompts every time."""
         made = self._made.setdefault(tag, [])
-        made.extend(self.one(tag, i) for i in range(len(made), n))
+        made.extend(self.one(tag, i, mode) for i in range(len(made), n))
         return made[:n]
+
+    def longest(self, mode: str) -> int:
+        """Tokens of this mode's longest prompt (grounded ones are as long as their source;
+        the others are made `tokens` long), so a server's context can hold each."""
+        if mode != "grounded":
+            return self.tokens
+        lead = {"role": "system", "content": unique_lead("longest")}
+        return max(len(self.ids([lead, *task])) for task in grounded_prompts())
 
 
 # --- one request, one level -----------------------------------------------------------
@@ -119,7 +133,8 @@ def prompt_modes(spec: str) -> list[str]:
     modes = [m.strip() for m in spec.split(",") if m.strip()]
     bad = [m for m in modes if m not in PROMPT_LABELS]
     if bad or not modes:
-        raise SystemExit(f"--prompts: choose from fresh, fixed (comma separated), not {spec!r}")
+        choices = ", ".join(PROMPT_LABELS)
+        raise SystemExit(f"--prompts: choose from {choices} (comma separated), not {spec!r}")
     return modes
 
 
@@ -141,7 +156,7 @@ async def run_rounds(
         wall = 0.0
         for rnd in range(args.warmup + args.rounds):
             tag = prompt_tag(mode, args.prompt_seed, concurrency, rnd)
-            prompts = maker.round(tag, concurrency)
+            prompts = maker.round(tag, concurrency, mode)
             t0 = time.perf_counter()
             batch = await asyncio.gather(
                 *(
