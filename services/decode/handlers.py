@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Coroutine, TypeVar
 
 from nats.aio.client import Client as NATS
@@ -64,10 +63,7 @@ class DecodeInstance(EngineInstance):
         self.receiver = receiver
         self.queue: deque[DecodeJob] = deque()  # waiting for pool room: nothing fetched yet
         self._fetches: set[asyncio.Task] = set()
-        # Beside the step, alone: no OpenMP team of its own (omp.py).
-        self._importer = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="kv-import", initializer=omp.serial
-        )
+        self._importer = omp.serial_executor("kv-import")  # beside the step, no team (omp.py)
         self._admitting = asyncio.Lock()  # one pass over the queue at a time, in order
         self.kv_holds = Holds(self)  # what this pool holds for handoffs yet to come
 

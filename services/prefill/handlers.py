@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from nats.aio.client import Client as NATS
@@ -71,10 +70,7 @@ class PrefillInstance(EngineInstance):
         self.decode_for: dict[str, str] = {}
         self._transfers: set[asyncio.Task] = set()
         self._handing_off: set[asyncio.Task] = set()
-        # Beside the step, alone: no OpenMP team of its own (omp.py).
-        self.exporter = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="kv-export", initializer=omp.serial
-        )
+        self.exporter = omp.serial_executor("kv-export")  # beside the step, no team (omp.py)
         self.offers = KVOffers(
             sender, settings.transfer_timeout_s, lambda nbytes: self.count_transfer(False, nbytes)
         )

@@ -117,28 +117,18 @@ class EngineInstance:
             self.engine.connector = self.connector()
             self.kv_activity = before.kv_activity
         else:
-            self.started_at = time.time()
-            self.cancelled = CancelSet()
-            self.finished = CancelSet()
+            self.started_at, self.cancelled, self.finished = time.time(), CancelSet(), CancelSet()
             # Every step runs on this thread, the process's one OpenMP team (omp.py).
-            self._engine_thread = ThreadPoolExecutor(
-                max_workers=1,
-                thread_name_prefix="engine",
-                initializer=omp.engine_thread,
-                initargs=(settings.threads,),
-            )
+            self._engine_thread = omp.engine_executor(settings.threads)
             self.engine = self._engine_thread.submit(  # its KV pool filled by the team
                 LLMEngine, lm, settings.engine_config(), connector=self.connector()
             ).result()
             self.kv_activity = KVActivity()
         self._stats = self.engine.stats()
         # What the conductor's cost-model prior must match (see calibration.py).
-        self._engine_key = cpu.engine_key(
-            lm.name,
-            str(lm.dtype).removeprefix("torch."),
-            settings.quantization,
-            self._engine_thread.submit(omp.team_size).result(),  # the steps' threads
-        )
+        threads = self._engine_thread.submit(omp.team_size).result()  # the steps' threads
+        dtype = str(lm.dtype).removeprefix("torch.")
+        self._engine_key = cpu.engine_key(lm.name, dtype, settings.quantization, threads)
 
     def connector(self) -> KVConnector | None:
         """What the engine asks where each request's KV goes (None: it decodes them all)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -67,3 +68,15 @@ def engine_thread(threads: int) -> None:
 def team_size() -> int:
     """The calling thread's team size (what the native kernels are given)."""
     return torch.get_num_threads()
+
+
+def engine_executor(threads: int) -> ThreadPoolExecutor:
+    """The engine's one thread, its team `threads` wide (0: torch's default)."""
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="engine", initializer=engine_thread, initargs=(threads,)
+    )
+
+
+def serial_executor(name: str) -> ThreadPoolExecutor:
+    """One thread beside the engine's (KV export, import) that starts no team."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=serial)

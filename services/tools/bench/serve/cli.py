@@ -91,24 +91,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument(
-        "--prompts",
-        default="fresh",
-        help="fresh: prompts never sent before in every round and the warm-up; "
-        "fixed: the same ones every round (cache-friendly); fresh,fixed: both",
-    )
-    p.add_argument(
-        "--prompt-seed",
-        default="",
-        help="makes the prompts (default: a new "
-        "random one per run, so even a long-running --url server has not seen them)",
-    )
     p.add_argument("--request-timeout-s", type=float, default=600)
     p.add_argument(
         "--eos-style",
         choices=["ignore_eos", "generation_config", "none"],
         default="ignore_eos",
         help="how --url servers are asked to ignore end of sequence",
+    )
+    _prompt_args(p)
+    p.add_argument("--json-out", default="")
+    return p
+
+
+def _prompt_args(p: argparse.ArgumentParser) -> None:
+    """Which prompts, and whether each system drafts its answers."""
+    p.add_argument(
+        "--prompts",
+        default="fresh",
+        help="fresh: prompts never sent before in every round and the warm-up; "
+        "fixed: the same ones every round (cache-friendly); grounded: fresh ones whose "
+        "answers copy the prompt; comma separated for several",
+    )
+    p.add_argument(
+        "--prompt-seed",
+        default="",
+        help="makes the prompts (default: a new "
+        "random one per run, so even a long-running --url server has not seen them)",
     )
     p.add_argument(
         "--speculation",
@@ -128,8 +136,6 @@ def parser() -> argparse.ArgumentParser:
         default="ngram-simple",
         help="llama-server's --spec-type with speculation (its own n-gram drafter, its defaults)",
     )
-    p.add_argument("--json-out", default="")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
