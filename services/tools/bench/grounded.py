@@ -5,6 +5,7 @@ or to rename a name in it and give the function back; the function's source is t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import random
@@ -24,20 +25,15 @@ SOURCES: tuple[Callable[..., Any], ...] = (
 )
 
 
-def grounded_prompts() -> list[list[dict[str, str]]]:
-    """Two chat prompts per source: repeat it, and rename its function in it."""
+@functools.cache  # read the sources once: bench serve draws a task per prompt
+def grounded_prompts() -> tuple[tuple[dict[str, str], ...], ...]:
+    """Two chat prompts per source: repeat it, and rename its function in it (tuples:
+    one cached copy is shared by every caller)."""
     out = []
     for fn in SOURCES:
         src = inspect.getsource(fn)
-        out.append([{"role": "user", "content": f"Repeat this function exactly:\n\n{src}"}])
+        out.append(({"role": "user", "content": f"Repeat this function exactly:\n\n{src}"},))
         first = fn.__name__
-        out.append(
-            [
-                {
-                    "role": "user",
-                    "content": f"Rename `{first}` to `{first}_v2` in this function and "
-                    f"write the whole function:\n\n{src}",
-                }
-            ]
-        )
-    return out
+        rename = f"Rename `{first}` to `{first}_v2` in this function and write the whole"
+        out.append(({"role": "user", "content": f"{rename} function:\n\n{src}"},))
+    return tuple(out)

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, prompts in workloads.items():
         rows = []
         for i, messages in enumerate(prompts):
-            ids = _ids(lm, messages)
+            ids = _ids(lm, list(messages))
             before = drafted.stats()
             want, t_plain = decode(plain, f"{name}{i}", ids, args.max_tokens)
             got, t_spec = decode(drafted, f"{name}{i}", ids, args.max_tokens)
