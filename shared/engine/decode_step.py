@@ -73,6 +73,9 @@ class _Linear(ctypes.Structure):
         ("out_features", ctypes.c_int),
         ("in_features", ctypes.c_int),
         ("gemm", ctypes.c_int),
+        ("dense", P),
+        ("dense_bias", P),
+        ("i8_rows", ctypes.c_int),
     ]
 
 
@@ -113,10 +116,36 @@ class _Model(ctypes.Structure):
 
 def _linear(lin: Linear) -> _Linear:
     assert lin.gemv is not None
-    scales = lin.scales.data_ptr() if isinstance(lin, Int8Linear) else None
     bias = lin.bias_f32.data_ptr() if lin.bias_f32 is not None else None
-    gemm = int(isinstance(lin, DenseLinear) and lin.gemm)
-    return _Linear(lin.gemv.data_ptr(), scales, bias, lin.out_features, lin.in_features, gemm)
+    if isinstance(lin, DenseLinear):
+        return _Linear(
+            lin.gemv.data_ptr(), None, bias, lin.out_features, lin.in_features, int(lin.gemm)
+        )
+    dense = _gemm_panels(lin)
+    return _Linear(
+        lin.gemv.data_ptr(),
+        lin.scales.data_ptr(),
+        bias,
+        lin.out_features,
+        lin.in_features,
+        0,
+        dense.gemv.data_ptr() if dense is not None and dense.gemv is not None else None,
+        dense.bias_f32.data_ptr() if dense is not None and dense.bias_f32 is not None else None,
+        lin.gemv_rows,
+    )
+
+
+def _gemm_panels(lin: Int8Linear) -> DenseLinear | None:
+    """An int8 layer's dequantized weights, where they are in the bf16 GEMM's panels."""
+    return lin.dense if lin.dense.gemm else None
+
+
+def native_rows(lin: Linear) -> int:
+    """Rows a linear takes through the native kernels: an int8 layer's GEMV, then (where
+    its dequantized weights are the GEMM's panels) the GEMM, as Int8Linear.__call__ does."""
+    if isinstance(lin, Int8Linear) and (dense := _gemm_panels(lin)) is not None:
+        return max(lin.gemv_rows, dense.gemv_rows)
+    return lin.gemv_rows
 
 
 class NativeDecodeStep:
@@ -124,7 +153,7 @@ class NativeDecodeStep:
         self._fn = kernels.lib().decode_layers
         self._keep = (cos, sin)  # the tables must outlive every call
         # As many rows as every linear takes through its native kernel (the same for all).
-        self.max_rows = min(lin.gemv_rows for layer in model.layers for lin in layer.linears)
+        self.max_rows = min(native_rows(lin) for layer in model.layers for lin in layer.linears)
         layers = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             layers[i] = _Layer(

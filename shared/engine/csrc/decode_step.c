@@ -46,13 +46,19 @@ int paged_decode_attention_f32(const void *q, long q_stride, int act_bf16, const
                                int window, void *out, int num_threads);
 
 /* One linear layer as the native kernels see it: packed weights, int8 scales (NULL:
- * dense), bias, and whether the weights are in the bf16 GEMM's panels (else the GEMV's). */
+ * dense), bias, and whether the weights are in the bf16 GEMM's panels (else the GEMV's).
+ * An int8 layer may also carry its dequantized weights in the GEMM's panels (`dense`,
+ * with their own bias): past `i8_rows` rows a step is bound by compute, not by reading
+ * weights, and linear.py's Int8Linear multiplies those instead (the same values). */
 typedef struct {
     const void *weight;
     const float *scales;
     const float *bias;
     int out_features, in_features;
     int gemm;
+    const void *dense;
+    const float *dense_bias;
+    int i8_rows;
 } Linear;
 
 typedef struct {
@@ -75,6 +81,9 @@ static size_t act_size(const Model *m) { return m->act_bf16 ? 2 : 4; }
 
 /* y = x W^T for `rows` rows (int8 weights: the ones with scales). */
 static int linear(const Model *m, const Linear *lin, const void *x, void *y, int rows, int nt) {
+    if (lin->scales && lin->dense && rows > lin->i8_rows)
+        return gemm_bf16((const uint16_t *)x, (const uint16_t *)lin->dense, lin->dense_bias,
+                         (uint16_t *)y, rows, lin->out_features, lin->in_features, nt);
     if (lin->scales)
         return gemv_i8(x, m->act_bf16, (const int8_t *)lin->weight, lin->scales, lin->bias, y,
                        rows, lin->out_features, lin->in_features, nt);
