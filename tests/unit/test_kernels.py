@@ -51,6 +51,22 @@ def test_int8_linear_is_the_dequantized_weights_at_any_row_count(dtype, rows):
     assert ((lin.dequantized.float() - w.to(dtype).float()).abs() <= 0.51 * step + 1e-2).all()
 
 
+@pytest.mark.parametrize("make", [DenseLinear, Int8Linear], ids=["dense", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gemv_row_is_the_same_bits_whatever_rows_share_the_call(make, dtype):
+    """The GEMV sums a full tile of rows together (one transposed reduction) and a
+    partial one row by row: both must round alike, or a sequence's tokens would depend on
+    how many others share its decode step."""
+    lin = make(rand(256, 192, dtype=dtype, seed=4))
+    rows = min(lin.gemv_rows, 8)
+    if rows < 4 or (isinstance(lin, DenseLinear) and lin.gemm):
+        pytest.skip("no GEMV tile of 4 rows for this weight on this CPU")
+    x = rand(rows, 192, dtype=dtype, seed=5)
+    together = lin(x)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(together, alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_with_residual_matches_transformers(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
