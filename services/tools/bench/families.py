@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype_name = cpu.resolve_dtype(args.dtype, "cpu")[0]
-    peak = {d: machine.peak_matmul(d) for d in {dtype_name, "int8"}}
+    peak = machine.peaks([dtype_name], dtype_name if args.quantization == "int8" else None)
     rows = {f: measure(f, args, peak) for f in families}
     result = {"cpu": cpu.detect().model, "threads": torch.get_num_threads(), "families": rows}
     print(json.dumps(result, indent=2))

@@ -206,11 +206,10 @@ def run_all(names: list[str], model_dir: Any, args: argparse.Namespace) -> dict[
         "batch": workloads.prompts(n, 64, hi, 1, vocab),
     }
     weights_hint = sum(p.numel() * p.element_size() for p in first.model.parameters())
-    dtypes = sorted(
-        {str(model(PRECISIONS[nm][0]).dtype)[6:] for nm in names}
-        | ({"int8"} if "int8" in names else set())
-    )
-    limits = machine.measure(weights_hint, dtypes, args.device)
+    # every precision's activation dtype (int8's too: its attention runs in it)
+    dtypes = sorted({str(model(PRECISIONS[nm][0]).dtype)[6:] for nm in names})
+    int8_act = str(model(PRECISIONS["int8"][0]).dtype)[6:] if "int8" in names else None
+    limits = machine.measure(weights_hint, dtypes, int8_act, args.device)
     result = header(first.name, args, auto_dtype, limits, len(work["single"]), n, hi, new)
     engines: dict[str, LLMEngine] = {}
     for name in names:
