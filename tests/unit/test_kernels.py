@@ -116,12 +116,18 @@ def test_rope_kv_write_rotates_and_writes_slots():
         assert torch.equal(v_cache[blocks[r], :, offsets[r], :], v)
 
 
+# Query heads, KV heads, head dim: the default model's shape, and each group size and
+# head dim the AVX-512 kernels have a specialization for (the rest take the plain C path).
+SHAPES = [(9, 3, 64), (8, 2, 64), (4, 2, 64), (4, 4, 64), (4, 2, 128), (2, 2, 128)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seqs,ctx", [(1, 1), (1, 700), (2, 45), (5, 300)])
-def test_paged_attention_matches_sdpa(dtype, seqs, ctx):
+@pytest.mark.parametrize("hq,hk,d", SHAPES)
+def test_paged_attention_matches_sdpa(dtype, seqs, ctx, hq, hk, d):
     """One query per sequence against its scattered blocks; with one or two sequences and a
     long context the kernel splits the context over threads and merges the parts."""
-    hq, hk, d, bs, nblocks = 9, 3, 64, 16, 200
+    bs, nblocks = 16, 200
     k_cache, v_cache = (
         rand(nblocks, hk, d, bs, dtype=dtype, seed=9),
         rand(nblocks, hk, bs, d, dtype=dtype, seed=10),

@@ -253,10 +253,168 @@ static inline __attribute__((always_inline)) void part_avx512_g(
 SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(1, 8) SHAPE(2, 8)
 SHAPE(1, 6) SHAPE(2, 6)  /* head_dim 96: Phi-3 */
 
+/* ---- AVX-512, bf16 KV: two rows per load, no widening ---------------------------------
+ * A bf16 value is the top half of an fp32 one, so a 64-byte load of two K rows (d, d+1:
+ * 16 tokens each) gives fp32 values by a shift (the even elements) and a mask (the odd
+ * ones): one load and two ops per 32 values, where widening 16 at a time took two loads
+ * and four. The even vector holds tokens 0,2,..,14 of row d then of row d+1, so its FMAs
+ * take q[d] in the low lanes and q[d+1] in the high ones; the halves are added at the
+ * end of the block. V rows split the same way into even and odd dimensions, which the
+ * accumulators keep apart until the running state is stored. Zen 4 and Xeon alike ran
+ * this kernel compute-bound, below the memory's rate, before the change. */
+static inline __m512 bf_lo(__m512i raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)); }
+static inline __m512 bf_hi(__m512i raw) {
+    return _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000u)));
+}
+/* Interleave: lanes (a0, b0, a1, b1, ..) from the low (IL_LO) or high (IL_HI) halves. */
+#define IL_LO _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+#define IL_HI _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8)
+#define EVENS _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0)
+#define ODDS _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1)
+
+static inline __attribute__((always_inline)) void part_bf16_g(
+    const Args *a, int s, int h, int b0, int b1, const Partial *out, const int G, const int DC,
+    const int SBB) {
+    /* DC = head_dim / 32 chunks of 32 dimensions; SBB blocks of 16 tokens at a time */
+    const int D = DC * 32, len = a->ctx[s], start = window_start(a, s);
+    const uint16_t *K = (const uint16_t *)a->k, *V = (const uint16_t *)a->v;
+    float qv[MAX_GROUP][MAX_DIM];
+    load_q(a, s, h, qv);
+    /* qp[g][r]: q[g][2r] in the low 8 lanes, q[g][2r+1] in the high 8 */
+    __m512 qp[MAX_GROUP][MAX_DIM / 2];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < D / 2; r++)
+            qp[g][r] = _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(qv[g][2 * r]),
+                                            _mm512_set1_ps(qv[g][2 * r + 1]));
+    __m512 ae[AVX_MAX_ACC / 2], ao[AVX_MAX_ACC / 2];  /* [g * DC + c]: even / odd dims */
+    float m[MAX_GROUP], l[MAX_GROUP], p[MAX_GROUP][SB * 16];
+    #pragma GCC unroll 16
+    for (int g = 0; g < G; g++) {
+        m[g] = out->m[g]; l[g] = out->l[g];
+        #pragma GCC unroll 8
+        for (int c = 0; c < DC; c++) {
+            const __m512 x0 = _mm512_loadu_ps(out->acc + g * D + c * 32);
+            const __m512 x1 = _mm512_loadu_ps(out->acc + g * D + c * 32 + 16);
+            ae[g * DC + c] = _mm512_permutex2var_ps(x0, EVENS, x1);
+            ao[g * DC + c] = _mm512_permutex2var_ps(x0, ODDS, x1);
+        }
+    }
+    const int32_t *table = a->tables + (long)s * a->max_blocks;
+    for (int b = b0; b < b1; b += SBB) {
+        const int nb = b1 - b < SBB ? b1 - b : SBB;
+        long base[SB];
+        #pragma GCC unroll 4
+        for (int q = 0; q < SBB; q++)
+            base[q] = (long)table[b + (q < nb ? q : nb - 1)] * a->block_stride + (long)h * a->head_stride;
+        __m512 se[MAX_GROUP][SB], so[MAX_GROUP][SB];
+        #pragma GCC unroll 16
+        for (int g = 0; g < G; g++)
+            #pragma GCC unroll 4
+            for (int q = 0; q < SBB; q++) se[g][q] = so[g][q] = _mm512_setzero_ps();
+        for (int r = 0; r < D / 2; r++) {
+            __m512 qd[MAX_GROUP];
+            #pragma GCC unroll 16
+            for (int g = 0; g < G; g++) qd[g] = qp[g][r];
+            #pragma GCC unroll 4
+            for (int q = 0; q < SBB; q++) {
+                const __m512i raw = _mm512_loadu_si512(K + base[q] + (long)r * 32);
+                const __m512 ke = bf_lo(raw), ko = bf_hi(raw);
+                #pragma GCC unroll 16
+                for (int g = 0; g < G; g++) {
+                    se[g][q] = _mm512_fmadd_ps(qd[g], ke, se[g][q]);
+                    so[g][q] = _mm512_fmadd_ps(qd[g], ko, so[g][q]);
+                }
+            }
+        }
+        __mmask16 valid[SB];
+        #pragma GCC unroll 4
+        for (int q = 0; q < SBB; q++) {
+            const int rest = q < nb ? len - (b + q) * 16 : 0;
+            valid[q] = rest >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rest > 0 ? rest : 0)) - 1u);
+            const int before = start - (b + q) * 16;
+            if (before > 0) valid[q] &= (__mmask16)~((1u << (before < 16 ? before : 16)) - 1u);
+        }
+        #pragma GCC unroll 16
+        for (int g = 0; g < G; g++) {
+            __m512 sc[SB], mx = _mm512_set1_ps(-INFINITY);
+            #pragma GCC unroll 4
+            for (int q = 0; q < SBB; q++) {  /* token order: row halves added, evens/odds woven */
+                sc[q] = _mm512_add_ps(_mm512_permutex2var_ps(se[g][q], IL_LO, so[g][q]),
+                                      _mm512_permutex2var_ps(se[g][q], IL_HI, so[g][q]));
+                sc[q] = _mm512_mask_blend_ps(valid[q], _mm512_set1_ps(-INFINITY), sc[q]);
+                mx = _mm512_max_ps(mx, sc[q]);
+            }
+            const float bmax = _mm512_reduce_max_ps(mx);
+            const float new_m = bmax > m[g] ? bmax : m[g];
+            const float corr = exp_nonpos(m[g] - new_m);
+            __m512 sum = _mm512_setzero_ps();
+            #pragma GCC unroll 4
+            for (int q = 0; q < SBB; q++) {
+                const __m512 e = _mm512_maskz_mov_ps(
+                    valid[q], exp512_nonpos(_mm512_sub_ps(sc[q], _mm512_set1_ps(new_m))));
+                sum = _mm512_add_ps(sum, e);
+                _mm512_storeu_ps(p[g] + q * 16, e);
+            }
+            l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
+            m[g] = new_m;
+            const __m512 cv = _mm512_set1_ps(corr);
+            #pragma GCC unroll 8
+            for (int c = 0; c < DC; c++) {
+                ae[g * DC + c] = _mm512_mul_ps(ae[g * DC + c], cv);
+                ao[g * DC + c] = _mm512_mul_ps(ao[g * DC + c], cv);
+            }
+        }
+        for (int q = 0; q < nb; q++) {
+            const int rest = len - (b + q) * 16, n = rest < 16 ? rest : 16;
+            const int before = start - (b + q) * 16;
+            for (int t = before > 0 ? before : 0; t < n; t++) {
+                #pragma GCC unroll 8
+                for (int c = 0; c < DC; c++) {
+                    const __m512i raw = _mm512_loadu_si512(V + base[q] + (long)t * D + c * 32);
+                    const __m512 ve = bf_lo(raw), vo = bf_hi(raw);
+                    #pragma GCC unroll 16
+                    for (int g = 0; g < G; g++) {
+                        const __m512 pg = _mm512_set1_ps(p[g][q * 16 + t]);
+                        ae[g * DC + c] = _mm512_fmadd_ps(pg, ve, ae[g * DC + c]);
+                        ao[g * DC + c] = _mm512_fmadd_ps(pg, vo, ao[g * DC + c]);
+                    }
+                }
+            }
+        }
+    }
+    #pragma GCC unroll 16
+    for (int g = 0; g < G; g++) {
+        out->m[g] = m[g]; out->l[g] = l[g];
+        #pragma GCC unroll 8
+        for (int c = 0; c < DC; c++) {
+            const __m512 e = ae[g * DC + c], o = ao[g * DC + c];
+            _mm512_storeu_ps(out->acc + g * D + c * 32, _mm512_permutex2var_ps(e, IL_LO, o));
+            _mm512_storeu_ps(out->acc + g * D + c * 32 + 16, _mm512_permutex2var_ps(e, IL_HI, o));
+        }
+    }
+}
+
+#define SHAPE_BF16(G_, DC_, SB_) \
+    static __attribute__((noinline)) void part_bf16_g##G_##_dc##DC_(                      \
+        const Args *a, int s, int h, int b0, int b1, const Partial *out) {                  \
+        part_bf16_g(a, s, h, b0, b1, out, G_, DC_, SB_);                                    \
+    }
+SHAPE_BF16(1, 2, 4) SHAPE_BF16(2, 2, 4) SHAPE_BF16(3, 2, 4) SHAPE_BF16(4, 2, 2)
+SHAPE_BF16(1, 4, 4) SHAPE_BF16(2, 4, 2)
+
 static int part_avx512(const Args *a, int s, int h, int b0, int b1, const Partial *out) {
     if (a->block_size != 16) return 0;
     const int dv = a->head_dim / 16;
     if (a->head_dim % 16) return 0;
+    if (a->kv_bf16 && a->head_dim % 32 == 0) {  /* two rows per load (above) */
+        const int dc = a->head_dim / 32;
+        if (dc == 2 && a->G == 3) { part_bf16_g3_dc2(a, s, h, b0, b1, out); return 1; }
+        if (dc == 2 && a->G == 4) { part_bf16_g4_dc2(a, s, h, b0, b1, out); return 1; }
+        if (dc == 2 && a->G == 2) { part_bf16_g2_dc2(a, s, h, b0, b1, out); return 1; }
+        if (dc == 2 && a->G == 1) { part_bf16_g1_dc2(a, s, h, b0, b1, out); return 1; }
+        if (dc == 4 && a->G == 2) { part_bf16_g2_dc4(a, s, h, b0, b1, out); return 1; }
+        if (dc == 4 && a->G == 1) { part_bf16_g1_dc4(a, s, h, b0, b1, out); return 1; }
+    }
     if (dv == 4 && a->G == 3) part_g3_dv4(a, s, h, b0, b1, out);
     else if (dv == 4 && a->G == 4) part_g4_dv4(a, s, h, b0, b1, out);
     else if (dv == 4 && a->G == 2) part_g2_dv4(a, s, h, b0, b1, out);
