@@ -472,6 +472,21 @@ static void reset_partial(const Partial *p, int G, int D) {
  * (that ran at about half the bandwidth). */
 #define BLOCKS_PER_VISIT 4
 
+#ifndef PF_AHEAD
+#define PF_AHEAD (2 * BLOCKS_PER_VISIT)
+#endif
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 2
+#endif
+static void prefetch_blocks(const Args *a, const int32_t *table, int from, int to, int end,
+                            long block_bytes) {
+    for (int b = from; b < to && b < end; b++)
+        for (long o = 0; o < block_bytes; o += 64) {
+            __builtin_prefetch((const char *)a->k + table[b] * block_bytes + o, 0, PF_LOCALITY);
+            __builtin_prefetch((const char *)a->v + table[b] * block_bytes + o, 0, PF_LOCALITY);
+        }
+}
+
 static int attention(const Args *a, int num_seqs, void *out, int num_threads) {
     if (a->G > MAX_GROUP || a->head_dim > MAX_DIM || a->block_size > MAX_BLOCK) return -1;
     /* Parts per sequence: enough work items for every thread, but at least a few blocks
@@ -505,14 +520,11 @@ static int attention(const Args *a, int num_seqs, void *out, int num_threads) {
                 }
                 const int32_t *table = a->tables + (long)s * a->max_blocks;
                 const long block_bytes = a->block_stride * (a->kv_bf16 ? 2 : 4);
+                prefetch_blocks(a, table, b0, b0 + PF_AHEAD, b1, block_bytes);
                 for (int b = b0; b < b1; b += BLOCKS_PER_VISIT) {
                     const int e = b + BLOCKS_PER_VISIT < b1 ? b + BLOCKS_PER_VISIT : b1;
-                    /* the next visit's blocks are elsewhere in the pool: fetch them meanwhile */
-                    for (int nb2 = e; nb2 < e + BLOCKS_PER_VISIT && nb2 < b1; nb2++)
-                        for (long o = 0; o < block_bytes; o += 64) {
-                            __builtin_prefetch((const char *)a->k + table[nb2] * block_bytes + o, 0, 3);
-                            __builtin_prefetch((const char *)a->v + table[nb2] * block_bytes + o, 0, 3);
-                        }
+                    /* later visits' blocks are elsewhere in the pool: fetch them meanwhile */
+                    prefetch_blocks(a, table, b + PF_AHEAD, e + PF_AHEAD, b1, block_bytes);
                     for (int h = 0; h < H; h++) {
                         const Partial dst = partial_at(scratch, ((long)s * H + h) * parts + p, G, D);
                         run_part(a, s, h, b, e, &dst);
