@@ -136,7 +136,7 @@ def _linear(lin: Linear) -> _Linear:
 
 
 def _gemm_panels(lin: Int8Linear) -> DenseLinear | None:
-    """An int8 layer's dequantized weights, where they are in the bf16 GEMM's panels."""
+    """An int8 layer's dequantized weights, where they are in the GEMM's panels."""
     return lin.dense if lin.dense.gemm else None
 
 

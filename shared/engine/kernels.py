@@ -56,6 +56,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "gemv_bf16": (I, [P, P, P, P, I, I, I, I]),
     "gemm_bf16": (I, [P, P, P, P, I, I, I, I]),
     "gemm_bf16_available": (I, []),
+    "gemm_f32": (I, [P, P, P, P, I, I, I, I]),
+    "gemm_f32_available": (I, []),
     "gemv_f32": (I, [P, P, P, P, I, I, I, I]),
     "gemv_i8": (I, [P, I, P, P, P, P, I, I, I, I]),
     "read_bandwidth_sum": (ctypes.c_double, [P, L, I]),

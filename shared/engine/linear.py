@@ -70,30 +70,36 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16 → the GEMM's layout: panels of 32 output columns, K in pairs."""
+    """[N, K] → the GEMM's layout: panels of 32 output columns; in bf16, K in pairs (as
+    VDPBF16PS reads them), in fp32 one k at a time."""
     n, k = w.shape
+    if w.dtype == torch.float32:
+        return w.reshape(n // GEMM_PANEL, GEMM_PANEL, k).permute(0, 2, 1).contiguous()
     return w.reshape(n // GEMM_PANEL, GEMM_PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def unpack_panels(packed: torch.Tensor) -> torch.Tensor:
     """pack_panels' inverse: the [N, K] row-major weights back."""
+    if packed.dim() == 3:  # fp32
+        panels, k, cols = packed.shape
+        return packed.permute(0, 2, 1).reshape(panels * cols, k).contiguous()
     panels, pairs, cols, two = packed.shape
     return packed.permute(0, 2, 1, 3).reshape(panels * cols, pairs * two).contiguous()
 
 
 def gemm_fits(w: torch.Tensor) -> bool:
+    """Whether the native GEMM (gemm_bf16.c, gemm_f32.c) takes this weight on this CPU."""
     n, k = w.shape
-    return (
-        w.dtype == torch.bfloat16
-        and w.device.type == "cpu"
-        and n % GEMM_PANEL == 0
-        and k % 2 == 0
-        and kernels.available()
-        and bool(kernels.lib().gemm_bf16_available())
-    )
+    if w.device.type != "cpu" or n % GEMM_PANEL != 0 or not kernels.available():
+        return False
+    if w.dtype == torch.bfloat16:
+        return k % 2 == 0 and bool(kernels.lib().gemm_bf16_available())
+    return w.dtype == torch.float32 and bool(kernels.lib().gemm_f32_available())
 
 
-def gemm_max_rows() -> int:
+def gemm_max_rows(dtype: torch.dtype) -> int:
+    if dtype == torch.float32:
+        return _UNBOUNDED  # it beat MKL at every row count measured (gemm_f32.c)
     return _GEMM_MAX_ROWS["amx" if "amx_bf16" in cpu.detect().flags else "no_amx"]
 
 
@@ -127,19 +133,17 @@ class DenseLinear:
             # `lean`: the GEMM takes every row count, so its panels are the one copy (on
             # a CPU with AMX, long prefill chunks then skip oneDNN's faster tiles).
             self.gemv = pack_panels(weight)
-            self.gemv_rows = _UNBOUNDED if lean else gemm_max_rows()
+            self.gemv_rows = _UNBOUNDED if lean else gemm_max_rows(weight.dtype)
         elif gemv and gemv_fits(weight):
             self.gemv = pack_rows(weight)
             self.gemv_rows = gemv_max_rows("dense", weight.dtype)
         if self.gemv is not None:
             native = kernels.lib()
-            self._gemv_fn = (
-                native.gemm_bf16
-                if self.gemm
-                else native.gemv_bf16
-                if weight.dtype == torch.bfloat16
-                else native.gemv_f32
-            )
+            bf16 = weight.dtype == torch.bfloat16
+            if self.gemm:
+                self._gemv_fn = native.gemm_bf16 if bf16 else native.gemm_f32
+            else:
+                self._gemv_fn = native.gemv_bf16 if bf16 else native.gemv_f32
             self._gemv_args = (self.gemv.data_ptr(), _ptr(self.bias_f32))
         whole = self.gemv_rows >= _UNBOUNDED  # the native kernel takes every row count
         # oneDNN's copy only where the native kernel leaves rows to it (a third copy of
@@ -230,7 +234,7 @@ class Int8Linear:
         self.gemv_rows = gemv_max_rows("int8", weight.dtype) if self.gemv is not None else 0
         self.nbytes = qweight.numel() + self.scales.numel() * 4
         dequantized = (qweight.float() * self.scales[:, None]).to(weight.dtype)
-        # More rows: the dequantized weights through the dense path (the bf16 GEMM where
+        # More rows: the dequantized weights through the dense path (the native GEMM where
         # there is one; never its GEMV, which this class's own replaces).
         self.dense = DenseLinear(
             dequantized,

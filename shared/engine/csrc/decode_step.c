@@ -9,7 +9,7 @@
  *
  * Only for steps where every row is a one-token decode and the rows fit the native
  * kernels (the caller checks): prefill chunks need SDPA, more rows need the library GEMMs.
- * With the bf16 GEMM (gemm_bf16.c) that is any decode step.
+ * With the native GEMMs (gemm_bf16.c, gemm_f32.c) that is any decode step.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,6 +29,8 @@ int gemm_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t 
               int M, int N, int K, int nt);
 int gemv_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
              int nt);
+int gemm_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+             int nt);
 int gemv_i8(const void *x, int x_bf16, const int8_t *w, const float *sw, const float *bias,
             void *y, int M, int N, int K, int nt);
 void head_rms_norm(void *qkv, long stride, int rows, int num_q_heads, int num_kv_heads,
@@ -46,7 +48,7 @@ int paged_decode_attention_f32(const void *q, long q_stride, int act_bf16, const
                                int window, void *out, int num_threads);
 
 /* One linear layer as the native kernels see it: packed weights, int8 scales (NULL:
- * dense), bias, and whether the weights are in the bf16 GEMM's panels (else the GEMV's).
+ * dense), bias, and whether the weights are in the GEMM's panels (else the GEMV's).
  * An int8 layer may also carry its dequantized weights in the GEMM's panels (`dense`,
  * with their own bias): past `i8_rows` rows a step is bound by compute, not by reading
  * weights, and linear.py's Int8Linear multiplies those instead (the same values). */
@@ -79,17 +81,24 @@ typedef struct {
 
 static size_t act_size(const Model *m) { return m->act_bf16 ? 2 : 4; }
 
+/* The GEMM of the activations' dtype, on weights in its panels. */
+static int gemm(const Model *m, const void *panels, const float *bias, const void *x, void *y,
+                int rows, const Linear *lin, int nt) {
+    if (m->act_bf16)
+        return gemm_bf16((const uint16_t *)x, (const uint16_t *)panels, bias, (uint16_t *)y,
+                         rows, lin->out_features, lin->in_features, nt);
+    return gemm_f32((const float *)x, (const float *)panels, bias, (float *)y, rows,
+                    lin->out_features, lin->in_features, nt);
+}
+
 /* y = x W^T for `rows` rows (int8 weights: the ones with scales). */
 static int linear(const Model *m, const Linear *lin, const void *x, void *y, int rows, int nt) {
     if (lin->scales && lin->dense && rows > lin->i8_rows)
-        return gemm_bf16((const uint16_t *)x, (const uint16_t *)lin->dense, lin->dense_bias,
-                         (uint16_t *)y, rows, lin->out_features, lin->in_features, nt);
+        return gemm(m, lin->dense, lin->dense_bias, x, y, rows, lin, nt);
     if (lin->scales)
         return gemv_i8(x, m->act_bf16, (const int8_t *)lin->weight, lin->scales, lin->bias, y,
                        rows, lin->out_features, lin->in_features, nt);
-    if (lin->gemm)
-        return gemm_bf16((const uint16_t *)x, (const uint16_t *)lin->weight, lin->bias,
-                         (uint16_t *)y, rows, lin->out_features, lin->in_features, nt);
+    if (lin->gemm) return gemm(m, lin->weight, lin->bias, x, y, rows, lin, nt);
     if (m->act_bf16)
         return gemv_bf16((const uint16_t *)x, (const uint16_t *)lin->weight, lin->bias,
                          (uint16_t *)y, rows, lin->out_features, lin->in_features, nt);
