@@ -55,8 +55,11 @@ class StepTokens(EngineCore):
         tokens: list[list[int]] = [[] for _ in items]
         logprobs: list[TokenLogprobs | None] = [None] * len(items)
         if plain:
-            idx = torch.tensor([first[i] for i in plain], dtype=torch.long)
-            got = sample(logits.index_select(0, idx), [rows[i] for i in plain])
+            at_rows = [first[i] for i in plain]
+            # Every row, in order (a plain decode step): no copy of [rows, vocab] logits.
+            whole = at_rows == list(range(logits.shape[0]))
+            picked = logits if whole else logits.index_select(0, torch.tensor(at_rows))
+            got = sample(picked, [rows[i] for i in plain])
             for i, tok, lp in zip(plain, got.tokens, got.logprobs):
                 tokens[i], logprobs[i] = [tok], lp
         for i, item in enumerate(items):
