@@ -146,6 +146,47 @@ static inline __m512 load16(const void *p, long i, int bf16) {
  * (reductions, rescaling) runs once per 64 tokens instead of once per 16. */
 #define SB 4
 
+/* Which of each block's 16 tokens are attended: before the context's end and, with a
+ * window, not before its start. Blocks q >= nb (padding to SB) have none. */
+static inline __attribute__((always_inline)) void block_masks(
+    int len, int start, int b, int nb, int sb, __mmask16 valid[SB]) {
+    #pragma GCC unroll 4
+    for (int q = 0; q < sb; q++) {
+        const int rest = q < nb ? len - (b + q) * 16 : 0;
+        valid[q] = rest >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rest > 0 ? rest : 0)) - 1u);
+        const int before = start - (b + q) * 16;  /* tokens out of the window */
+        if (before > 0) valid[q] &= (__mmask16)~((1u << (before < 16 ? before : 16)) - 1u);
+    }
+}
+
+/* One head's online softmax over sb blocks of scores: masks them, stores their
+ * exponentials in p, carries the running max *m and sum *l, and returns the factor its
+ * accumulators must be rescaled by. */
+static inline __attribute__((always_inline)) float softmax_blocks(
+    __m512 sc[SB], const __mmask16 valid[SB], int sb, float *m, float *l, float *p) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    #pragma GCC unroll 4
+    for (int q = 0; q < sb; q++) {
+        sc[q] = _mm512_mask_blend_ps(valid[q], _mm512_set1_ps(-INFINITY), sc[q]);
+        mx = _mm512_max_ps(mx, sc[q]);
+    }
+    const float bmax = _mm512_reduce_max_ps(mx);
+    const float new_m = bmax > *m ? bmax : *m;
+    /* inline, not libm's expf: a call makes every accumulator spill around it */
+    const float corr = exp_nonpos(*m - new_m);
+    __m512 sum = _mm512_setzero_ps();
+    #pragma GCC unroll 4
+    for (int q = 0; q < sb; q++) {
+        const __m512 e = _mm512_maskz_mov_ps(
+            valid[q], exp512_nonpos(_mm512_sub_ps(sc[q], _mm512_set1_ps(new_m))));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_storeu_ps(p + q * 16, e);
+    }
+    *l = *l * corr + _mm512_reduce_add_ps(sum);
+    *m = new_m;
+    return corr;
+}
+
 static inline __attribute__((always_inline)) void part_avx512_g(
     const Args *a, int s, int h, int b0, int b1, const Partial *out, const int G, const int DV) {
     /* DV = head_dim / 16 zmm per head */
@@ -186,35 +227,10 @@ static inline __attribute__((always_inline)) void part_avx512_g(
             }
         }
         __mmask16 valid[SB];
-        #pragma GCC unroll 4
-        for (int q = 0; q < SB; q++) {
-            const int rest = q < nb ? len - (b + q) * 16 : 0;
-            valid[q] = rest >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rest > 0 ? rest : 0)) - 1u);
-            const int before = start - (b + q) * 16;  /* tokens out of the window */
-            if (before > 0) valid[q] &= (__mmask16)~((1u << (before < 16 ? before : 16)) - 1u);
-        }
+        block_masks(len, start, b, nb, SB, valid);
         #pragma GCC unroll 16
         for (int g = 0; g < G; g++) {
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            #pragma GCC unroll 4
-            for (int q = 0; q < SB; q++) {
-                sc[g][q] = _mm512_mask_blend_ps(valid[q], _mm512_set1_ps(-INFINITY), sc[g][q]);
-                mx = _mm512_max_ps(mx, sc[g][q]);
-            }
-            const float bmax = _mm512_reduce_max_ps(mx);
-            const float new_m = bmax > m[g] ? bmax : m[g];
-            /* inline, not libm's expf: a call makes every accumulator spill around it */
-            const float corr = exp_nonpos(m[g] - new_m);
-            __m512 sum = _mm512_setzero_ps();
-            #pragma GCC unroll 4
-            for (int q = 0; q < SB; q++) {
-                const __m512 e = _mm512_maskz_mov_ps(
-                    valid[q], exp512_nonpos(_mm512_sub_ps(sc[g][q], _mm512_set1_ps(new_m))));
-                sum = _mm512_add_ps(sum, e);
-                _mm512_storeu_ps(p[g] + q * 16, e);
-            }
-            l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
-            m[g] = new_m;
+            const float corr = softmax_blocks(sc[g], valid, SB, &m[g], &l[g], p[g]);
             const __m512 c = _mm512_set1_ps(corr);
             #pragma GCC unroll 16
             for (int j = 0; j < DV; j++) acc[g * DV + j] = _mm512_mul_ps(acc[g * DV + j], c);
@@ -327,36 +343,15 @@ static inline __attribute__((always_inline)) void part_bf16_g(
             }
         }
         __mmask16 valid[SB];
-        #pragma GCC unroll 4
-        for (int q = 0; q < SBB; q++) {
-            const int rest = q < nb ? len - (b + q) * 16 : 0;
-            valid[q] = rest >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (rest > 0 ? rest : 0)) - 1u);
-            const int before = start - (b + q) * 16;
-            if (before > 0) valid[q] &= (__mmask16)~((1u << (before < 16 ? before : 16)) - 1u);
-        }
+        block_masks(len, start, b, nb, SBB, valid);
         #pragma GCC unroll 16
         for (int g = 0; g < G; g++) {
-            __m512 sc[SB], mx = _mm512_set1_ps(-INFINITY);
+            __m512 sc[SB];
             #pragma GCC unroll 4
-            for (int q = 0; q < SBB; q++) {  /* token order: row halves added, evens/odds woven */
+            for (int q = 0; q < SBB; q++)  /* token order: row halves added, evens/odds woven */
                 sc[q] = _mm512_add_ps(_mm512_permutex2var_ps(se[g][q], IL_LO, so[g][q]),
                                       _mm512_permutex2var_ps(se[g][q], IL_HI, so[g][q]));
-                sc[q] = _mm512_mask_blend_ps(valid[q], _mm512_set1_ps(-INFINITY), sc[q]);
-                mx = _mm512_max_ps(mx, sc[q]);
-            }
-            const float bmax = _mm512_reduce_max_ps(mx);
-            const float new_m = bmax > m[g] ? bmax : m[g];
-            const float corr = exp_nonpos(m[g] - new_m);
-            __m512 sum = _mm512_setzero_ps();
-            #pragma GCC unroll 4
-            for (int q = 0; q < SBB; q++) {
-                const __m512 e = _mm512_maskz_mov_ps(
-                    valid[q], exp512_nonpos(_mm512_sub_ps(sc[q], _mm512_set1_ps(new_m))));
-                sum = _mm512_add_ps(sum, e);
-                _mm512_storeu_ps(p[g] + q * 16, e);
-            }
-            l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
-            m[g] = new_m;
+            const float corr = softmax_blocks(sc, valid, SBB, &m[g], &l[g], p[g]);
             const __m512 cv = _mm512_set1_ps(corr);
             #pragma GCC unroll 8
             for (int c = 0; c < DC; c++) {
